@@ -1,0 +1,405 @@
+"""The weight inventory: every tensor ``from_pretrained`` will leave on the device, with its bytes.
+
+Method (exact): build the installed transformers' own model class on the ``meta`` device (no memory,
+no weights), hand it to the installed quantizer's ``preprocess_model`` -- the very call
+``from_pretrained`` makes -- so skip lists, tied weights, fused experts and module types are what this
+version of transformers would produce, then count each tensor with the storage layout of its format
+(:mod:`vramcal.estimator.quant`). Nothing here allocates device or host memory for weights.
+
+Fallbacks, each labelled ``approximate``: a formula from the config's fields when transformers cannot
+be imported or does not know the architecture; layout formulas for pre-quantized formats whose
+libraries are not installed (GPTQ, AWQ, fp8) unless the checkpoint's safetensors headers are present,
+in which case the stored tensors are counted as stored.
+
+The result is cached on disk, keyed by config hash, quantization and software versions, so a later
+estimate of the same model needs no torch import (:func:`load_cached`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from ..errors import UserError
+from .quant import (
+    DTYPE_BYTES,
+    QuantSpec,
+    bnb4_tensors,
+    bnb8_tensors,
+    ceil_div,
+    packed_int_tensors,
+)
+from .resolve import ModelSource, checkpoint_tensors, tensor_bytes, text_config
+
+INVENTORY_VERSION = 1
+GROUPS = ("quantized", "quant_state", "embeddings", "lm_head", "experts", "norms", "dense", "buffers")
+
+
+@dataclass
+class Inventory:
+    model_type: str
+    architecture: str
+    quant_key: str
+    dtype: str
+    params: int  # parameters of the unquantized model (tied weights once)
+    quantized_params: int  # of those, how many the quantizer converts
+    tensor_bytes: int  # exact bytes of every tensor held after load
+    alloc_sizes: dict[int, int]  # {tensor bytes: how many tensors}, for allocator rounding
+    groups: dict[str, int]  # bytes per group (GROUPS)
+    unquantized_linear: list[str]  # linear-like weights the quantizer left in 16-bit, by module path pattern
+    largest_source_bytes: int  # bytes of the largest weight as read from the checkpoint before conversion
+    warmup_bytes: int | None  # what transformers' caching_allocator_warmup pre-reserves, None if not known
+    method: str  # meta | checkpoint | formula
+    approximate: bool
+    notes: list[str] = field(default_factory=list)
+    software: dict[str, str | None] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["alloc_sizes"] = {str(k): v for k, v in self.alloc_sizes.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Inventory:
+        d = dict(d)
+        d["alloc_sizes"] = {int(k): v for k, v in d["alloc_sizes"].items()}
+        return cls(**d)
+
+
+# --------------------------------------------------------------------------------------------- cache
+
+def software_versions() -> dict[str, str | None]:
+    """Installed versions, read from package metadata (no import, so no torch start-up cost)."""
+    out = {}
+    for name in ("torch", "transformers", "bitsandbytes", "accelerate"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("VRAMCAL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vramcal")
+    return Path(root)
+
+
+def _cache_path(source: ModelSource, quant: QuantSpec, kind: str) -> Path:
+    import hashlib
+
+    versions = software_versions()
+    key = json.dumps([INVENTORY_VERSION, kind, source.config_hash, quant.key(), versions,
+                      [os.path.basename(f) for f in source.weight_files]], sort_keys=True)
+    return cache_dir() / kind / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+def load_cached(source: ModelSource, quant: QuantSpec, kind: str = "inventory") -> dict | None:
+    path = _cache_path(source, quant, kind)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def store_cached(source: ModelSource, quant: QuantSpec, data: dict, kind: str = "inventory") -> None:
+    path = _cache_path(source, quant, kind)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache that cannot be written only costs time
+
+
+def inventory(source: ModelSource, quant: QuantSpec, use_cache: bool = True) -> Inventory:
+    if use_cache:
+        cached = load_cached(source, quant)
+        if cached is not None:
+            return Inventory.from_dict(cached)
+    inv = _compute(source, quant)
+    if use_cache:
+        store_cached(source, quant, inv.to_dict())
+    return inv
+
+
+def _compute(source: ModelSource, quant: QuantSpec) -> Inventory:
+    if quant.pre_quantized and quant.method not in ("bnb4", "bnb8") and source.weight_files:
+        return checkpoint_inventory(source, quant)
+    try:
+        return meta_inventory(source, quant)
+    except ImportError as exc:
+        inv = formula_inventory(source, quant)
+        inv.notes.append(f"transformers could not be used ({exc}); weights from a formula")
+        return inv
+    except _UnknownArchitecture as exc:
+        inv = formula_inventory(source, quant)
+        inv.notes.append(f"the installed transformers does not know this architecture ({exc}); weights from a formula")
+        return inv
+
+
+class _UnknownArchitecture(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------- meta model
+
+def clean_config(config: dict) -> dict:
+    return {k: v for k, v in config.items() if not k.startswith("_vramcal")}
+
+
+def build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None = None, device=None):
+    """The installed transformers' model for ``source``, on ``meta`` (or under ``device``, e.g. a fake
+    mode), with the quantizer's module replacement applied. Returns ``(model, hf_quantizer, dtype)``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = clean_config(source.config)
+    if quant.method in ("bnb4", "bnb8") and not quant.pre_quantized:
+        raw.pop("quantization_config", None)
+    elif quant.method == "none":
+        raw.pop("quantization_config", None)
+    model_type = raw.get("model_type")
+    try:
+        cfg = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
+    except (ValueError, KeyError) as exc:
+        raise _UnknownArchitecture(f"model_type {model_type!r}: {exc}") from None
+    if attn:
+        cfg._attn_implementation = attn
+    dtype = getattr(torch, quant.dtype)
+    hf_quantizer = None
+    if quant.method in ("bnb4", "bnb8"):
+        from transformers import BitsAndBytesConfig
+        from transformers.quantizers.auto import AutoHfQuantizer
+
+        kwargs = quant.bnb_config_kwargs()
+        if "bnb_4bit_compute_dtype" in kwargs:
+            kwargs["bnb_4bit_compute_dtype"] = dtype
+        hf_quantizer = AutoHfQuantizer.from_config(BitsAndBytesConfig(**kwargs), pre_quantized=quant.pre_quantized)
+        dtype = hf_quantizer.update_dtype(dtype)
+    ctx = device if device is not None else torch.device("meta")
+    try:
+        with ctx:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    except ValueError as exc:
+        raise _UnknownArchitecture(str(exc).splitlines()[0]) from None
+    if hf_quantizer is not None:
+        with torch.device("meta"):
+            hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, checkpoint_files=None,
+                                          use_kernels=False)
+    return model, hf_quantizer, dtype
+
+
+def _group(name: str, module, param, output_embeddings, input_embeddings) -> str:
+    if module is input_embeddings:
+        return "embeddings"
+    if module is output_embeddings:
+        return "lm_head"
+    if param.dim() == 3:
+        return "experts"
+    if "norm" in name.lower() and param.dim() == 1:
+        return "norms"
+    return "dense"
+
+
+def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
+    import torch
+
+    model, hf_quantizer, dtype = build_meta_model(source, quant)
+    bnb = None
+    if quant.method in ("bnb4", "bnb8"):
+        import bitsandbytes as bnb  # noqa: F811
+    dtype_plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    out_emb = model.get_output_embeddings()
+    in_emb = model.get_input_embeddings()
+    sizes: Counter[int] = Counter()
+    groups = dict.fromkeys(GROUPS, 0)
+    params = quantized_params = 0
+    largest_source = 0
+    unquantized: set[str] = set()
+    seen: set[int] = set()
+    linear_types = (torch.nn.Linear,)
+    for mod_name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            params += p.numel()
+            if bnb is not None and pname == "weight" and isinstance(module, bnb.nn.Linear4bit):
+                n = module.in_features * module.out_features
+                parts = bnb4_tensors(n, quant.double_quant)
+            elif bnb is not None and pname == "weight" and isinstance(module, bnb.nn.Linear8bitLt):
+                n = module.in_features * module.out_features
+                parts = bnb8_tensors(module.out_features, module.in_features)
+            elif (quant.method in ("gptq", "awq", "fp8") and pname == "weight" and isinstance(module, linear_types)
+                  and module is not out_emb):
+                n = module.in_features * module.out_features
+                parts = _layout(quant, module.out_features, module.in_features, DTYPE_BYTES[quant.dtype])
+            else:
+                n = None
+                target = _planned_dtype(full, dtype_plan) or p.dtype
+                b = p.numel() * p.element_size() if target is p.dtype else p.numel() * target.itemsize
+                sizes[b] += 1
+                groups[_group(full, module, p, out_emb, in_emb)] += b
+                if quant.method in ("bnb4", "bnb8") and pname == "weight" and (
+                        isinstance(module, linear_types) or p.dim() == 3):
+                    unquantized.add(_pattern(full))
+                continue
+            quantized_params += n
+            largest_source = max(largest_source, n * torch.tensor([], dtype=dtype).element_size())
+            for suffix, b in parts:
+                sizes[b] += 1
+                groups["quantized" if suffix == "weight" else "quant_state"] += b
+        for bname, buf in module.named_buffers(recurse=False):
+            if id(buf) in seen or buf is None:
+                continue
+            seen.add(id(buf))
+            b = buf.numel() * buf.element_size()
+            sizes[b] += 1
+            groups["buffers"] += b
+    if not largest_source:
+        largest_source = max((k for k in sizes), default=0)
+    warmup = _warmup_bytes(model, hf_quantizer)
+    tc = text_config(source.config)
+    notes = []
+    if quant.method in ("gptq", "awq", "fp8"):
+        notes.append(f"{quant.implementation}: layout from the format's formula (no checkpoint headers to read)")
+    if groups["experts"] and quant.method in ("bnb4", "bnb8"):
+        notes.append(f"{groups['experts']:,} bytes of fused MoE expert weights stay in {quant.dtype}: "
+                     "this transformers version keeps 3-D expert tensors out of bitsandbytes' Linear layers")
+    return Inventory(
+        model_type=tc.get("model_type", "?"), architecture=type(model).__name__, quant_key=quant.key(),
+        dtype=str(dtype).removeprefix("torch."), params=params, quantized_params=quantized_params,
+        tensor_bytes=sum(k * v for k, v in sizes.items()), alloc_sizes=dict(sizes), groups=groups,
+        unquantized_linear=sorted(unquantized), largest_source_bytes=largest_source, warmup_bytes=warmup,
+        method="meta", approximate=quant.method not in ("none", "bnb4", "bnb8"), notes=notes,
+        software=software_versions())
+
+
+def _planned_dtype(name: str, plan: dict):
+    for key, dt in plan.items():
+        if key in name:
+            return dt
+    return None
+
+
+def _pattern(name: str) -> str:
+    return ".".join("*" if part.isdigit() else part for part in name.removesuffix(".weight").split("."))
+
+
+def _warmup_bytes(model, hf_quantizer) -> int | None:
+    """What ``caching_allocator_warmup`` would pre-allocate on a single accelerator, or None."""
+    try:
+        import torch
+        from transformers.modeling_utils import get_total_byte_count
+
+        names = list(model.state_dict().keys())
+        dev = torch.device("cuda", 0)
+        counts = get_total_byte_count(model, dict.fromkeys(names, dev), hf_quantizer)
+        return int(sum(counts.values()))
+    except Exception:  # private API of transformers; its absence only loses this one figure
+        return None
+
+
+# ------------------------------------------------------------------------------ checkpoint / formula
+
+def checkpoint_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
+    """Count the tensors of a pre-quantized checkpoint as stored (safetensors headers only)."""
+    tensors = checkpoint_tensors(source.weight_files)
+    sizes: Counter[int] = Counter()
+    groups = dict.fromkeys(GROUPS, 0)
+    params = 0
+    for name, (dt, shape) in tensors.items():
+        b = tensor_bytes(dt, shape)
+        sizes[b] += 1
+        if dt in ("int32", "uint8", "int8", "float8_e4m3fn") or name.endswith(("scales", "qzeros", "g_idx", "scale_inv")):
+            groups["quantized" if name.endswith(("qweight", "weight")) else "quant_state"] += b
+        elif "embed" in name:
+            groups["embeddings"] += b
+        elif "lm_head" in name:
+            groups["lm_head"] += b
+        elif "norm" in name:
+            groups["norms"] += b
+        else:
+            groups["dense"] += b
+        params += b // DTYPE_BYTES.get(dt, 2)
+    tc = text_config(source.config)
+    return Inventory(
+        model_type=tc.get("model_type", "?"), architecture=(tc.get("architectures") or ["?"])[0],
+        quant_key=quant.key(), dtype=quant.dtype, params=params, quantized_params=0,
+        tensor_bytes=sum(k * v for k, v in sizes.items()), alloc_sizes=dict(sizes), groups=groups,
+        unquantized_linear=[], largest_source_bytes=max(sizes, default=0), warmup_bytes=None, method="checkpoint",
+        approximate=True, notes=[f"{quant.implementation}: counted from the checkpoint's safetensors headers as stored; "
+                                 "kernels that repack at load (exllama, marlin) can differ"],
+        software=software_versions())
+
+
+def formula_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
+    """A Llama-shaped count from config fields, for architectures transformers cannot build here."""
+    tc = text_config(source.config)
+    try:
+        h = int(tc["hidden_size"])
+        layers = int(tc["num_hidden_layers"])
+        heads = int(tc["num_attention_heads"])
+        vocab = int(tc["vocab_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"config lacks {exc} needed for an estimate: pass a complete config.json") from None
+    kv = int(tc.get("num_key_value_heads") or heads)
+    hd = int(tc.get("head_dim") or h // heads)
+    inter = int(tc.get("intermediate_size") or 4 * h)
+    experts = int(tc.get("num_local_experts") or tc.get("num_experts") or tc.get("n_routed_experts") or 1)
+    moe_inter = int(tc.get("moe_intermediate_size") or inter)
+    el = DTYPE_BYTES[quant.dtype]
+    linears = [(heads * hd, h), (kv * hd, h), (kv * hd, h), (h, heads * hd)]
+    mlp = [(inter, h), (inter, h), (h, inter)] if experts == 1 else []
+    expert_params = 3 * h * moe_inter * experts if experts > 1 else 0
+    sizes: Counter[int] = Counter()
+    groups = dict.fromkeys(GROUPS, 0)
+    qparams = 0
+    for out_f, in_f in linears + mlp:
+        n = out_f * in_f
+        parts = _layout(quant, out_f, in_f, el)
+        qparams += n if quant.method != "none" else 0
+        for suffix, b in parts:
+            sizes[b] += layers
+            key = "dense" if quant.method == "none" else ("quantized" if suffix in ("weight", "qweight") else "quant_state")
+            groups[key] += b * layers
+    if expert_params:
+        sizes[expert_params * el // 3] += 3 * layers
+        groups["experts"] += expert_params * el * layers
+    emb = vocab * h * el
+    sizes[emb] += 1
+    groups["embeddings"] += emb
+    if not tc.get("tie_word_embeddings", False):
+        sizes[emb] += 1
+        groups["lm_head"] += emb
+    sizes[h * el] += 2 * layers + 1
+    groups["norms"] += h * el * (2 * layers + 1)
+    params = layers * (sum(o * i for o, i in linears + mlp) + expert_params + 2 * h) + vocab * h * (
+        1 if tc.get("tie_word_embeddings", False) else 2) + h
+    return Inventory(
+        model_type=tc.get("model_type", "?"), architecture=(tc.get("architectures") or ["?"])[0], quant_key=quant.key(),
+        dtype=quant.dtype, params=params, quantized_params=qparams * layers,
+        tensor_bytes=sum(k * v for k, v in sizes.items()), alloc_sizes=dict(sizes), groups=groups,
+        unquantized_linear=["lm_head", "embed_tokens"], largest_source_bytes=max(inter * h * el, emb),
+        warmup_bytes=None, method="formula", approximate=True,
+        notes=["weights from a Llama-shaped formula over the config's fields"], software=software_versions())
+
+
+def _layout(quant: QuantSpec, out_f: int, in_f: int, el: int) -> list[tuple[str, int]]:
+    if quant.method == "bnb4":
+        return bnb4_tensors(out_f * in_f, quant.double_quant)
+    if quant.method == "bnb8":
+        return bnb8_tensors(out_f, in_f)
+    if quant.method in ("gptq", "awq"):
+        return packed_int_tensors(quant.method, out_f, in_f, quant.bits or 4, quant.group_size or 128)
+    if quant.method == "fp8":
+        block = (quant.extra.get("weight_block_size") or [128, 128])
+        return [("weight", out_f * in_f), ("weight_scale_inv", ceil_div(out_f, block[0]) * ceil_div(in_f, block[1]) * 4)]
+    return [("weight", out_f * in_f * el)]

@@ -1,0 +1,173 @@
+"""Quantization choices a user can ask for, and how each one stores a weight.
+
+Pure data and arithmetic: no torch import. The storage layouts are what the libraries really
+allocate (checked to the byte against real loads in ``tests/test_weights_exact.py``):
+
+bitsandbytes 4-bit (``Params4bit`` after ``quantize_4bit``), for a weight of ``n`` elements and
+blocksize ``B`` (64):
+
+- packed data: ``ceil(n / 2)`` uint8 (two 4-bit codes per byte);
+- ``absmax``: one float32 per block, ``ceil(n / B)`` -- or, with double quantization, one uint8
+  per block plus ``state2.absmax`` (one float32 per 256 blocks), ``state2.code`` (256 float32)
+  and ``offset`` (one float32);
+- ``code``: the 16-entry NF4/FP4 table, float32, one copy per weight.
+
+bitsandbytes LLM.int8 (``Int8Params``): int8 data ``out x in`` and ``SCB``, one float32 row scale
+per output row.
+
+GPTQ / AWQ (packed int32): ``qweight`` ``in*bits/32 x out`` (GPTQ) or ``in x out*bits/32`` (AWQ),
+``qzeros`` int32 ``in/group x out*bits/32``, ``scales`` float16 ``in/group x out``, GPTQ's
+``g_idx`` int32 ``in``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import UserError
+
+DTYPE_BYTES = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int8": 1, "uint8": 1, "int32": 4, "int64": 8, "int16": 2, "bool": 1, "float64": 8,
+}
+# safetensors header dtype names -> torch names
+SAFETENSORS_DTYPES = {
+    "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I8": "int8", "U8": "uint8", "I32": "int32", "I64": "int64",
+    "I16": "int16", "BOOL": "bool", "F64": "float64",
+}
+
+BNB_BLOCKSIZE_4BIT = 64
+BNB_NESTED_BLOCKSIZE = 256
+BNB_CODE_ENTRIES_4BIT = 16
+BNB_CODE_ENTRIES_NESTED = 256
+
+QUANT_CHOICES = ("auto", "bf16", "fp16", "fp32", "int8", "nf4", "nf4-dq", "fp4", "fp4-dq")
+_DTYPE_QUANTS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """What the user asked for, resolved against the checkpoint.
+
+    ``method`` is one of ``none`` (plain ``dtype``), ``bnb4``, ``bnb8``, ``gptq``, ``awq``, ``fp8``,
+    or ``other`` (a pre-quantized format vramcal can only count from the checkpoint's headers).
+    """
+
+    name: str
+    method: str
+    dtype: str  # dtype of every tensor that is not quantized
+    quant_type: str | None = None  # nf4 / fp4 for bnb4
+    double_quant: bool = False
+    bits: int | None = None
+    group_size: int | None = None
+    pre_quantized: bool = False
+    implementation: str = "torch"
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def key(self) -> str:
+        return f"{self.name}|{self.method}|{self.dtype}|{self.quant_type}|{self.double_quant}|{self.bits}|{self.group_size}"
+
+    def bnb_config_kwargs(self) -> dict | None:
+        """Keyword arguments of ``transformers.BitsAndBytesConfig`` for this choice, or None."""
+        if self.method == "bnb4":
+            return {"load_in_4bit": True, "bnb_4bit_quant_type": self.quant_type,
+                    "bnb_4bit_use_double_quant": self.double_quant, "bnb_4bit_compute_dtype": self.dtype}
+        if self.method == "bnb8":
+            return {"load_in_8bit": True}
+        return None
+
+
+def config_dtype(config: dict) -> str:
+    """The dtype ``from_pretrained(dtype="auto")`` would pick from a config: ``dtype`` / ``torch_dtype``."""
+    for key in ("dtype", "torch_dtype"):
+        value = config.get(key)
+        if value is None and isinstance(config.get("text_config"), dict):
+            value = config["text_config"].get(key)
+        if isinstance(value, str) and value.removeprefix("torch.") in DTYPE_BYTES:
+            return value.removeprefix("torch.")
+    return "float32"  # transformers' default when neither the config nor the user names one
+
+
+def resolve_quant(name: str, config: dict, dtype: str | None = None) -> QuantSpec:
+    """Turn ``--quant`` into a :class:`QuantSpec`. ``auto`` follows the checkpoint's own config."""
+    name = (name or "auto").lower()
+    if name not in QUANT_CHOICES:
+        raise UserError(f"unknown quant {name!r}: choose one of {', '.join(QUANT_CHOICES)}")
+    if dtype is not None and dtype not in ("bfloat16", "float16", "float32"):
+        raise UserError(f"unknown dtype {dtype!r}: choose bfloat16, float16 or float32")
+    base = dtype or config_dtype(config)
+    if name in _DTYPE_QUANTS:
+        return QuantSpec(name=name, method="none", dtype=_DTYPE_QUANTS[name])
+    if name == "int8":
+        return QuantSpec(name=name, method="bnb8", dtype=base,
+                         bits=8, implementation="bitsandbytes LLM.int8")
+    if name in ("nf4", "nf4-dq", "fp4", "fp4-dq"):
+        qt = name.split("-")[0]
+        return QuantSpec(name=name, method="bnb4", dtype=base, quant_type=qt, double_quant=name.endswith("-dq"),
+                         bits=4, implementation=f"bitsandbytes 4-bit {qt.upper()}"
+                         + (" + double quant" if name.endswith("-dq") else ""))
+    # auto
+    qc = config.get("quantization_config")
+    if not qc:
+        return QuantSpec(name={"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(base, base),
+                         method="none", dtype=base)
+    return _pre_quantized(qc, base)
+
+
+def _pre_quantized(qc: dict, base: str) -> QuantSpec:
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "bitsandbytes":
+        if qc.get("load_in_8bit"):
+            return QuantSpec(name="int8", method="bnb8", dtype=base, bits=8, pre_quantized=True,
+                             implementation="bitsandbytes LLM.int8 (serialized)")
+        qt = qc.get("bnb_4bit_quant_type", "fp4")
+        dq = bool(qc.get("bnb_4bit_use_double_quant", False))
+        return QuantSpec(name=qt + ("-dq" if dq else ""), method="bnb4", dtype=base, quant_type=qt, double_quant=dq,
+                         bits=4, pre_quantized=True, implementation=f"bitsandbytes 4-bit {qt.upper()} (serialized)")
+    if method in ("gptq", "awq"):
+        bits = int(qc.get("bits", qc.get("w_bit", 4)))
+        group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+        return QuantSpec(name=f"{method}-{bits}bit", method=method, dtype="float16", bits=bits, group_size=group,
+                         pre_quantized=True, implementation=method.upper(), extra={"desc_act": qc.get("desc_act")})
+    if method in ("fp8", "fbgemm_fp8"):
+        block = qc.get("weight_block_size")
+        return QuantSpec(name="fp8", method="fp8", dtype=base, bits=8, pre_quantized=True,
+                         implementation=f"{method} (block {block})" if block else method,
+                         extra={"weight_block_size": block})
+    return QuantSpec(name=method or "unknown", method="other", dtype=base, pre_quantized=True,
+                     implementation=method or "unknown")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def bnb4_tensors(n: int, double_quant: bool, blocksize: int = BNB_BLOCKSIZE_4BIT) -> list[tuple[str, int]]:
+    """(suffix, bytes) of every tensor bitsandbytes keeps for one 4-bit weight of ``n`` elements."""
+    blocks = ceil_div(n, blocksize)
+    out = [("weight", ceil_div(n, 2)), ("code", BNB_CODE_ENTRIES_4BIT * 4)]
+    if double_quant:
+        out += [("absmax", blocks), ("state2.absmax", ceil_div(blocks, BNB_NESTED_BLOCKSIZE) * 4),
+                ("state2.code", BNB_CODE_ENTRIES_NESTED * 4), ("offset", 4)]
+    else:
+        out += [("absmax", blocks * 4)]
+    return out
+
+
+def bnb8_tensors(out_features: int, in_features: int) -> list[tuple[str, int]]:
+    """(suffix, bytes) of an LLM.int8 weight: int8 data (``CB`` shares its storage) and ``SCB``."""
+    return [("weight", out_features * in_features), ("SCB", out_features * 4)]
+
+
+def packed_int_tensors(method: str, out_features: int, in_features: int, bits: int, group: int) -> list[tuple[str, int]]:
+    """(suffix, bytes) of a GPTQ or AWQ linear layer (the int32-packed layout of their kernels)."""
+    group = in_features if group in (-1, 0) else group
+    groups = ceil_div(in_features, group)
+    per_int = 32 // bits
+    scales = groups * out_features * 2
+    if method == "gptq":
+        return [("qweight", ceil_div(in_features, per_int) * out_features * 4),
+                ("qzeros", groups * ceil_div(out_features, per_int) * 4), ("scales", scales), ("g_idx", in_features * 4)]
+    return [("qweight", in_features * ceil_div(out_features, per_int) * 4),
+            ("qzeros", groups * ceil_div(out_features, per_int) * 4), ("scales", scales)]

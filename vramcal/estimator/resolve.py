@@ -1,0 +1,145 @@
+"""Find a model's config from what the user typed: a directory, a config.json, a Hub id in the local
+Hugging Face cache (never the network), or a name from the built-in catalog.
+
+``vramcal estimate`` and ``vramcal probe`` both resolve MODEL here, so they agree on what it means.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from ..errors import UserError
+from .quant import DTYPE_BYTES, SAFETENSORS_DTYPES
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # what the user typed, or the catalog name
+    origin: str  # directory | config | hf-cache | catalog
+    config: dict = field(hash=False)
+    directory: str | None = None  # holds config.json and maybe weights
+    weight_files: tuple[str, ...] = ()  # *.safetensors beside the config
+
+    @property
+    def config_hash(self) -> str:
+        return config_hash(self.config)
+
+
+def config_hash(config: dict) -> str:
+    """A stable hash of the architecture: the config minus keys that do not change memory."""
+    ignore = {"_name_or_path", "_vramcal_catalog", "transformers_version", "architectures_note"}
+    canon = json.dumps({k: v for k, v in config.items() if k not in ignore}, sort_keys=True, default=str)
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def catalog_names() -> list[str]:
+    files = resources.files("vramcal.estimator").joinpath("catalog")
+    return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".json"))
+
+
+def catalog_entry(name: str) -> dict:
+    path = resources.files("vramcal.estimator").joinpath("catalog", f"{name}.json")
+    return json.loads(path.read_text())
+
+
+def hf_cache_dir() -> Path:
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hub"
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface" / "hub"
+
+
+def _hf_snapshot(repo_id: str) -> Path | None:
+    repo = hf_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    if not repo.is_dir():
+        return None
+    ref = repo / "refs" / "main"
+    snapshots = repo / "snapshots"
+    if ref.is_file():
+        snap = snapshots / ref.read_text().strip()
+        if (snap / "config.json").is_file():
+            return snap
+    candidates = sorted((p for p in snapshots.glob("*") if (p / "config.json").is_file()),
+                        key=lambda p: p.stat().st_mtime, reverse=True) if snapshots.is_dir() else []
+    return candidates[0] if candidates else None
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"no config at {path}: pass a directory holding config.json, a config.json path, "
+                        "a cached Hub id, or a name from `vramcal models`") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} is not valid JSON ({exc}): fix or re-download the config") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise UserError(f"{path} has no model_type: it is not a transformers config.json")
+    return data
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Resolve MODEL. Order: existing path, catalog name, Hub id in the local cache."""
+    if not spec:
+        raise UserError("no model given: pass a directory, a config.json, a cached Hub id or a catalog name")
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_dir():
+            cfg = _read_config(path / "config.json")
+            weights = tuple(sorted(str(p) for p in path.glob("*.safetensors")))
+            return ModelSource(name=str(path), origin="directory", config=cfg, directory=str(path), weight_files=weights)
+        cfg = _read_config(path)
+        return ModelSource(name=str(path), origin="config", config=cfg, directory=str(path.parent),
+                           weight_files=tuple(sorted(str(p) for p in path.parent.glob("*.safetensors"))))
+    if spec in catalog_names():
+        cfg = catalog_entry(spec)
+        return ModelSource(name=spec, origin="catalog", config=cfg)
+    if "/" in spec and not spec.startswith((".", "/")) and spec.count("/") == 1:
+        snap = _hf_snapshot(spec)
+        if snap is None:
+            raise UserError(f"{spec} is not in the local Hugging Face cache ({hf_cache_dir()}): vramcal never downloads; "
+                            f"run `huggingface-cli download {spec} config.json` once, or pass a config.json path")
+        return ModelSource(name=spec, origin="hf-cache", config=_read_config(snap / "config.json"), directory=str(snap),
+                           weight_files=tuple(sorted(str(p) for p in snap.glob("*.safetensors"))))
+    raise UserError(f"model {spec!r} not found: no such path and not in the catalog; `vramcal models` lists the catalog")
+
+
+def text_config(config: dict) -> dict:
+    """The language-model part of a config (multimodal configs nest it under ``text_config``)."""
+    tc = config.get("text_config")
+    return {**config, **tc} if isinstance(tc, dict) else config
+
+
+def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (torch dtype name, shape)} from a safetensors header, without reading any tensor."""
+    with open(path, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        if length > 100 * 1024**2:
+            raise UserError(f"{path}: safetensors header claims {length} bytes; the file is damaged")
+        header = json.loads(fh.read(length))
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        out[name] = (SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"].lower()), tuple(info["shape"]))
+    return out
+
+
+def checkpoint_tensors(files: tuple[str, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    merged: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for f in files:
+        merged.update(read_safetensors_header(f))
+    return merged
+
+
+def tensor_bytes(dtype: str, shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * DTYPE_BYTES.get(dtype, 2)

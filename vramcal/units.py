@@ -1,0 +1,56 @@
+"""Byte units, at the edge only.
+
+Everything inside vramcal counts integer bytes; names carry the unit (``peak_bytes``).
+GiB (1024**3) and GB (1000**3) differ by 7.4 %, so both are shown side by side and never mixed.
+"""
+
+from __future__ import annotations
+
+import re
+
+KIB = 1024
+MIB = 1024**2
+GIB = 1024**3
+GB = 1000**3
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
+_FACTORS = {
+    "": 1, "B": 1,
+    "K": KIB, "KIB": KIB, "KB": 1000,
+    "M": MIB, "MIB": MIB, "MB": 1000**2,
+    "G": GIB, "GIB": GIB, "GB": GB,
+    "T": 1024**4, "TIB": 1024**4, "TB": 1000**4,
+}
+
+
+def gib(n_bytes: int) -> float:
+    return n_bytes / GIB
+
+
+def gb(n_bytes: int) -> float:
+    return n_bytes / GB
+
+
+def fmt_gib_gb(n_bytes: int | None) -> str:
+    """``12.60 GiB (13.53 GB)``; ``n/a`` for a value that could not be had."""
+    if n_bytes is None:
+        return "n/a"
+    return f"{gib(n_bytes):.2f} GiB ({gb(n_bytes):.2f} GB)"
+
+
+def fmt_signed_gib(n_bytes: int) -> str:
+    return f"{n_bytes / GIB:+.2f} GiB"
+
+
+def parse_size(text: str) -> int:
+    """Parse ``24GiB``, ``24 GB``, ``512MiB`` or a plain byte count into integer bytes.
+
+    A bare ``G``/``M``/``K`` is binary (GiB, MiB, KiB), as nvidia-smi and torch report.
+    """
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"cannot read size {text!r}: write it like 24GiB, 24GB or 25769803776")
+    unit = (m.group(2) or "").upper()
+    if unit not in _FACTORS:
+        raise ValueError(f"unknown unit in {text!r}: use B, KiB, MiB, GiB, TiB or KB, MB, GB, TB")
+    return int(float(m.group(1)) * _FACTORS[unit])
