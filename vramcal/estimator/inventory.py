@@ -169,8 +169,6 @@ def build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None = N
         cfg = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
     except (ValueError, KeyError) as exc:
         raise _UnknownArchitecture(f"model_type {model_type!r}: {exc}") from None
-    if attn:
-        cfg._attn_implementation = attn
     dtype = getattr(torch, quant.dtype)
     hf_quantizer = None
     if quant.method in ("bnb4", "bnb8"):
@@ -185,7 +183,7 @@ def build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None = N
     ctx = device if device is not None else torch.device("meta")
     try:
         with ctx:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **({"attn_implementation": attn} if attn else {}))
     except ValueError as exc:
         raise _UnknownArchitecture(str(exc).splitlines()[0]) from None
     if hf_quantizer is not None:

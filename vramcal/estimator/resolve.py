@@ -44,7 +44,7 @@ def catalog_names() -> list[str]:
 
 
 def catalog_entry(name: str) -> dict:
-    path = resources.files("vramcal.estimator").joinpath("catalog", f"{name}.json")
+    path = resources.files("vramcal.estimator").joinpath("catalog").joinpath(f"{name}.json")
     return json.loads(path.read_text())
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from vramcal.calibrate.cli import main
+
+sys.exit(main())

@@ -1,0 +1,63 @@
+"""Formatting only: turns the estimator's dataclasses into tables. No arithmetic of memory here."""
+
+from __future__ import annotations
+
+from ..units import fmt_gib_gb, gb, gib
+
+_STAGE_LABELS = {"load_peak": "load peak", "post_load": "after load", "first_token": "first token (prefill)",
+                 "end": "end (16 tokens)"}
+
+
+def _row(label: str, n: int | None, width: int = 26) -> str:
+    if n is None:
+        return f"  {label:<{width}} {'n/a':>12}"
+    return f"  {label:<{width}} {gib(n):>9.2f} GiB {gb(n):>9.2f} GB"
+
+
+def estimate_table(e) -> str:
+    lines = [f"{e.model}  [{e.architecture}]  quant={e.quant} ({e.quant_implementation})  dtype={e.dtype}",
+             f"ctx={e.ctx}  batch={e.batch}  attn={e.attn}  cache={e.cache}  kv-dtype={e.kv_dtype}  device={e.device}"
+             + ("   APPROXIMATE" if e.approximate else ""), "", "components"]
+    for key in ("weights", "kv_cache", "activations", "runtime"):
+        lines.append(_row(key.replace("_", " "), e.components[key]))
+    lines += ["", "stages (device memory in use; allocated in brackets)"]
+    for key in ("load_peak", "post_load", "first_token", "end"):
+        lines.append(_row(_STAGE_LABELS[key], e.stages[key]) + f"   [{gib(e.allocated[key]):.2f} GiB]")
+    lines.append(_row("PEAK", e.peak))
+    lines += ["", "weights by group"]
+    for key, value in e.weights_breakdown.items():
+        lines.append(_row(key.replace("_", " "), value))
+    if e.formula:
+        f = e.formula
+        lines += ["", f"the usual formula (params x {f['bits']:g} bits / 8 + KV, x 1.18)"]
+        lines.append(_row("weights", f["weights_bytes"]))
+        lines.append(_row("kv cache", f["kv_cache_bytes"]))
+        lines.append(_row("total", f["total_bytes"]))
+        lines += ["", "why vramcal differs"] + ["  " + d for d in e.differences]
+    lines += ["", "how"] + [f"  {k}: {v}" for k, v in e.methods.items()] + [f"  runtime: {e.runtime_source}"]
+    if e.notes:
+        lines += ["", "notes"] + ["  " + n for n in e.notes]
+    return "\n".join(lines)
+
+
+def quick_table(q) -> str:
+    lines = [f"quick formula: {q.params / 1e9:g}B params x {q.bits:g} bits, ctx={q.ctx}, batch={q.batch}",
+             _row("weights", q.weights_bytes)]
+    if q.kv_cache_bytes is not None:
+        lines.append(f"  {'kv bytes per token':<26} {q.kv_bytes_per_token:>13,d} B")
+        lines.append(_row("kv cache", q.kv_cache_bytes))
+    else:
+        lines.append("  kv cache                   needs --layers, --kv-heads and --head-dim")
+    lines.append(_row("total (x 1.18)", q.total_bytes))
+    lines.append("  a lower bound: give a MODEL (config or catalog name) for what transformers really allocates")
+    return "\n".join(lines)
+
+
+def models_table(rows: list[dict]) -> str:
+    lines = [f"{'name':<20} {'architecture':<24} {'params':>9}  hub id"]
+    for r in rows:
+        lines.append(f"{r['name']:<20} {r['architecture']:<24} {r['params_b']:>8.2f}B  {r['hub_id']}")
+    return "\n".join(lines)
+
+
+__all__ = ["estimate_table", "quick_table", "models_table", "fmt_gib_gb"]

@@ -1,0 +1,369 @@
+"""The dry run: the installed model's real forward, on tensors that hold no memory.
+
+The model is built on the ``meta`` device (:func:`~vramcal.estimator.inventory.build_meta_model`), so
+every operator runs its shape function only: a Llama-3.1-8B prefill at 16k tokens takes well under a
+second on a CPU. A :class:`AllocationTracker` (a ``TorchDispatchMode``) sees every tensor the forward
+creates and when its storage dies, and keeps the running total the way the CUDA caching allocator
+counts ``memory_allocated``: each allocation rounded up to 512 bytes.
+
+Where the meta device's kernels differ from the CUDA ones, the dry run emulates the CUDA kernel:
+
+- ``scaled_dot_product_attention``: on CUDA the flash / memory-efficient kernels allocate the output
+  and a float32 log-sum-exp, never the ``seq x seq`` score matrix that the meta (math) path would
+  build. ``eager`` attention is traced as written: its scores really are ``seq x seq``.
+- bitsandbytes ``Linear4bit``: prefill dequantizes the weight to the compute dtype, then matmuls (the
+  transient copy is traced); a single-token decode step with batch 1 uses ``gemv_4bit``, no copy.
+- bitsandbytes ``Linear8bitLt``: int8 copy of the input, float32 row scales, an int32 product, the
+  dequantized output. Outlier columns (threshold 6.0) depend on the data and are not modelled.
+
+The KV cache is taken from the cache object itself after tiny prefills: each layer's bytes at two
+lengths give its bytes per token and fixed part. A sliding-window layer stops growing at
+``sliding_window`` tokens of storage: transformers' ``DynamicSlidingWindowLayer`` keeps a view of the
+last ``sliding_window - 1`` tokens of the ``sliding_window``-token concatenation it made at each step.
+Right after the prefill, that view still holds the whole prompt's storage; the prefill trace counts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from dataclasses import dataclass, field
+
+ALLOC_ROUND = 512  # CUDA caching allocator: every block is a multiple of 512 bytes
+
+
+def round_alloc(n: int) -> int:
+    if n <= 0:
+        return 0
+    return -(-n // ALLOC_ROUND) * ALLOC_ROUND
+
+
+@dataclass
+class KVLayer:
+    kind: str  # cache layer class name
+    bytes_per_token: int  # per batch row
+    fixed_bytes: int  # per batch row (states of linear-attention layers, scales)
+    max_tokens: int | None  # sliding window: tokens kept at most
+
+    def bytes_at(self, tokens: int, batch: int) -> int:
+        t = tokens if self.max_tokens is None else min(tokens, self.max_tokens)
+        return batch * (self.fixed_bytes + self.bytes_per_token * t)
+
+
+@dataclass
+class Trace:
+    batch: int
+    tokens: int
+    prefill_peak_bytes: int  # above the weights: activations + the cache as it is built
+    cache_bytes: int  # held by the cache after the prefill
+    decode_peak_bytes: int  # during one decode step, above what was held before it
+    ops: int
+
+
+@dataclass
+class ActivationModel:
+    """Peak extra bytes as ``a + b*tokens + c*tokens**2/batch`` (tokens = batch x seq), fitted to traces."""
+
+    prefill: tuple[float, float, float]
+    decode: tuple[float, float]
+    traces: list[Trace] = field(default_factory=list)
+
+    def prefill_extra(self, batch: int, seq: int) -> int:
+        for t in self.traces:
+            if t.batch == batch and t.tokens == seq:
+                return t.prefill_peak_bytes - t.cache_bytes
+        a, b, c = self.prefill
+        n = batch * seq
+        return int(a + b * n + c * batch * seq * seq)
+
+    def decode_extra(self, batch: int, seq: int) -> int:
+        for t in self.traces:
+            if t.batch == batch and t.tokens == seq:
+                return t.decode_peak_bytes
+        a, b = self.decode
+        return int(a + b * batch * seq)
+
+
+class AllocationTracker:
+    """Running total of live tensor storages, counted as the CUDA caching allocator counts them."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker._note(out, (args, kwargs))
+                return out
+
+        self.mode = _Mode()
+        self.live: dict[int, int] = {}
+        self.refs: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        self.ops = 0
+
+    def _note(self, out, inputs) -> None:
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        self.ops += 1
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outs:
+            return
+        # A view or in-place result shares an input's storage: nothing new was allocated. Storages made
+        # before tracking began (the weights) are never counted.
+        input_keys = {t.untyped_storage()._cdata for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+        for t in outs:
+            key = t.untyped_storage()._cdata
+            if key in input_keys and key not in self.live:
+                continue
+            if key not in self.live:
+                size = round_alloc(t.untyped_storage().nbytes())
+                self.live[key] = size
+                self.refs[key] = 0
+                self.current += size
+                if self.current > self.peak:
+                    self.peak = self.current
+            self.refs[key] += 1
+            weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.current -= self.live.pop(key)
+
+    def reset_peak(self) -> None:
+        gc.collect()
+        self.peak = self.current
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def cuda_kernels(model, quant_method: str, compute_dtype):
+    """Swap in allocation-faithful stand-ins for the CUDA kernels the meta device lacks (module doc)."""
+    import torch
+    import torch.nn.functional as F
+
+    real_sdpa = F.scaled_dot_product_attention
+
+    def fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        out = query.new_empty(query.shape[:-1] + (value.shape[-1],))
+        lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
+        del lse
+        return out
+
+    patched = []
+    bnb = None
+    if quant_method in ("bnb4", "bnb8"):
+        import bitsandbytes as bnb
+    if bnb is not None:
+        for module in model.modules():
+            if isinstance(module, bnb.nn.Linear4bit):
+                patched.append((module, module.forward))
+                module.forward = _linear4bit_stand_in(module, compute_dtype)
+            elif isinstance(module, bnb.nn.Linear8bitLt):
+                patched.append((module, module.forward))
+                module.forward = _linear8bit_stand_in(module)
+    F.scaled_dot_product_attention = fused_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real_sdpa
+        for module, fwd in patched:
+            module.forward = fwd
+
+
+def _linear4bit_stand_in(module, compute_dtype):
+    import torch
+    import torch.nn.functional as F
+
+    def forward(x):
+        inp_dtype = x.dtype
+        x = x.to(compute_dtype)
+        bias = None if module.bias is None else module.bias.to(compute_dtype)
+        if x.numel() == x.shape[-1]:  # gemv_4bit: one token, no dequantized copy
+            out = x.new_empty(x.shape[:-1] + (module.out_features,))
+        else:
+            w = torch.empty(module.out_features, module.in_features, dtype=compute_dtype, device=x.device)
+            out = F.linear(x, w, bias)
+            del w
+        return out.to(inp_dtype)
+
+    return forward
+
+
+def _linear8bit_stand_in(module):
+    import torch
+
+    def forward(x):
+        rows = x.numel() // x.shape[-1]
+        ca = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+        sca = torch.empty(rows, dtype=torch.float32, device=x.device)
+        acc = torch.empty(rows, module.out_features, dtype=torch.int32, device=x.device)
+        out = x.new_empty(x.shape[:-1] + (module.out_features,))
+        del ca, sca, acc
+        if module.bias is not None:
+            out = out + module.bias.to(x.dtype)
+        return out
+
+    return forward
+
+
+def _cache_tensors(obj, seen=None):
+    import torch
+
+    seen = set() if seen is None else seen
+    out = []
+    if isinstance(obj, torch.Tensor):
+        key = obj.untyped_storage()._cdata
+        if key not in seen:
+            seen.add(key)
+            out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            out += _cache_tensors(x, seen)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            out += _cache_tensors(x, seen)
+    return out
+
+
+def layer_bytes(layer) -> int:
+    seen: set[int] = set()
+    total = 0
+    for value in vars(layer).values():
+        for t in _cache_tensors(value, seen):
+            if t.dim() >= 2:  # skip bookkeeping scalars such as a window length
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+class DryRunner:
+    """Holds one meta model and runs prefill / decode traces over it."""
+
+    def __init__(self, source, quant, attn: str | None = None, cache: str = "dynamic", kv_dtype: str = "auto"):
+        import torch
+
+        from ..errors import UserError
+        from .inventory import build_meta_model
+
+        self.cache_kind = cache
+        self.kv_dtype = kv_dtype
+        # flash_attention_2 allocates what fused sdpa allocates (output + log-sum-exp); build it as sdpa
+        build_attn = "sdpa" if attn == "flash_attention_2" else attn
+        try:
+            self.model, _, self.dtype = build_meta_model(source, quant, attn=build_attn)
+        except Exception as exc:
+            if attn and "attention implementation" in str(exc):
+                raise UserError(f"{source.name}: transformers does not support --attn {attn} for this "
+                                "architecture; use --attn auto or eager") from None
+            raise
+        self.attn_used = attn or getattr(self.model.config, "_attn_implementation", None) or "sdpa"
+        self.model.eval()
+        self.quant = quant
+        self.torch = torch
+
+    def _new_cache(self, max_len: int):
+        from transformers import DynamicCache, QuantizedCache, StaticCache
+
+        cfg = self.model.config
+        if self.kv_dtype == "fp8":
+            return QuantizedCache(backend="fp8", config=cfg)
+        if self.cache_kind == "static":
+            return StaticCache(config=cfg, max_cache_len=max_len)
+        return DynamicCache(config=cfg)
+
+    def _forward(self, ids, cache, tracker=None):
+        kwargs = {"input_ids": ids, "use_cache": True}
+        kwargs["past_key_values"] = cache
+        kwargs["logits_to_keep"] = 1
+        out = self.model(**kwargs)
+        # generate() copies the last position's logits to float32 before choosing the token
+        logits = out.logits[:, -1, :].to(copy=True, dtype=self.torch.float32)
+        nxt = logits.argmax(-1, keepdim=True)
+        del out, logits
+        return nxt
+
+    def trace(self, batch: int, seq: int) -> Trace:
+        torch = self.torch
+        with torch.no_grad(), cuda_kernels(self.model, self.quant.method, self.dtype):
+            tracker = AllocationTracker()
+            with tracker:
+                cache = self._new_cache(seq + 16)
+                ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+                nxt = self._forward(ids, cache)
+                del ids
+                gc.collect()
+                prefill_peak = tracker.peak
+                held = tracker.current
+                tracker.reset_peak()
+                nxt = self._forward(nxt, cache)
+                gc.collect()
+                decode_peak = tracker.peak - held
+                del nxt, cache
+            ops = tracker.ops
+        return Trace(batch=batch, tokens=seq, prefill_peak_bytes=prefill_peak, cache_bytes=held,
+                     decode_peak_bytes=decode_peak, ops=ops)
+
+    def kv_layers(self, batch: int = 1) -> list[KVLayer]:
+        """Each cache layer's bytes per token (per batch row) and fixed part, from two tiny prefills."""
+        torch = self.torch
+        small, large = 4, 12
+        sizes = []
+        kinds = []
+        windows = []
+        with torch.no_grad(), cuda_kernels(self.model, self.quant.method, self.dtype):
+            for n in (small, large):
+                cache = self._new_cache(n if self.cache_kind == "static" else n + 16)
+                ids = torch.zeros(batch, n, dtype=torch.long, device="meta")
+                self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                layers = getattr(cache, "layers", None) or []
+                sizes.append([layer_bytes(layer) for layer in layers])
+                kinds = [type(layer).__name__ for layer in layers]
+                windows = [_window(layer, self.cache_kind) for layer in layers]
+        out = []
+        for kind, win, b_small, b_large in zip(kinds, windows, sizes[0], sizes[1]):
+            per_tok = (b_large - b_small) // (large - small)
+            out.append(KVLayer(kind=kind, bytes_per_token=per_tok // batch,
+                               fixed_bytes=(b_small - per_tok * small) // batch, max_tokens=win))
+        return out
+
+
+def _window(layer, cache_kind: str) -> int | None:
+    win = getattr(layer, "sliding_window", None)
+    if not isinstance(win, int) or win <= 0:
+        return None
+    # DynamicSlidingWindowLayer keeps a view of the last sliding_window - 1 tokens, but the view's
+    # storage is the concatenation it was cut from: sliding_window tokens stay allocated.
+    return win
+
+
+def fit_activations(traces: list[Trace]) -> ActivationModel:
+    """Least-squares fit of the prefill and decode extras over traces at batch 1."""
+    import numpy as np
+
+    ones = [t for t in traces if t.batch == 1] or traces
+    n = np.array([t.batch * t.tokens for t in ones], dtype=float)
+    pre = np.array([t.prefill_peak_bytes - t.cache_bytes for t in ones], dtype=float)
+    dec = np.array([t.decode_peak_bytes for t in ones], dtype=float)
+    if len(ones) >= 3:
+        coef_p = np.linalg.lstsq(np.stack([np.ones_like(n), n, n * n], 1), pre, rcond=None)[0]
+    else:
+        coef_p = np.array([pre.mean(), 0.0, 0.0])
+    if len(ones) >= 2:
+        coef_d = np.linalg.lstsq(np.stack([np.ones_like(n), n], 1), dec, rcond=None)[0]
+    else:
+        coef_d = np.array([dec.mean(), 0.0])
+    return ActivationModel(prefill=tuple(float(x) for x in coef_p), decode=tuple(float(x) for x in coef_d),
+                           traces=list(traces))
