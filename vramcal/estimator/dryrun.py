@@ -272,6 +272,10 @@ class DryRunner:
         self.attn_used = attn or getattr(self.model.config, "_attn_implementation", None) or "sdpa"
         self.model.eval()
         self.quant = quant
+        import inspect
+
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.torch = torch
 
     def _new_cache(self, max_len: int):
@@ -285,9 +289,7 @@ class DryRunner:
         return DynamicCache(config=cfg)
 
     def _forward(self, ids, cache, tracker=None):
-        kwargs = {"input_ids": ids, "use_cache": True}
-        kwargs["past_key_values"] = cache
-        kwargs["logits_to_keep"] = 1
+        kwargs = {"input_ids": ids, "use_cache": True, self._cache_kw: cache, "logits_to_keep": 1}
         out = self.model(**kwargs)
         # generate() copies the last position's logits to float32 before choosing the token
         logits = out.logits[:, -1, :].to(copy=True, dtype=self.torch.float32)
@@ -327,7 +329,7 @@ class DryRunner:
             for n in (small, large):
                 cache = self._new_cache(n if self.cache_kind == "static" else n + 16)
                 ids = torch.zeros(batch, n, dtype=torch.long, device="meta")
-                self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
                 layers = getattr(cache, "layers", None) or []
                 sizes.append([layer_bytes(layer) for layer in layers])
                 kinds = [type(layer).__name__ for layer in layers]

@@ -176,8 +176,9 @@ class Estimator:
         approximate = inv.approximate
         tc = text_config(self.source.config)
 
-        # KV cache at the end: prompt + 15 tokens are in the cache (the 16th is never fed back)
-        end_tokens = ctx - 1
+        # KV cache at the end: prompt + 15 tokens are in the cache (the 16th is never fed back);
+        # a static cache holds its whole max_cache_len (= ctx) from the start
+        end_tokens = ctx if self.cache == "static" else ctx - 1
         if self._kv is not None:
             kv_end = sum(layer.bytes_at(end_tokens, batch) for layer in self._kv)
             kv_by_kind: dict[str, int] = {}

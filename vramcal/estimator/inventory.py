@@ -241,8 +241,10 @@ def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
                 parts = _layout(quant, module.out_features, module.in_features, DTYPE_BYTES[quant.dtype])
             else:
                 n = None
-                target = _planned_dtype(full, dtype_plan) or p.dtype
-                b = p.numel() * p.element_size() if target is p.dtype else p.numel() * target.itemsize
+                # from_pretrained casts every floating parameter to the load dtype, unless the model's
+                # keep-in-fp32 plan says otherwise (bitsandbytes modules create their bias in float32)
+                target = _planned_dtype(full, dtype_plan) or (dtype if p.is_floating_point() else p.dtype)
+                b = p.numel() * target.itemsize
                 sizes[b] += 1
                 groups[_group(full, module, p, out_emb, in_emb)] += b
                 if quant.method in ("bnb4", "bnb8") and pname == "weight" and (
