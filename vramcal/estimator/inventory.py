@@ -213,6 +213,7 @@ def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
     if quant.method in ("bnb4", "bnb8"):
         import bitsandbytes as bnb  # noqa: F811
     dtype_plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    untied = _untied_in_checkpoint(model, source)
     out_emb = model.get_output_embeddings()
     in_emb = model.get_input_embeddings()
     sizes: Counter[int] = Counter()
@@ -263,11 +264,20 @@ def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
             b = buf.numel() * buf.element_size()
             sizes[b] += 1
             groups["buffers"] += b
+    for name in untied:  # the checkpoint stores both tied tensors: from_pretrained keeps them apart
+        p = model.get_parameter(name)
+        b = p.numel() * dtype.itemsize
+        sizes[b] += 1
+        groups["lm_head"] += b
+        params += p.numel()
     if not largest_source:
         largest_source = max((k for k in sizes), default=0)
     warmup = _warmup_bytes(model, hf_quantizer)
     tc = text_config(source.config)
     notes = []
+    if untied:
+        notes.append(f"the checkpoint stores {', '.join(untied)} beside the tensor the config ties it to: "
+                     "transformers keeps both (it ties only equal tensors), so both are counted")
     if quant.method in ("gptq", "awq", "fp8"):
         notes.append(f"{quant.implementation}: layout from the format's formula (no checkpoint headers to read)")
     if groups["experts"] and quant.method in ("bnb4", "bnb8"):
@@ -280,6 +290,18 @@ def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
         unquantized_linear=sorted(unquantized), largest_source_bytes=largest_source, warmup_bytes=warmup,
         method="meta", approximate=quant.method not in ("none", "bnb4", "bnb8"), notes=notes,
         software=software_versions())
+
+
+def _untied_in_checkpoint(model, source: ModelSource) -> list[str]:
+    """Tied parameters whose source and target both appear in the checkpoint's safetensors headers.
+
+    ``from_pretrained`` ties them only if their values are equal; two separate tensors in a safetensors
+    file (which cannot store shared tensors) are taken as different, so they stay untied."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    if not tied or not source.weight_files:
+        return []
+    names = set(checkpoint_tensors(source.weight_files))
+    return sorted(target for target, src in tied.items() if target in names and src in names)
 
 
 def _planned_dtype(name: str, plan: dict):
