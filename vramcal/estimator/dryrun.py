@@ -86,9 +86,11 @@ class ActivationModel:
 
 
 class AllocationTracker:
-    """Running total of live tensor storages, counted as the CUDA caching allocator counts them."""
+    """Running total of live tensor storages on one device, counted as the CUDA caching allocator counts
+    them. Tensors on other devices (a CPU scalar transformers makes before moving it) are not counted."""
 
-    def __init__(self):
+    def __init__(self, device_type: str = "meta"):
+        self.device_type = device_type
         from torch.utils._python_dispatch import TorchDispatchMode
 
         tracker = self
@@ -111,7 +113,7 @@ class AllocationTracker:
         from torch.utils._pytree import tree_flatten
 
         self.ops += 1
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.device.type == self.device_type]
         if not outs:
             return
         # A view or in-place result shares an input's storage: nothing new was allocated. Storages made
@@ -288,35 +290,9 @@ class DryRunner:
             return StaticCache(config=cfg, max_cache_len=max_len)
         return DynamicCache(config=cfg)
 
-    def _forward(self, ids, cache, tracker=None):
-        kwargs = {"input_ids": ids, "use_cache": True, self._cache_kw: cache, "logits_to_keep": 1}
-        out = self.model(**kwargs)
-        # generate() copies the last position's logits to float32 before choosing the token
-        logits = out.logits[:, -1, :].to(copy=True, dtype=self.torch.float32)
-        nxt = logits.argmax(-1, keepdim=True)
-        del out, logits
-        return nxt
-
     def trace(self, batch: int, seq: int) -> Trace:
-        torch = self.torch
-        with torch.no_grad(), cuda_kernels(self.model, self.quant.method, self.dtype):
-            tracker = AllocationTracker()
-            with tracker:
-                cache = self._new_cache(seq + 16)
-                ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-                nxt = self._forward(ids, cache)
-                del ids
-                gc.collect()
-                prefill_peak = tracker.peak
-                held = tracker.current
-                tracker.reset_peak()
-                nxt = self._forward(nxt, cache)
-                gc.collect()
-                decode_peak = tracker.peak - held
-                del nxt, cache
-            ops = tracker.ops
-        return Trace(batch=batch, tokens=seq, prefill_peak_bytes=prefill_peak, cache_bytes=held,
-                     decode_peak_bytes=decode_peak, ops=ops)
+        return trace_model(self.model, self.quant.method, self.dtype, batch, seq,
+                           lambda: self._new_cache(seq + 16), device="meta")
 
     def kv_layers(self, batch: int = 1) -> list[KVLayer]:
         """Each cache layer's bytes per token (per batch row) and fixed part, from two tiny prefills."""
@@ -369,3 +345,40 @@ def fit_activations(traces: list[Trace]) -> ActivationModel:
         coef_d = np.array([dec.mean(), 0.0])
     return ActivationModel(prefill=tuple(float(x) for x in coef_p), decode=tuple(float(x) for x in coef_d),
                            traces=list(traces))
+
+
+def trace_model(model, quant_method: str, dtype, batch: int, seq: int, new_cache, device="meta") -> Trace:
+    """Prefill ``seq`` tokens for ``batch`` rows, then one decode step, as ``generate`` does, under the
+    tracker. Works on the meta model of the dry run and, for cross-checks, on a real loaded model."""
+    import inspect
+
+    import torch
+
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def step(ids, cache):
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+        # generate() copies the last position's logits to float32 before choosing the token
+        logits = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
+        nxt = logits.argmax(-1, keepdim=True)
+        del out, logits
+        return nxt
+
+    with torch.no_grad(), cuda_kernels(model, quant_method, dtype):
+        tracker = AllocationTracker(torch.device(device).type)
+        with tracker:
+            cache = new_cache()
+            ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+            nxt = step(ids, cache)
+            del ids
+            gc.collect()
+            prefill_peak = tracker.peak
+            held = tracker.current
+            tracker.reset_peak()
+            nxt = step(nxt, cache)
+            gc.collect()
+            decode_peak = tracker.peak - held
+            del nxt, cache
+        ops = tracker.ops
+    return Trace(batch=batch, tokens=seq, prefill_peak_bytes=prefill_peak, cache_bytes=held,
+                 decode_peak_bytes=decode_peak, ops=ops)

@@ -256,7 +256,7 @@ def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
             largest_source = max(largest_source, n * torch.tensor([], dtype=dtype).element_size())
             for suffix, b in parts:
                 sizes[b] += 1
-                groups["quantized" if suffix == "weight" else "quant_state"] += b
+                groups["quantized" if suffix in ("weight", "qweight") else "quant_state"] += b
         for bname, buf in module.named_buffers(recurse=False):
             if id(buf) in seen or buf is None:
                 continue

@@ -1,0 +1,109 @@
+"""Quick mode reproduces the source documents' worked numbers; bad input gets one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vramcal.estimator.quick import quick_estimate
+from vramcal.units import GIB
+
+VRAMCAL = [sys.executable, "-m", "vramcal"]
+
+
+def run(*args, env=None):
+    return subprocess.run(VRAMCAL + list(args), capture_output=True, text=True, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("bits,gib", [(16, 50.29), (8, 25.15), (4, 12.57)])
+def test_documents_weights(bits, gib):
+    q = quick_estimate(27, bits, ctx=8192)
+    assert round(q.weights_bytes / GIB, 2) == gib
+
+
+def test_documents_kv():
+    q = quick_estimate(27, 4, ctx=8192, layers=60, kv_heads=8, head_dim=128)
+    assert q.kv_bytes_per_token == 245_760
+    assert q.kv_cache_bytes == 1.875 * GIB
+    assert quick_estimate(27, 4, ctx=32768, layers=60, kv_heads=8, head_dim=128).kv_cache_bytes == 7.5 * GIB
+    assert q.total_bytes == int((q.weights_bytes + q.kv_cache_bytes) * 1.18)
+
+
+def test_quick_cli_json():
+    r = run("estimate", "--params-b", "27", "--bits", "4", "--layers", "60", "--kv-heads", "8", "--head-dim", "128",
+            "--ctx", "32768", "--json")
+    assert r.returncode == 0, r.stderr
+    q = json.loads(r.stdout)["quick"]
+    assert q["kv_cache_bytes"] == 7.5 * GIB and q["weights_bytes"] == 13_500_000_000
+
+
+BAD = [
+    (["estimate", "/nonexistent/dir"], "not found"),
+    (["estimate", "llama-3.1-8b", "--ctx", "0"], "--ctx"),
+    (["estimate", "llama-3.1-8b", "--ctx", "-5"], "--ctx"),
+    (["estimate", "llama-3.1-8b", "--batch", "0"], "--batch"),
+    (["estimate", "llama-3.1-8b", "--quant", "q3_k_m"], "unknown quant"),
+    (["estimate", "--params-b", "27", "--bits", "0"], "--bits"),
+    (["estimate", "--params-b", "-1", "--bits", "4"], "--params-b"),
+    (["estimate", "nobody/not-cached-model"], "not in the local Hugging Face cache"),
+    (["estimate", "llama-3.1-8b", "--ctx", "many"], "invalid int"),
+    (["estimate"], "give a MODEL"),
+    (["estimate", "llama-3.1-8b", "--attn", "magic"], "--attn"),
+    (["estimate", "llama-3.1-8b", "--kv-dtype", "int3"], "--kv-dtype"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD)
+def test_bad_input_one_line_exit_2(tmp_path, args, needle):
+    r = run(*args, env={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert r.returncode == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vramcal: ") and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_malformed_and_unknown_configs(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{ not json")
+    r = run("estimate", str(bad))
+    assert r.returncode == 2 and "not valid JSON" in r.stderr and len(r.stderr.splitlines()) == 1
+    (bad / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    r = run("estimate", str(bad))
+    assert r.returncode == 2 and "no model_type" in r.stderr
+
+
+def test_unknown_model_type_falls_back_to_labelled_formula(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "not_a_real_arch", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 1000, "intermediate_size": 512, "torch_dtype": "bfloat16"}))
+    r = run("estimate", str(d), "--ctx", "256", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["approximate"] is True
+    assert any("does not know this architecture" in n for n in out["notes"])
+
+
+def test_debug_shows_traceback():
+    r = run("--debug", "estimate", "llama-3.1-8b", "--ctx", "0")
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_hub_cache_lookup(tmp_path):
+    snap = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text("abc123")
+    (snap / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 256, "torch_dtype": "bfloat16"}))
+    r = run("estimate", "acme/tiny", "--ctx", "64", "--json", env={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["model"] == "acme/tiny"
