@@ -95,3 +95,22 @@ def test_already_quantized_checkpoint_refuses_other_quant(tmp_path):
     assert e.quant == "gptq-4bit" and e.approximate
     # qweight of q_proj: in 256 * 4 bits / 32 -> 32 int32 rows x 256 columns
     assert e.weights_breakdown["quantized"] > 0
+
+
+def test_sweep_agrees_with_estimate_at_traced_points(tiny_models):
+    from vramcal.estimator.estimate import Estimator
+
+    source = resolve_model(tiny_models["dense-gqa"])
+    est = Estimator(source, resolve_quant("nf4", source.config))
+    single = est.estimate(528, 1)  # traced exactly (prompt 512 is also a fit point)
+    rows = est.sweep([(528, 1), (2064, 1), (8208, 1)])
+    assert rows[0]["peak"] == single.peak
+    assert rows[0]["first_token"] == single.stages["first_token"]
+    assert [r["peak"] for r in rows] == sorted(r["peak"] for r in rows)
+
+
+def test_estimating_leaves_the_config_untouched():
+    source = resolve_model("llama-3.1-8b")
+    before = source.config_hash
+    inventory(source, resolve_quant("nf4", source.config), use_cache=False)
+    assert source.config_hash == before

@@ -168,7 +168,9 @@ def cuda_kernels(model, quant_method: str, compute_dtype):
     patched = []
     bnb = None
     if quant_method in ("bnb4", "bnb8"):
-        import bitsandbytes as bnb
+        from .inventory import import_bitsandbytes
+
+        bnb = import_bitsandbytes()
     if bnb is not None:
         for module in model.modules():
             if isinstance(module, bnb.nn.Linear4bit):

@@ -210,23 +210,11 @@ class Estimator:
             if self._dry_error:
                 notes.append(f"dry run failed ({self._dry_error}); activations from a formula")
 
-        w_alloc = sum(round_alloc(size) * n for size, n in inv.alloc_sizes.items())
-        on_the_fly = self.quant.method in ("bnb4", "bnb8") and not self.quant.pre_quantized
-        load_transient = inv.largest_source_bytes if on_the_fly else 0
-        load_alloc = w_alloc + load_transient
-        warm = inv.warmup_bytes if (rt.device_kind == "cuda" and inv.warmup_bytes) else 0
-        load_res = rt.reserve(max(load_alloc, warm))
-        prefill_alloc = w_alloc + rt.workspace_bytes + kv_prompt + prefill_extra
-        end_alloc = w_alloc + rt.workspace_bytes + kv_end + decode_extra
-        stages = {"load_peak": rt.context_bytes + load_res, "post_load": rt.context_bytes + load_res}
-        stages["first_token"] = rt.context_bytes + max(load_res, rt.reserve(prefill_alloc))
-        stages["end"] = max(stages["first_token"], rt.context_bytes + rt.reserve(end_alloc))
-        allocated = {"load_peak": load_alloc, "post_load": w_alloc, "first_token": prefill_alloc, "end": end_alloc}
+        stages, allocated = self._stages(rt, kv_prompt, kv_end, prefill_extra, decode_extra)
         peak = max(stages.values())
-        activations = max(prefill_extra, decode_extra + kv_end - kv_prompt if kv_end > kv_prompt else decode_extra)
-        components = {"weights": inv.tensor_bytes, "kv_cache": kv_end, "activations": max(prefill_extra, decode_extra),
-                      "runtime": peak - inv.tensor_bytes - kv_end - max(prefill_extra, decode_extra)}
-        del activations
+        act = max(prefill_extra, decode_extra)
+        components = {"weights": inv.tensor_bytes, "kv_cache": kv_end, "activations": act,
+                      "runtime": peak - inv.tensor_bytes - kv_end - act}
         formula, diffs = _compare_formula(tc, inv, self.quant, ctx, batch, components)
         if self.attn_used == "eager":
             notes.append("eager attention materialises batch x heads x seq x seq scores: the prefill grows with ctx^2")
@@ -238,6 +226,52 @@ class Estimator:
             methods=methods, weights_breakdown={k: v for k, v in inv.groups.items() if v},
             kv_breakdown=kv_by_kind, formula=formula, differences=diffs, notes=notes,
             runtime_source=rt.source, config_hash=self.source.config_hash)
+
+
+    def _stages(self, rt: RuntimeProfile, kv_prompt: int, kv_end: int, prefill_extra: int,
+                decode_extra: int) -> tuple[dict[str, int], dict[str, int]]:
+        """The stage rules of docs/accounting.md: device memory in use, and allocated, at each stage."""
+        inv = self.inv
+        w_alloc = self._w_alloc
+        on_the_fly = self.quant.method in ("bnb4", "bnb8") and not self.quant.pre_quantized
+        load_alloc = w_alloc + (inv.largest_source_bytes if on_the_fly else 0)
+        warm = inv.warmup_bytes if (rt.device_kind == "cuda" and inv.warmup_bytes) else 0
+        load_res = rt.reserve(max(load_alloc, warm))
+        prefill_alloc = w_alloc + rt.workspace_bytes + kv_prompt + prefill_extra
+        end_alloc = w_alloc + rt.workspace_bytes + kv_end + decode_extra
+        stages = {"load_peak": rt.context_bytes + load_res, "post_load": rt.context_bytes + load_res}
+        stages["first_token"] = rt.context_bytes + max(load_res, rt.reserve(prefill_alloc))
+        stages["end"] = max(stages["first_token"], rt.context_bytes + rt.reserve(end_alloc))
+        allocated = {"load_peak": load_alloc, "post_load": w_alloc, "first_token": prefill_alloc, "end": end_alloc}
+        return stages, allocated
+
+    def sweep(self, points, device: str = "cuda", runtime: RuntimeProfile | None = None) -> list[dict]:
+        """Peak per stage for many ``(ctx, batch)`` points from the cached KV layout and activation fit:
+        arithmetic only, no tracing. Points outside the traced ones use the fit (see ``methods``)."""
+        rt = runtime or default_profile(device)
+        if self._kv is None or self._act is None:
+            first = next(iter(points), (4096, 1))
+            self._ensure_dry_run(first[1], first[0] - NEW_TOKENS, exact=False)
+        if self._kv is None or self._act is None:
+            raise UserError(f"{self.source.name}: the dry run is unavailable ({self._dry_error}); "
+                            "use `estimate` for formula-based figures")
+        out = []
+        kv = self._kv
+        for ctx, batch in points:
+            _check_positive(ctx, batch)
+            prompt = ctx - NEW_TOKENS
+            end_tokens = ctx if self.cache == "static" else ctx - 1
+            kv_end = sum(layer.bytes_at(end_tokens, batch) for layer in kv)
+            kv_prompt = sum(layer.bytes_at(prompt, batch) for layer in kv)
+            stages, _ = self._stages(rt, kv_prompt, kv_end, self._act.prefill_extra(batch, prompt),
+                                     self._act.decode_extra(batch, prompt))
+            out.append({"ctx": ctx, "batch": batch, "quant": self.quant.name, "peak": max(stages.values()),
+                        **stages})
+        return out
+
+    @property
+    def _w_alloc(self) -> int:
+        return sum(round_alloc(size) * n for size, n in self.inv.alloc_sizes.items())
 
 
 def estimate(model: str | ModelSource, quant: str = "auto", ctx: int = 4096, batch: int = 1, *, dtype: str | None = None,

@@ -150,7 +150,38 @@ class _UnknownArchitecture(Exception):
 # ---------------------------------------------------------------------------------------- meta model
 
 def clean_config(config: dict) -> dict:
-    return {k: v for k, v in config.items() if not k.startswith("_vramcal")}
+    """A deep copy without vramcal's own keys: transformers' config classes edit nested dicts in place
+    (``rope_scaling``), and the caller's config must stay as read, or its hash would change."""
+    import copy
+
+    return copy.deepcopy({k: v for k, v in config.items() if not k.startswith("_vramcal")})
+
+
+def import_bitsandbytes():
+    """Import bitsandbytes without compiling its kernels.
+
+    bitsandbytes wraps several CPU kernels in ``torch.compile`` at import time, which loads dynamo and
+    inductor: about 1.9 s on two cores, more than the whole meta inventory of a 70B model. The
+    estimator never runs those kernels, so the first import here swaps ``torch.compile`` for the
+    identity; the kernels behave the same, uncompiled, if this process later runs them. A process that
+    imported bitsandbytes earlier keeps its compiled kernels."""
+    import sys
+
+    if "bitsandbytes" in sys.modules:
+        return sys.modules["bitsandbytes"]
+    import torch
+
+    real_compile = torch.compile
+
+    def identity(fn=None, **_kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    torch.compile = identity
+    try:
+        import bitsandbytes
+    finally:
+        torch.compile = real_compile
+    return bitsandbytes
 
 
 def build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None = None, device=None):
@@ -172,6 +203,7 @@ def build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None = N
     dtype = getattr(torch, quant.dtype)
     hf_quantizer = None
     if quant.method in ("bnb4", "bnb8"):
+        import_bitsandbytes()
         from transformers import BitsAndBytesConfig
         from transformers.quantizers.auto import AutoHfQuantizer
 
@@ -211,7 +243,7 @@ def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
     model, hf_quantizer, dtype = build_meta_model(source, quant)
     bnb = None
     if quant.method in ("bnb4", "bnb8"):
-        import bitsandbytes as bnb  # noqa: F811
+        bnb = import_bitsandbytes()
     dtype_plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
     untied = _untied_in_checkpoint(model, source)
     out_emb = model.get_output_embeddings()

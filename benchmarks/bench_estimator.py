@@ -1,0 +1,95 @@
+"""Estimator speed, measured as ratios within one run on this machine (docs/performance.md).
+
+    python benchmarks/bench_estimator.py [--repeat 5]
+
+Each timing is the median of --repeat fresh processes (cold start included), except the sweep,
+which is timed in-process after the model's traces are cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+PY = sys.executable
+
+
+def wall(cmd: list[str], env: dict) -> float:
+    t = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise SystemExit(f"benchmark command failed: {' '.join(cmd)}\n{r.stderr}")
+    return time.perf_counter() - t
+
+
+def median_of(n: int, fn) -> float:
+    return statistics.median(fn() for _ in range(n))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--model", default="llama-3.1-70b")
+    args = ap.parse_args()
+    n = args.repeat
+    results: dict[str, float] = {}
+
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "VRAMCAL_CACHE": cache, "TRANSFORMERS_VERBOSITY": "error"}
+        quick = [PY, "-m", "vramcal", "estimate", "--params-b", "27", "--bits", "4", "--layers", "60",
+                 "--kv-heads", "8", "--head-dim", "128", "--ctx", "32768", "--json"]
+        results["quick_mode_s"] = median_of(n, lambda: wall(quick, env))
+        results["import_torch_transformers_s"] = median_of(n, lambda: wall(
+            [PY, "-c", "import torch, transformers; transformers.AutoConfig; transformers.AutoModelForCausalLM"], env))
+        inv_code = ("import sys; from vramcal.estimator.resolve import resolve_model; "
+                    "from vramcal.estimator.quant import resolve_quant; "
+                    "from vramcal.estimator.inventory import inventory; "
+                    f"s = resolve_model('{args.model}'); inventory(s, resolve_quant('nf4', s.config), use_cache=False)")
+        results["meta_inventory_70b_s"] = median_of(n, lambda: wall([PY, "-c", inv_code], env))
+        first = [PY, "-m", "vramcal", "estimate", args.model, "--quant", "nf4", "--ctx", "8192", "--json"]
+        results["first_estimate_s"] = wall(first, env)  # inventory + KV layout + 4 traces, then cached
+        again = [PY, "-m", "vramcal", "estimate", args.model, "--quant", "nf4", "--ctx", "8192", "--json"]
+        results["cached_estimate_same_point_s"] = median_of(n, lambda: wall(again, env))
+        other = [PY, "-m", "vramcal", "estimate", args.model, "--quant", "nf4", "--ctx", "30000", "--batch", "3",
+                 "--fast", "--json"]
+        results["cached_estimate_new_point_fast_s"] = median_of(n, lambda: wall(other, env))
+
+        os.environ["VRAMCAL_CACHE"] = cache
+        from vramcal.estimator.estimate import Estimator
+        from vramcal.estimator.quant import resolve_quant
+        from vramcal.estimator.resolve import resolve_model
+
+        source = resolve_model(args.model)
+        estimators = [Estimator(source, resolve_quant(q, source.config)) for q in ("nf4",)]
+        points = [(ctx, batch) for ctx in range(1024, 1024 + 2500 * 40, 40) for batch in (1, 2, 4, 8)][:10_000]
+        t = time.perf_counter()
+        rows = [r for e in estimators for r in e.sweep(points)]
+        results["sweep_10000_points_s"] = time.perf_counter() - t
+        assert len(rows) == 10_000
+
+    r = results
+    report = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "results_s": {k: round(v, 4) for k, v in r.items()},
+        "ratios": {
+            "quick_mode_s (target < 0.3 s)": round(r["quick_mode_s"], 3),
+            "meta_inventory_70b / import torch+transformers (target < 1.5)":
+                round(r["meta_inventory_70b_s"] / r["import_torch_transformers_s"], 3),
+            "cached estimate, same point (target < 0.3 s)": round(r["cached_estimate_same_point_s"], 3),
+            "cached estimate, new point --fast (target < 0.3 s)": round(r["cached_estimate_new_point_fast_s"], 3),
+            "sweep of 10,000 points (target < 1 s)": round(r["sweep_10000_points_s"], 3),
+        },
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
