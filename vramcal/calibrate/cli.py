@@ -84,11 +84,64 @@ def cmd_models(args) -> int:
     return 0
 
 
+def _add_probe(sub) -> None:
+    p = sub.add_parser("probe", help="load the real model, generate 16 tokens, measure memory at every stage",
+                       description="Load MODEL through from_pretrained in a child process, generate 16 tokens "
+                                   "from a prompt of ctx-16 tokens per batch row, and sample device memory "
+                                   "(NVML memory.used, or the process's resident set with --device cpu) "
+                                   "every few milliseconds. Exit code 0 when the run finished, 1 when it "
+                                   "ran out of memory or died, 2 for bad input.")
+    p.add_argument("model")
+    p.add_argument("--quant", default="auto", help="auto | bf16 | fp16 | fp32 | int8 | nf4 | nf4-dq | fp4 | fp4-dq")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--attn", default="auto")
+    p.add_argument("--device", default="cuda:0", help="cuda, cuda:N or cpu")
+    p.add_argument("--synthetic", action="store_true",
+                   help="random weights at the config's real widths, saved and loaded like a checkpoint")
+    p.add_argument("--interval-ms", type=float, default=5.0, help="sampling interval (default 5 ms)")
+    p.add_argument("--timeline", metavar="FILE.png", help="write a plot of memory over time")
+    p.add_argument("--samples", action="store_true", help="include every sample in --json (default: the count)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_probe)
+
+
+def cmd_probe(args) -> int:
+    from ..probes.probe import run_probe
+    from . import present
+
+    if args.timeline and not args.timeline.lower().endswith(".png"):
+        raise UserError(f"--timeline writes a PNG: give a file name ending in .png, not {args.timeline!r}")
+    r = run_probe(args.model, args.quant, args.ctx, args.batch, device=args.device, synthetic=args.synthetic,
+                  interval_ms=args.interval_ms, dtype=args.dtype, attn=args.attn,
+                  command=_argv_command())
+    if args.timeline:
+        from ..probes.timeline import write_timeline
+
+        write_timeline(r, args.timeline)
+    if args.json:
+        out = r.to_dict()
+        if not args.samples:
+            out.pop("samples")
+        print(json.dumps(out))
+    else:
+        print(present.probe_table(r))
+    return 0 if r.status == "ok" else 1
+
+
+def _argv_command() -> str:
+    import shlex
+
+    return shlex.join(["vramcal"] + [a for a in sys.argv[1:] if a != "--debug"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="vramcal", description="Predict, measure and calibrate GPU memory for quantized LLMs.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     _add_estimate(sub)
+    _add_probe(sub)
     m = sub.add_parser("models", help="list the built-in catalog of model configs")
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)

@@ -40,6 +40,38 @@ def estimate_table(e) -> str:
     return "\n".join(lines)
 
 
+def probe_table(r) -> str:
+    cpu = r.series == "rss"
+    head = [f"{r.model}  quant={r.quant} ({r.quant_implementation})  ctx={r.ctx}  batch={r.batch}  device={r.device}",
+            f"status: {r.status.upper()}"
+            + (f" at {r.oom['stage']}, asked for {fmt_gib_gb(r.oom['requested_bytes'])}" if r.oom else "")
+            + (f" ({r.error})" if r.error else ""),
+            f"{r.sample_count} samples every {r.interval_ms:g} ms on {r.series or 'no series'}"
+            + (f"; sampler cost {r.sampler_overhead:.2%} of a core" if r.sampler_overhead is not None else ""),
+            ""]
+    what = "above baseline" if cpu else "memory.used"
+    lines = [f"  {'stage':<14} {'measured ' + what:>24} {'peak in interval':>18} {'estimate':>12} {'diff':>10}"]
+    est = (r.estimate or {}).get("stages", {})
+    base = r.stages.get("baseline", {}).get("used_bytes") if cpu else 0
+    for name, st in r.stages.items():
+        used, peak = st.get("used_bytes"), st.get("peak_bytes")
+        if cpu and base is not None:
+            used = None if used is None else used - base
+            peak = None if peak is None else peak - base
+        e = est.get(name)
+        diff = f"{gib(peak - e):+9.2f}G" if (e is not None and peak is not None) else ""
+        lines.append(f"  {name:<14} {_g(used):>24} {_g(peak):>18} {_g(e):>12} {diff:>10}")
+    lines.append("  (GiB; estimate is the stage's peak; diff = measured peak - estimate)")
+    for n in r.notes:
+        lines.append("  note: " + n)
+    lines.append(f"  reproduce: {r.command}")
+    return "\n".join(head + lines)
+
+
+def _g(n: int | None) -> str:
+    return "n/a" if n is None else f"{gib(n):.3f} GiB"
+
+
 def quick_table(q) -> str:
     lines = [f"quick formula: {q.params / 1e9:g}B params x {q.bits:g} bits, ctx={q.ctx}, batch={q.batch}",
              _row("weights", q.weights_bytes)]

@@ -1,0 +1,76 @@
+"""A scripted stand-in for pynvml at vramcal's one NVML door (gpustat's approach): per-GPU values
+that change over time, NVML errors per field, and a GPU that disappears."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+
+class NVMLError(Exception):
+    pass
+
+
+class NVMLError_NotSupported(NVMLError):
+    def __str__(self):
+        return "Not Supported"
+
+
+class NVMLError_GpuIsLost(NVMLError):
+    def __str__(self):
+        return "GPU is lost"
+
+
+class FakeNVML:
+    """``script`` maps a GPU index to a list of memory.used values returned in turn (the last repeats);
+    a value that is an exception instance is raised instead. ``procs`` maps index to {pid: bytes}, and a
+    pid's bytes of None means the driver does not report per-process usage."""
+
+    def __init__(self, script: dict[int, list], total: int = 80 * 1024**3, procs=None, fail_init: bool = False):
+        self.script = {k: list(v) for k, v in script.items()}
+        self.calls = {k: 0 for k in script}
+        self.total = total
+        self.procs = procs or {}
+        self.fail_init = fail_init
+        self.inits = 0
+        self.shutdowns = 0
+        self.lost: set[int] = set()
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise NVMLError("NVML Shared Library Not Found")
+        self.inits += 1
+
+    def nvmlShutdown(self):
+        self.shutdowns += 1
+
+    def nvmlDeviceGetCount(self):
+        return len(self.script)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        if i in self.lost:
+            raise NVMLError_GpuIsLost()
+        if i not in self.script:
+            raise NVMLError("Invalid Argument")
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        values = self.script[h]
+        v = values[min(self.calls[h], len(values) - 1)]
+        self.calls[h] += 1
+        if isinstance(v, Exception):
+            raise v
+        return SimpleNamespace(used=v, total=self.total, free=self.total - v)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        if h not in self.procs:
+            raise NVMLError_NotSupported()
+        return [SimpleNamespace(pid=pid, usedGpuMemory=b) for pid, b in self.procs[h].items()]
+
+    def nvmlDeviceGetName(self, h):
+        return b"NVIDIA H200"
+
+    def nvmlDeviceGetUUID(self, h):
+        return f"GPU-fake-{h}"
+
+    def nvmlSystemGetDriverVersion(self):
+        raise NVMLError_NotSupported()

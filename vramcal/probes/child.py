@@ -1,0 +1,182 @@
+"""The child process of a probe: load the model through ``from_pretrained``, generate 16 tokens,
+and stream stage markers to the parent as they happen, one JSON object per line on a pipe.
+
+Run as ``python -m vramcal.probes.child SPEC_JSON FD``. The parent samples memory from outside, so if
+this process dies (CUDA OOM, a CUDA error, SIGKILL) the timeline and the last stage survive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+_OOM_SIZE = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
+_UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
+
+
+class Emitter:
+    def __init__(self, fd: int):
+        self.out = os.fdopen(fd, "w", buffering=1)
+
+    def __call__(self, event: str, **fields) -> None:
+        fields.update(event=event, t=time.monotonic())
+        self.out.write(json.dumps(fields) + "\n")
+        self.out.flush()
+
+
+def _rss() -> int | None:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    except Exception:
+        return None
+
+
+def requested_bytes(message: str) -> int | None:
+    m = _OOM_SIZE.search(message)
+    return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
+
+
+def _preimport(spec: dict) -> None:
+    """Import the code ``from_pretrained`` will import (the model's module, bitsandbytes), so the
+    baseline includes it and the stages measure tensors, not Python modules."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    config = AutoConfig.from_pretrained(spec["model_dir"])
+    try:
+        _get_model_class(config, AutoModelForCausalLM._model_mapping)
+    except Exception:
+        pass
+    if spec.get("bnb"):
+        import bitsandbytes  # noqa: F401
+    import gc
+
+    gc.collect()
+
+
+def run(spec: dict, emit: Emitter) -> int:
+    phase = "baseline"
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+        device = spec["device"]
+        cuda = device.startswith("cuda")
+        _preimport(spec)
+        emit("stage", name="baseline", rss=_rss())
+
+        def torch_stats() -> dict:
+            if not cuda:
+                return {"rss": _rss()}
+            stats = {"rss": _rss(), "torch_allocated": torch.cuda.memory_allocated(device),
+                     "torch_reserved": torch.cuda.memory_reserved(device),
+                     "torch_max_allocated": torch.cuda.max_memory_allocated(device),
+                     "torch_max_reserved": torch.cuda.max_memory_reserved(device)}
+            torch.cuda.reset_peak_memory_stats(device)
+            return stats
+
+        if cuda:
+            phase = "context"
+            torch.cuda.init()
+            torch.zeros(1, device=device)  # the context exists once a first kernel ran
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            emit("stage", name="context", **torch_stats())
+
+        phase = "load_peak"
+        kwargs = {"dtype": getattr(torch, spec["dtype"]),
+                  "device_map": {"": device} if cuda else "cpu"}
+        if spec.get("bnb"):
+            bnb = dict(spec["bnb"])
+            if "bnb_4bit_compute_dtype" in bnb:
+                bnb["bnb_4bit_compute_dtype"] = getattr(torch, bnb["bnb_4bit_compute_dtype"])
+            kwargs["quantization_config"] = BitsAndBytesConfig(**bnb)
+        if spec.get("attn") and spec["attn"] != "auto":
+            kwargs["attn_implementation"] = spec["attn"]
+        model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], **kwargs)
+        model.eval()
+        if cuda:
+            torch.cuda.synchronize(device)
+        emit("stage", name="load_peak", **torch_stats())
+        phase = "post_load"
+        import gc
+
+        gc.collect()
+        emit("stage", name="post_load", **torch_stats())
+
+        phase = "first_token"
+        new = int(spec.get("new_tokens", 16))
+        prompt = spec["ctx"] - new
+        gen = torch.Generator().manual_seed(int(spec.get("seed", 0)))
+        vocab = int(model.config.get_text_config().vocab_size)
+        ids = torch.randint(3, max(4, vocab - 1), (spec["batch"], prompt), generator=gen)
+        ids = ids.to(model.device)
+        state = {"calls": 0}
+
+        class FirstToken:
+            """A streamer: its second ``put`` is the first new token (the first is the prompt)."""
+
+            def put(self, value):
+                nonlocal phase
+                state["calls"] += 1
+                if state["calls"] == 2:
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    emit("stage", name="first_token", **torch_stats())
+                    phase = "end"
+
+            def end(self):
+                pass
+
+        streamer = FirstToken() if spec["batch"] == 1 else None
+        logits_marker = None
+        if streamer is None:  # streamers take batch 1 only: mark the first token from a logits processor
+            from transformers import LogitsProcessor, LogitsProcessorList
+
+            class Mark(LogitsProcessor):
+                def __call__(self, input_ids, scores):
+                    nonlocal phase
+                    if phase == "first_token":
+                        if cuda:
+                            torch.cuda.synchronize(device)
+                        emit("stage", name="first_token", **torch_stats())
+                        phase = "end"
+                    return scores
+
+            logits_marker = LogitsProcessorList([Mark()])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, streamer=streamer, logits_processor=logits_marker,
+                                 pad_token_id=0)
+        if cuda:
+            torch.cuda.synchronize(device)
+        emit("stage", name="end", generated=int(out.shape[1] - prompt), **torch_stats())
+        emit("done")
+        return 0
+    except Exception as exc:
+        import traceback
+
+        message = f"{type(exc).__name__}: {exc}".strip()
+        is_oom = type(exc).__name__ in ("OutOfMemoryError",) or "out of memory" in str(exc).lower()
+        if is_oom:
+            emit("oom", stage=phase, requested_bytes=requested_bytes(str(exc)), message=message.splitlines()[0])
+            return 3
+        emit("error", stage=phase, message=message.splitlines()[0][:500], traceback=traceback.format_exc()[-4000:])
+        return 4
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    emit = Emitter(int(argv[1]))
+    emit("hello", pid=os.getpid())
+    return run(spec, emit)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

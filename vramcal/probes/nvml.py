@@ -1,0 +1,170 @@
+"""The one door to NVML.
+
+Every NVML call in vramcal goes through :func:`query`. It initialises NVML lazily, maps NVML errors to
+:class:`NA` (a value that could not be read, with the reason: never 0), and refuses calls after
+:func:`shutdown`, so a sampler thread can never outlive ``nvmlShutdown``.
+
+Tests replace the backend with a scripted fake (:func:`use_backend`); nothing else in the project is
+faked.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NA:
+    """A field NVML could not give, and why (``not supported``, ``GPU is lost``, ...)."""
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+
+class NVMLUnavailable(Exception):
+    """NVML cannot be used at all here (no library, no driver)."""
+
+
+_lock = threading.RLock()
+_backend = None  # the pynvml module, or a fake with the same functions
+_state = "uninitialised"  # uninitialised | ready | shut | unavailable
+_why_unavailable = ""
+
+
+def use_backend(module) -> None:
+    """Use ``module`` (pynvml or a scripted fake) for every later call; resets the door."""
+    global _backend, _state, _why_unavailable
+    with _lock:
+        if _state == "ready" and _backend is not None:
+            try:
+                _backend.nvmlShutdown()
+            except Exception:
+                pass
+        _backend, _state, _why_unavailable = module, "uninitialised", ""
+
+
+def _init() -> None:
+    global _backend, _state, _why_unavailable
+    if _state == "ready":
+        return
+    if _state == "unavailable":
+        raise NVMLUnavailable(_why_unavailable)
+    if _state == "shut":
+        raise NVMLUnavailable("NVML was shut down")
+    if _backend is None:
+        try:
+            import pynvml  # nvidia-ml-py
+        except ImportError:
+            _state, _why_unavailable = "unavailable", "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
+            raise NVMLUnavailable(_why_unavailable) from None
+        _backend = pynvml
+    try:
+        _backend.nvmlInit()
+    except Exception as exc:
+        _state, _why_unavailable = "unavailable", f"nvmlInit failed: {_reason(exc)}"
+        raise NVMLUnavailable(_why_unavailable) from None
+    _state = "ready"
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc) or type(exc).__name__
+    return text.strip().rstrip(".")
+
+
+def available() -> tuple[bool, str]:
+    with _lock:
+        try:
+            _init()
+            return True, ""
+        except NVMLUnavailable as exc:
+            return False, str(exc)
+
+
+def query(name: str, *args):
+    """Call NVML function ``name``; an NVML error comes back as :class:`NA`, never raised, never 0."""
+    with _lock:
+        try:
+            _init()
+        except NVMLUnavailable as exc:
+            return NA(str(exc))
+        fn = getattr(_backend, name, None)
+        if fn is None:
+            return NA(f"{name} is not in this NVML binding")
+        try:
+            return fn(*args)
+        except Exception as exc:  # pynvml.NVMLError and its subclasses, or a fake's
+            return NA(_reason(exc))
+
+
+def shutdown() -> None:
+    """Shut NVML down; later queries answer NA. Call after every sampler has stopped."""
+    global _state
+    with _lock:
+        if _state == "ready":
+            try:
+                _backend.nvmlShutdown()
+            except Exception:
+                pass
+        if _state != "unavailable":
+            _state = "shut"
+
+
+def reopen() -> None:
+    """Allow initialisation again after :func:`shutdown` (a new probe in the same process)."""
+    global _state
+    with _lock:
+        if _state == "shut":
+            _state = "uninitialised"
+
+
+# ----------------------------------------------------------------------------- typed helpers
+
+def device_handle(index: int):
+    return query("nvmlDeviceGetHandleByIndex", index)
+
+
+def memory_used(handle) -> int | NA:
+    if isinstance(handle, NA):
+        return handle
+    info = query("nvmlDeviceGetMemoryInfo", handle)
+    return info if isinstance(info, NA) else int(info.used)
+
+
+def memory_total(handle) -> int | NA:
+    if isinstance(handle, NA):
+        return handle
+    info = query("nvmlDeviceGetMemoryInfo", handle)
+    return info if isinstance(info, NA) else int(info.total)
+
+
+def process_used(handle, pid: int) -> int | NA:
+    """GPU memory used by process ``pid`` on this device; NA when the driver does not say."""
+    if isinstance(handle, NA):
+        return handle
+    procs = query("nvmlDeviceGetComputeRunningProcesses", handle)
+    if isinstance(procs, NA):
+        return procs
+    for p in procs:
+        if int(p.pid) == pid:
+            used = getattr(p, "usedGpuMemory", None)
+            return NA("per-process usage not available (driver or container)") if used is None else int(used)
+    return NA(f"process {pid} not listed on this device")
+
+
+def device_info(index: int) -> dict:
+    """Name, UUID, total memory and driver of device ``index``; each field a value or NA."""
+    h = device_handle(index)
+
+    def text(v):
+        return v.decode() if isinstance(v, bytes) else v
+
+    return {
+        "index": index,
+        "name": text(query("nvmlDeviceGetName", h)) if not isinstance(h, NA) else h,
+        "uuid": text(query("nvmlDeviceGetUUID", h)) if not isinstance(h, NA) else h,
+        "total_bytes": memory_total(h),
+        "driver": text(query("nvmlSystemGetDriverVersion")),
+    }

@@ -1,0 +1,51 @@
+"""Random weights at a model's real widths, written as a safetensors checkpoint.
+
+``--synthetic`` probes a model before downloading it: the config's architecture, random values, the
+same ``from_pretrained`` path as a real checkpoint. Where this can differ from the real checkpoint:
+its stored dtype is the config's (a real one may be stored in another dtype and converted at load),
+tied embeddings are stored once (as published tied checkpoints are), and values differ, which moves
+only data-dependent parts (MoE routing, LLM.int8 outlier columns), not the tensors' sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def write_checkpoint(config: dict, out_dir: str, seed: int = 0) -> str:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..estimator.inventory import clean_config
+    from ..estimator.quant import config_dtype
+
+    raw = clean_config(config)
+    raw.pop("quantization_config", None)
+    dtype = getattr(torch, config_dtype(raw))
+    cfg = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model = model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.zero_()
+    model.tie_weights()
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv: list[str]) -> int:
+    """``python -m vramcal.probes.synthetic CONFIG_JSON OUT_DIR``: run in its own process, so the
+    memory used to make the weights is returned to the system before the probe measures anything."""
+    config = json.loads(open(argv[0]).read())
+    write_checkpoint(config, argv[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
