@@ -50,7 +50,7 @@ def probe_table(r) -> str:
             + (f"; sampler cost {r.sampler_overhead:.2%} of a core" if r.sampler_overhead is not None else ""),
             ""]
     what = "above baseline" if cpu else "memory.used"
-    lines = [f"  {'stage':<14} {'measured ' + what:>24} {'peak in interval':>18} {'estimate':>12} {'diff':>10}"]
+    lines = [f"  {'stage':<12} {'measured ' + what:>26} {'peak in interval':>26} {'estimate':>26} {'diff':>10}"]
     est = (r.estimate or {}).get("stages", {})
     base = r.stages.get("baseline", {}).get("used_bytes") if cpu else 0
     for name, st in r.stages.items():
@@ -59,9 +59,9 @@ def probe_table(r) -> str:
             used = None if used is None else used - base
             peak = None if peak is None else peak - base
         e = est.get(name)
-        diff = f"{gib(peak - e):+9.2f}G" if (e is not None and peak is not None) else ""
-        lines.append(f"  {name:<14} {_g(used):>24} {_g(peak):>18} {_g(e):>12} {diff:>10}")
-    lines.append("  (GiB; estimate is the stage's peak; diff = measured peak - estimate)")
+        diff = f"{gib(peak - e):+8.3f} GiB" if (e is not None and peak is not None) else ""
+        lines.append(f"  {name:<12} {_g(used):>26} {_g(peak):>26} {_g(e):>26} {diff:>10}")
+    lines.append("  (estimate is the stage's peak; diff = measured peak - estimate)")
     for n in r.notes:
         lines.append("  note: " + n)
     lines.append(f"  reproduce: {r.command}")
@@ -69,7 +69,7 @@ def probe_table(r) -> str:
 
 
 def _g(n: int | None) -> str:
-    return "n/a" if n is None else f"{gib(n):.3f} GiB"
+    return "n/a" if n is None else f"{gib(n):.3f} GiB / {gb(n):.3f} GB"
 
 
 def quick_table(q) -> str:

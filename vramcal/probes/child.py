@@ -73,7 +73,9 @@ def run(spec: dict, emit: Emitter) -> int:
         def torch_stats() -> dict:
             if not cuda:
                 return {"rss": _rss()}
-            stats = {"rss": _rss(), "torch_allocated": torch.cuda.memory_allocated(device),
+            free, total = torch.cuda.mem_get_info(device)  # device-wide, like NVML: the fallback without it
+            stats = {"rss": _rss(), "mem_get_info_used": int(total - free),
+                     "torch_allocated": torch.cuda.memory_allocated(device),
                      "torch_reserved": torch.cuda.memory_reserved(device),
                      "torch_max_allocated": torch.cuda.max_memory_allocated(device),
                      "torch_max_reserved": torch.cuda.max_memory_reserved(device)}

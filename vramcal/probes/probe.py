@@ -234,6 +234,10 @@ def _run_child(child_spec: dict, series: str | None, interval_s: float, device: 
             st["peak_bytes"] = max(v for v in (st.get("peak_bytes"), info["rss"]) if v is not None)
         if series and series != "rss":
             st["process_used_bytes"] = _proc_at(samples, info["t"], series + "_proc")
+        if series is None and info.get("mem_get_info_used") is not None:
+            # no NVML: the child's torch.cuda.mem_get_info at the marker; no peak between markers
+            st["used_bytes"] = info["mem_get_info_used"]
+            st["peak_bytes"] = None
     unfinished = stages.pop("_unfinished", None)
     oom = None
     if status == "oom":
