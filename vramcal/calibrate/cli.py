@@ -32,6 +32,9 @@ def _add_estimate(sub) -> None:
     p.add_argument("--fast", action="store_true", help="use the fitted activation model instead of tracing this point")
     p.add_argument("--no-disk-cache", action="store_true", help="recompute the inventory instead of reading the cache")
     p.add_argument("--json", action="store_true", help="one JSON object, integer bytes")
+    p.add_argument("--db", help="records database (default $VRAMCAL_DB or ~/.local/share/vramcal/vramcal.db)")
+    p.add_argument("--no-correction", action="store_true",
+                   help="do not apply this machine's correction from the records database")
     q = p.add_argument_group("quick mode (no config needed)")
     q.add_argument("--params-b", type=float, help="parameters, in billions")
     q.add_argument("--bits", type=float, help="bits per parameter")
@@ -62,16 +65,141 @@ def cmd_estimate(args) -> int:
     e = estimate(args.model, args.quant, args.ctx, args.batch, dtype=args.dtype, kv_dtype=args.kv_dtype,
                  attn=args.attn, cache=args.cache, device=args.device, use_cache=not args.no_disk_cache,
                  exact=not args.fast)
+    out = e.to_dict()
+    if not args.no_correction:
+        out = _apply_machine_correction(out, args.device, args.db)
     if args.json:
-        out = e.to_dict()
         if quick:
             out["quick"] = q.to_dict()
         print(json.dumps(out))
     else:
         print(present.estimate_table(e))
+        if out.get("correction"):
+            print()
+            print(present.correction_table(out))
         if quick:
             print()
             print(present.quick_table(q))
+    return 0
+
+
+def _apply_machine_correction(est: dict, device: str, db: str | None) -> dict:
+    """The matching correction of this machine, if the database has one (docs/calibration.md)."""
+    from ..records.store import Store, default_path
+
+    path = db or default_path()
+    import os
+
+    if not os.path.exists(path):
+        est["correction"] = None
+        return est
+    from ..probes.machine import machine_fingerprint, stack_key
+    from . import reconcile
+    from .check import corrected
+
+    fp = machine_fingerprint("cpu" if device == "cpu" else (device if ":" in device else "cuda:0"))
+    with Store(path) as store:
+        mid = store.machine_id(fp)
+        rows = store.latest_corrections(mid, stack_key(fp))
+    if not rows:
+        est["correction"] = None
+        return est
+    return corrected(est, reconcile.corrections_from_rows(rows))
+
+
+def cmd_check(args) -> int:
+    from . import present
+    from .check import check
+
+    budget = None if args.budget in (None, "auto") else _size(args.budget, "--budget")
+    r = check(args.model, args.quant, args.ctx, args.batch, device=args.device, db=args.db, budget=budget,
+              buffer=_size(args.buffer, "--buffer"), prefer=args.prefer, synthetic=args.synthetic, attn=args.attn,
+              dtype=args.dtype, command=_argv_command())
+    print(json.dumps(r.to_dict()) if args.json else present.check_table(r))
+    return 0 if r.verdict.fits else 1
+
+
+def _size(text: str, flag: str) -> int:
+    from ..units import parse_size
+
+    try:
+        n = parse_size(text)
+    except ValueError as exc:
+        raise UserError(f"{flag}: {exc}") from None
+    if n < 0:
+        raise UserError(f"{flag} must not be negative")
+    return n
+
+
+def cmd_memo(args) -> int:
+    from ..records.store import Store
+    from .check import memo_markdown, recheck
+
+    with Store(args.db, create=False) as store:
+        memos = store.memos()
+    if not memos:
+        raise UserError("no memo recorded yet: run `vramcal check MODEL ...` once; a run that fits leaves one")
+    if args.run is not None:
+        chosen = [m for m in memos if m["run_id"] == args.run]
+        if not chosen:
+            raise UserError(f"no memo for run {args.run}: `vramcal records list` shows the runs")
+        memo = chosen[-1]["memo"]
+    else:
+        memo = memos[-1]["memo"]
+    if args.recheck:
+        out = recheck(memo, args.db)
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print(f"run {out['memo_run']} rechecked as run {out['recheck_run']}: "
+                  + ("CONSISTENT" if out["consistent"] else "CHANGED")
+                  + f"  old peak {out['old_peak_bytes']} B, new {out['new_peak_bytes']} B, "
+                  f"tolerance {out['tolerance_bytes']} B")
+        return 0 if out["consistent"] else 1
+    print(json.dumps(memo) if args.json else memo_markdown(memo), end="" if not args.json else "\n")
+    return 0
+
+
+def cmd_fit(args) -> int:
+    from . import present
+    from .check import DEFAULT_BUFFER, fit_contexts
+
+    if args.budget == "auto":
+        from ..probes.machine import machine_fingerprint
+
+        total = machine_fingerprint(args.device).get("total_bytes")
+        if not total:
+            raise UserError("cannot read this device's memory: pass --budget, e.g. --budget 24GiB")
+        budget = int(total)
+    else:
+        budget = _size(args.budget, "--budget")
+    buffer = DEFAULT_BUFFER if args.buffer is None else _size(args.buffer, "--buffer")
+    rows = fit_contexts(args.model, budget, device=args.device, db=args.db, buffer=buffer)
+    print(json.dumps({"budget_bytes": budget, "buffer_bytes": buffer, "rows": rows}) if args.json
+          else present.fit_table(args.model, budget, buffer, rows))
+    return 0
+
+
+def cmd_records(args) -> int:
+    from ..records.export import export
+    from ..records.store import Store
+    from . import present
+
+    with Store(args.db, create=False) as store:
+        if args.action == "list":
+            runs = store.runs()
+            print(json.dumps(runs, default=str) if args.json else present.runs_table(runs))
+        elif args.action == "show":
+            if args.id is None:
+                raise UserError("records show needs a run id: `vramcal records show 3`")
+            run = store.run(args.id)
+            if run is None:
+                raise UserError(f"no run {args.id}: `vramcal records list` shows the runs")
+            print(json.dumps(run, default=str, indent=1))
+        else:
+            text = export(store, args.format, args.out)
+            if text is not None:
+                print(text, end="")
     return 0
 
 
@@ -136,12 +264,71 @@ def _argv_command() -> str:
     return shlex.join(["vramcal"] + [a for a in sys.argv[1:] if a != "--debug"])
 
 
+def _add_calibration(sub) -> None:
+    from .check import POLICIES
+
+    c = sub.add_parser("check", help="estimate, probe, record, verdict: does it fit, and if not what to change",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="The one-shot job: estimate -> probe (load + 16 tokens) -> reconcile -> record "
+                                   "-> verdict. Fits when the measured peak plus --buffer stays within the budget "
+                                   "(the device's total memory, or --budget). When it does not, proposes next "
+                                   "configurations with this machine's corrected estimates, in the order of "
+                                   "--prefer:\n\n"
+                                   "  quality     keep the weights' precision: smaller batch, then shorter context, "
+                                   "then an fp8 KV cache;\n              lower the weight quantization only when "
+                                   "the weights alone are over the budget\n"
+                                   "  context     keep the context: lower quantization, then fp8 KV, then batch, "
+                                   "the context last\n"
+                                   "  throughput  keep the batch: lower quantization, then context, the batch last\n"
+                                   "\nExit code 0 when it fits, 1 when it does not, 2 for bad input.")
+    c.add_argument("model")
+    c.add_argument("--quant", default="auto")
+    c.add_argument("--dtype", default=None)
+    c.add_argument("--ctx", type=int, default=4096)
+    c.add_argument("--batch", type=int, default=1)
+    c.add_argument("--attn", default="auto")
+    c.add_argument("--device", default="cuda:0")
+    c.add_argument("--synthetic", action="store_true")
+    c.add_argument("--budget", default=None, help="memory to fit in (24GiB, 80GB, auto = the device's total)")
+    c.add_argument("--buffer", default="2GiB", help="headroom to keep free (default 2GiB, as the documents advise)")
+    c.add_argument("--prefer", default="quality", choices=POLICIES, help="order of adjustments (see above)")
+    c.add_argument("--db")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_check)
+
+    m = sub.add_parser("memo", help="the known-good memo of the last run that fit (Markdown or JSON)")
+    m.add_argument("--run", type=int, help="the memo of this run id (default: the latest)")
+    m.add_argument("--recheck", action="store_true", help="re-run the memo's command and compare the peak")
+    m.add_argument("--db")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_memo)
+
+    f = sub.add_parser("fit", help="the largest context per quant and batch that fits a budget")
+    f.add_argument("model")
+    f.add_argument("--budget", required=True, help="24GiB, 80GB, or auto (the device's total memory)")
+    f.add_argument("--buffer", default=None, help="headroom to keep free (default 2GiB)")
+    f.add_argument("--device", default="cuda:0")
+    f.add_argument("--db")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=cmd_fit)
+
+    r = sub.add_parser("records", help="list, show or export the recorded runs")
+    r.add_argument("action", choices=("list", "show", "export"))
+    r.add_argument("id", nargs="?", type=int)
+    r.add_argument("--format", default="csv", help="csv | json | parquet (export)")
+    r.add_argument("--out", help="file to write (export)")
+    r.add_argument("--db")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=cmd_records)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="vramcal", description="Predict, measure and calibrate GPU memory for quantized LLMs.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     _add_estimate(sub)
     _add_probe(sub)
+    _add_calibration(sub)
     m = sub.add_parser("models", help="list the built-in catalog of model configs")
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)

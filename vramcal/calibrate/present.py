@@ -93,3 +93,48 @@ def models_table(rows: list[dict]) -> str:
 
 
 __all__ = ["estimate_table", "quick_table", "models_table", "fmt_gib_gb"]
+
+
+def correction_table(est: dict) -> str:
+    c = est["correction"]
+    lines = ["correction for this machine (runs " + ", ".join(map(str, c["source_runs"])) + ")",
+             f"  {'stage':<14} {'raw':>22} {'correction':>14} {'corrected':>22}"]
+    for k, raw in c["raw"].items():
+        lines.append(f"  {k:<14} {fmt_gib_gb(raw):>22} {c['delta'][k] / 1024**3:>+10.3f} GiB {fmt_gib_gb(c['corrected'][k]):>22}")
+    return "\n".join(lines)
+
+
+def check_table(r) -> str:
+    v = r.verdict
+    lines = [("FITS" if v.fits else "DOES NOT FIT") + f": {v.reason}",
+             f"  budget {fmt_gib_gb(v.budget_bytes)}, buffer {fmt_gib_gb(v.buffer_bytes)}, "
+             f"measured peak {fmt_gib_gb(v.peak_bytes)} at {v.peak_stage}",
+             f"  recorded as run {r.run_id} (machine {r.machine_id})" + (f", memo {r.memo_id}" if r.memo_id else "")]
+    if r.corrections:
+        lines.append("  correction now: " + ", ".join(
+            f"{k} {c['intercept_bytes'] / 1024**3:+.3f} GiB from {c['n_runs']} run(s)" for k, c in r.corrections.items()))
+    if r.proposals:
+        lines.append("")
+        lines.append("next configurations to try (corrected estimate, p95 margin):")
+        for p in r.proposals:
+            lines.append(f"  {p['change']:<40} peak {fmt_gib_gb(p['corrected_peak_bytes'])}   {p['command']}")
+    elif not v.fits:
+        lines.append("  no configuration within reach fits: a smaller model, or a larger device")
+    return "\n".join(lines)
+
+
+def fit_table(model: str, budget: int, buffer: int, rows: list[dict]) -> str:
+    lines = [f"{model}: largest context within {fmt_gib_gb(budget)} minus a {fmt_gib_gb(buffer)} buffer",
+             f"  {'quant':<8} {'batch':>5} {'max ctx':>9} {'peak':>22}"]
+    for r in rows:
+        ctx = "none" if r["max_ctx"] is None else f"{r['max_ctx']:,}"
+        lines.append(f"  {r['quant']:<8} {r['batch']:>5} {ctx:>9} {fmt_gib_gb(r['peak_bytes']):>22}")
+    return "\n".join(lines)
+
+
+def runs_table(runs: list[dict]) -> str:
+    lines = [f"{'id':>4} {'model':<30} {'quant':<8} {'ctx':>7} {'batch':>5} {'device':<8} status"]
+    for r in runs:
+        lines.append(f"{r['id']:>4} {str(r['model'])[-30:]:<30} {r['quant']:<8} {r['ctx']:>7} {r['batch']:>5} "
+                     f"{r['device']:<8} {r['status'] or 'interrupted'}")
+    return "\n".join(lines)

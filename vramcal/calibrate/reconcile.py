@@ -1,0 +1,125 @@
+"""Reconcile a measurement with its estimate, fit per-machine corrections, apply them.
+
+A correction belongs to one machine and one software stack (:func:`vramcal.probes.machine.stack_key`).
+Per stage it is ``measured - estimated = intercept + slope * tokens`` (tokens = ctx x batch), fitted by
+least squares over every finished run there; one run, or runs at a single token count, give an
+intercept only. The residuals' p50 and p95 say how far a corrected estimate is likely to be off.
+
+On the CPU path the measured figure is the child's reading minus its baseline (docs/accounting.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STAGES = ("load_peak", "post_load", "first_token", "end")
+
+
+def stage_rows(result) -> list[dict]:
+    """Rows for the ``stages`` table: estimate beside measurement, per stage of a probe result."""
+    cpu = result.series == "rss"
+    base = result.stages.get("baseline", {}).get("used_bytes") if cpu else 0
+    est = (result.estimate or {}).get("stages", {})
+    rows = []
+    for name, st in result.stages.items():
+        peak, used = st.get("peak_bytes"), st.get("used_bytes")
+        if cpu and base is not None and name != "baseline":
+            peak = None if peak is None else peak - base
+            used = None if used is None else used - base
+        rows.append({"stage": name, "estimated_bytes": est.get(name), "measured_peak_bytes": peak,
+                     "measured_used_bytes": used, "torch_max_allocated": st.get("torch_max_allocated"),
+                     "torch_max_reserved": st.get("torch_max_reserved")})
+    return rows
+
+
+def component_deltas(result) -> dict[str, int | None]:
+    """Measured minus estimated where the stages separate the components: the context
+    (``context - baseline``), the weights (``post_load - context``) and generation
+    (``first_token - post_load``)."""
+    st = result.stages
+    est = (result.estimate or {}).get("components", {})
+
+    def used(name):
+        return st.get(name, {}).get("used_bytes")
+
+    def peak(name):
+        return st.get(name, {}).get("peak_bytes")
+
+    start = used("context") if "context" in st else used("baseline")
+    out: dict[str, int | None] = {"context": None, "weights": None, "generation": None}
+    if "context" in st and used("baseline") is not None and used("context") is not None:
+        out["context"] = used("context") - used("baseline")
+    if start is not None and used("post_load") is not None and est.get("weights") is not None:
+        out["weights"] = used("post_load") - start - est["weights"]
+    if peak("first_token") is not None and used("post_load") is not None and est:
+        out["generation"] = peak("first_token") - used("post_load") - est.get("activations", 0) - _kv_prompt(result)
+    return out
+
+
+def _kv_prompt(result) -> int:
+    est = result.estimate or {}
+    kv_end = est.get("components", {}).get("kv_cache", 0)
+    ctx = est.get("ctx") or result.ctx
+    return int(kv_end * (ctx - 16) / max(ctx - 1, 1))
+
+
+@dataclass
+class Correction:
+    stage: str
+    intercept_bytes: int
+    slope_bytes_per_token: float
+    n_runs: int
+    residual_p50_bytes: int
+    residual_p95_bytes: int
+    source_runs: list[int]
+
+    def at(self, tokens: int) -> int:
+        return int(self.intercept_bytes + self.slope_bytes_per_token * tokens)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def fit_corrections(rows: list[dict], exclude_run: int | None = None) -> dict[str, Correction]:
+    """Fit one correction per stage from ``stages`` rows of finished runs (``status == 'ok'``)."""
+    out = {}
+    for stage in STAGES:
+        pts = [(r["ctx"] * r["batch"], r["measured_peak_bytes"] - r["estimated_bytes"], r["run_id"]) for r in rows
+               if r["stage"] == stage and r.get("status") == "ok" and r["run_id"] != exclude_run
+               and r["measured_peak_bytes"] is not None and r["estimated_bytes"] is not None]
+        if not pts:
+            continue
+        xs = [p[0] for p in pts]
+        ys = [p[1] for p in pts]
+        n = len(pts)
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+        intercept = my - slope * mx
+        res = [abs(y - (intercept + slope * x)) for x, y in zip(xs, ys)]
+        out[stage] = Correction(stage, int(round(intercept)), slope, n, int(_percentile(res, 0.5)),
+                                int(_percentile(res, 0.95)), sorted({p[2] for p in pts}))
+    return out
+
+
+def corrections_from_rows(rows: dict[str, dict]) -> dict[str, Correction]:
+    return {stage: Correction(stage, r["intercept_bytes"], r["slope_bytes_per_token"], r["n_runs"],
+                              r.get("residual_p50_bytes") or 0, r.get("residual_p95_bytes") or 0, r["source_runs"])
+            for stage, r in rows.items()}
+
+
+def apply(stages: dict[str, int], ctx: int, batch: int, corrections: dict[str, Correction],
+          margin: str | None = None) -> dict[str, int]:
+    """Corrected stages; ``margin='p95'`` adds each stage's p95 residual (for fitting to a budget)."""
+    out = {}
+    for stage, raw in stages.items():
+        c = corrections.get(stage)
+        extra = 0 if c is None else c.at(ctx * batch) + (c.residual_p95_bytes if margin == "p95" else 0)
+        out[stage] = raw + extra
+    return out

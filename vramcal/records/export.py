@@ -1,0 +1,45 @@
+"""Export runs with their stages as one table, through pandas: CSV, JSON or Parquet."""
+
+from __future__ import annotations
+
+from ..errors import UserError
+from .store import Store
+
+FORMATS = ("csv", "json", "parquet")
+
+
+def runs_frame(store: Store):
+    import pandas as pd
+
+    q = ("SELECT r.id AS run_id, r.created_at, m.kind AS machine_kind, m.gpu_name, m.total_bytes AS device_total_bytes, "
+         "m.hostname, m.torch, m.transformers, m.bitsandbytes, r.model, r.config_hash, r.quant, r.quant_impl, r.dtype, "
+         "r.ctx, r.batch, r.kv_dtype, r.attn, r.device, COALESCE(s.status, 'interrupted') AS status, "
+         "s.last_stage, s.error, st.stage, st.estimated_bytes, st.measured_peak_bytes, st.measured_used_bytes, "
+         "st.torch_max_allocated, st.torch_max_reserved, r.command "
+         "FROM runs r JOIN machines m ON m.id = r.machine_id LEFT JOIN results s ON s.run_id = r.id "
+         "LEFT JOIN stages st ON st.run_id = r.id ORDER BY r.id, st.rowid")
+    frame = pd.read_sql_query(q, store.conn)
+    for col in ("estimated_bytes", "measured_peak_bytes", "measured_used_bytes", "torch_max_allocated",
+                "torch_max_reserved", "device_total_bytes"):
+        frame[col] = frame[col].astype("Int64")  # integers with NULL as <NA>, never 0
+    return frame
+
+
+def export(store: Store, fmt: str, out: str | None) -> str | None:
+    if fmt not in FORMATS:
+        raise UserError(f"unknown --format {fmt!r}: choose csv, json or parquet")
+    frame = runs_frame(store)
+    if fmt == "parquet":
+        if not out:
+            raise UserError("parquet is binary: pass --out FILE.parquet")
+        try:
+            frame.to_parquet(out, index=False)
+        except ImportError:
+            raise UserError("parquet export needs pyarrow: pip install pyarrow") from None
+        return None
+    text = frame.to_csv(index=False) if fmt == "csv" else frame.to_json(orient="records", indent=1)
+    if out:
+        with open(out, "w") as fh:
+            fh.write(text)
+        return None
+    return text
