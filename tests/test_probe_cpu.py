@@ -36,6 +36,9 @@ def test_probe_nf4_end_to_end(mid_model):
     weights = r.estimate["components"]["weights"]
     assert r.above_baseline("post_load") >= weights  # the quantized weights really arrived
     assert r.stages["end"]["generated"] == 16
+    # the child counts what it really holds: the estimate's weights and KV cache, to the byte
+    assert r.stages["load_peak"]["weights_bytes"] == weights
+    assert r.stages["end"]["kv_bytes"] == r.estimate["components"]["kv_cache"]
     assert r.stages["load_peak"]["peak_bytes"] >= r.stages["load_peak"]["used_bytes"]
     assert r.estimate["quant"] == "nf4" and r.quant_implementation.startswith("bitsandbytes 4-bit")
     assert r.sampler_overhead is not None and r.exit_code == 0

@@ -41,6 +41,43 @@ def requested_bytes(message: str) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
 
 
+def _storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if t is not None and hasattr(t, "untyped_storage"):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def held_weight_bytes(model) -> int:
+    """Bytes of every parameter, buffer and quantization-state tensor the loaded model holds."""
+    objs = []
+    for p in model.parameters():
+        objs.append(p)
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            objs += [qs.absmax, qs.code, qs.offset]
+            if getattr(qs, "nested", False):
+                objs += [qs.state2.absmax, qs.state2.code]
+        objs += [getattr(p, "SCB", None), getattr(p, "CB", None)]
+    objs += list(model.buffers())
+    return _storage_bytes(objs)
+
+
+def cache_bytes(cache) -> int | None:
+    if cache is None:
+        return None
+    objs = []
+    for layer in getattr(cache, "layers", []):
+        for value in vars(layer).values():
+            if hasattr(value, "untyped_storage") and value.dim() >= 2:
+                objs.append(value)
+            elif isinstance(value, (tuple, list)):
+                objs += [v for v in value if hasattr(v, "untyped_storage") and v.dim() >= 2]
+    return _storage_bytes(objs)
+
+
 def _preimport(spec: dict) -> None:
     """Import the code ``from_pretrained`` will import (the model's module, bitsandbytes), so the
     baseline includes it and the stages measure tensors, not Python modules."""
@@ -105,7 +142,7 @@ def run(spec: dict, emit: Emitter) -> int:
         model.eval()
         if cuda:
             torch.cuda.synchronize(device)
-        emit("stage", name="load_peak", **torch_stats())
+        emit("stage", name="load_peak", weights_bytes=held_weight_bytes(model), **torch_stats())
         phase = "post_load"
         import gc
 
@@ -155,10 +192,11 @@ def run(spec: dict, emit: Emitter) -> int:
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                                  do_sample=False, streamer=streamer, logits_processor=logits_marker,
-                                 pad_token_id=0)
+                                 pad_token_id=0, return_dict_in_generate=True)
         if cuda:
             torch.cuda.synchronize(device)
-        emit("stage", name="end", generated=int(out.shape[1] - prompt), **torch_stats())
+        emit("stage", name="end", generated=int(out.sequences.shape[1] - prompt),
+             kv_bytes=cache_bytes(getattr(out, "past_key_values", None)), **torch_stats())
         emit("done")
         return 0
     except Exception as exc:

@@ -1,0 +1,179 @@
+"""The validation corpus: a matrix of real probes (synthetic weights), estimate beside measurement,
+raw and leave-one-out calibrated, and the usual formulas on the same rows.
+
+    python benchmarks/validate.py --device cpu --name cpu            # runs or resumes the CPU matrix
+    python benchmarks/validate.py --device cuda:0 --name gpu-h200    # the same on a GPU
+    python benchmarks/report.py                                      # docs/validation.md from the CSVs
+
+Every probe is recorded in a records database (``--db``, default ``validation-<name>.db`` in the
+working directory); a cell already recorded there with status ok is not run again, so an interrupted
+matrix resumes. The CSV ``docs/validation/<name>.csv`` is rewritten from the database every time.
+
+Architectures are real families at reduced widths (so the CPU matrix fits in 24 GiB and minutes),
+each exercising one layout: dense GQA (Llama), tied embeddings (Qwen2), sliding window (Gemma 3,
+window far below the longest context), mixture of experts (Mixtral), MLA (DeepSeek-V2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import tempfile
+import time
+
+ARCHS = {
+    "dense-gqa": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 16000,
+                  "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 8,
+                  "num_key_value_heads": 2, "tie_word_embeddings": False, "max_position_embeddings": 8192,
+                  "torch_dtype": "bfloat16"},
+    "tied": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 24000, "hidden_size": 512,
+             "intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+             "tie_word_embeddings": True, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"},
+    "sliding": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "vocab_size": 16000,
+                "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 6, "num_attention_heads": 8,
+                "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 256, "query_pre_attn_scalar": 64,
+                "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "max_position_embeddings": 8192,
+                "torch_dtype": "bfloat16"},
+    "moe": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 16000, "hidden_size": 512,
+            "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 8192,
+            "torch_dtype": "bfloat16"},
+    "mla": {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 16000,
+            "hidden_size": 512, "intermediate_size": 1408, "moe_intermediate_size": 256, "num_hidden_layers": 4,
+            "num_attention_heads": 8, "num_key_value_heads": 8, "n_routed_experts": 8, "n_shared_experts": 1,
+            "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 128, "q_lora_rank": None,
+            "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "topk_method": "greedy",
+            "n_group": 1, "topk_group": 1, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"},
+}
+STAGES = ("load_peak", "post_load", "first_token", "end")
+BYTES_PER_PARAM = {"bf16": 2, "fp16": 2, "fp32": 4, "int8": 1, "nf4": 0.5, "nf4-dq": 0.5, "fp4": 0.5, "fp4-dq": 0.5}
+FIELDS = ["name", "device", "machine", "arch", "model", "quant", "ctx", "batch", "status", "run_id", "stage",
+          "estimated_bytes", "calibrated_bytes", "measured_bytes", "error_raw_pct", "error_calibrated_pct",
+          "loo_runs", "peak_stage", "formula_total_bytes", "accelerate_bytes", "weights_estimated_bytes",
+          "weights_measured_bytes", "kv_estimated_bytes", "kv_measured_bytes", "torch", "transformers",
+          "bitsandbytes"]
+
+
+def run_matrix(args) -> None:
+    from vramcal.calibrate.check import record_probe
+    from vramcal.probes.machine import machine_fingerprint
+    from vramcal.probes.probe import run_probe
+    from vramcal.records.store import Store
+
+    fp = machine_fingerprint(args.device)
+    with tempfile.TemporaryDirectory(prefix="vramcal-validate-") as tmp, Store(args.db) as store:
+        mid = store.machine_id(fp)
+        done = {(r["model"], r["quant"], r["ctx"], r["batch"]) for r in store.runs(machine_id=mid)
+                if r["status"] == "ok" and r["device"] == args.device}
+        started = time.monotonic()
+        for arch in args.archs:
+            d = os.path.join(tmp, arch)
+            os.makedirs(d)
+            with open(os.path.join(d, "config.json"), "w") as fh:
+                json.dump(ARCHS[arch], fh)
+            for quant in args.quants:
+                for ctx in args.ctx:
+                    for batch in args.batch:
+                        key = (arch, quant, ctx, batch)
+                        if key in done:
+                            continue
+                        if args.budget_s and time.monotonic() - started > args.budget_s:
+                            print("time budget spent; run again to resume", file=sys.stderr)
+                            return
+                        t = time.monotonic()
+                        from vramcal.estimator.resolve import resolve_model
+
+                        source = resolve_model(d)
+                        source = type(source)(name=arch, origin=source.origin, config=source.config,
+                                              directory=source.directory, weight_files=())
+                        r = run_probe(source, quant, ctx, batch, device=args.device, synthetic=True,
+                                      command=f"benchmarks/validate.py {arch} {quant} ctx={ctx} batch={batch}")
+                        record_probe(store, mid, r, r.estimate)
+                        print(f"{arch:10s} {quant:7s} ctx={ctx:5d} b={batch}: {r.status} "
+                              f"({time.monotonic() - t:.1f}s)", file=sys.stderr)
+
+
+def write_csv(args) -> int:
+    from vramcal.calibrate import reconcile
+    from vramcal.records.store import Store
+
+    rows_out = []
+    with Store(args.db, create=False) as store:
+        machines = {m["id"]: m for m in store.machines()}
+        for mid, machine in machines.items():
+            stage_rows = store.stage_rows(mid)
+            for run in store.runs(machine_id=mid):
+                if run["status"] is None or run["device"] != args.device:
+                    continue
+                full = store.run(run["id"])
+                result = json.loads(full["result_json"])
+                est = json.loads(full["estimate_json"]) if full["estimate_json"] else {}
+                # leave-one-out: this run's correction comes only from the machine's other runs
+                loo = reconcile.fit_corrections(stage_rows, exclude_run=run["id"])
+                measured = {s: (full["stages"].get(s) or {}).get("measured_peak_bytes") for s in STAGES}
+                peak_stage = max((s for s in STAGES if measured[s] is not None), key=lambda s: measured[s],
+                                 default=None)
+                formula = (est.get("formula") or {}).get("total_bytes")
+                params = (est.get("formula") or {}).get("params")
+                acc = int(params * BYTES_PER_PARAM.get(run["quant"], 2)) if params else None
+                st = result.get("stages", {})
+                for s in STAGES:
+                    e = (est.get("stages") or {}).get(s)
+                    m = measured[s]
+                    cal = None if e is None else reconcile.apply({s: e}, run["ctx"], run["batch"], loo)[s]
+                    rows_out.append({
+                        "name": args.name, "device": args.device,
+                        "machine": machine.get("gpu_name") or machine.get("cpu_model"), "arch": run["model"],
+                        "model": run["model"], "quant": run["quant"], "ctx": run["ctx"], "batch": run["batch"],
+                        "status": run["status"], "run_id": run["id"], "stage": s, "estimated_bytes": e,
+                        "calibrated_bytes": cal, "measured_bytes": m,
+                        "error_raw_pct": _pct(e, m), "error_calibrated_pct": _pct(cal, m),
+                        "loo_runs": len({r for c in loo.values() for r in c.source_runs}),
+                        "peak_stage": peak_stage, "formula_total_bytes": formula, "accelerate_bytes": acc,
+                        "weights_estimated_bytes": (est.get("components") or {}).get("weights"),
+                        "weights_measured_bytes": (st.get("load_peak") or {}).get("weights_bytes"),
+                        "kv_estimated_bytes": (est.get("components") or {}).get("kv_cache"),
+                        "kv_measured_bytes": (st.get("end") or {}).get("kv_bytes"),
+                        "torch": machine.get("torch"), "transformers": machine.get("transformers"),
+                        "bitsandbytes": machine.get("bitsandbytes")})
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", newline="") as fh:
+        w = csv.DictWriter(fh, FIELDS)
+        w.writeheader()
+        w.writerows(rows_out)
+    print(f"{len(rows_out)} rows -> {args.out}", file=sys.stderr)
+    return len(rows_out)
+
+
+def _pct(est, measured):
+    if est is None or not measured:
+        return None
+    return round(100.0 * (est - measured) / measured, 3)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--name", default="cpu", help="names the CSV: docs/validation/<name>.csv")
+    ap.add_argument("--db", help="records database (default ./validation-<name>.db)")
+    ap.add_argument("--out", help="CSV path (default docs/validation/<name>.csv)")
+    ap.add_argument("--archs", nargs="+", default=list(ARCHS), choices=list(ARCHS))
+    ap.add_argument("--quants", nargs="+", default=["bf16", "int8", "nf4", "nf4-dq"])
+    ap.add_argument("--ctx", nargs="+", type=int, default=[256, 1024, 4096])
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--budget-s", type=float, default=0, help="stop starting probes after this long (resume later)")
+    ap.add_argument("--csv-only", action="store_true", help="rewrite the CSV from the database, run nothing")
+    args = ap.parse_args()
+    args.db = args.db or f"validation-{args.name}.db"
+    args.out = args.out or os.path.join("docs", "validation", f"{args.name}.csv")
+    if not args.csv_only:
+        run_matrix(args)
+    write_csv(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
