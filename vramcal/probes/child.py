@@ -41,17 +41,18 @@ def requested_bytes(message: str) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
 
 
-def _storage_bytes(tensors) -> int:
-    seen = {}
+def storages(tensors) -> dict[int, int]:
+    """{storage address: bytes} of the given tensors, each storage once (tied and shared tensors)."""
+    seen: dict[int, int] = {}
     for t in tensors:
         if t is not None and hasattr(t, "untyped_storage"):
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+    return seen
 
 
-def held_weight_bytes(model) -> int:
-    """Bytes of every parameter, buffer and quantization-state tensor the loaded model holds."""
+def held_weight_storages(model) -> dict[int, int]:
+    """Every parameter, buffer and quantization-state tensor the loaded model holds."""
     objs = []
     for p in model.parameters():
         objs.append(p)
@@ -62,10 +63,15 @@ def held_weight_bytes(model) -> int:
                 objs += [qs.state2.absmax, qs.state2.code]
         objs += [getattr(p, "SCB", None), getattr(p, "CB", None)]
     objs += list(model.buffers())
-    return _storage_bytes(objs)
+    return storages(objs)
+
+
+def held_weight_bytes(model) -> int:
+    return sum(held_weight_storages(model).values())
 
 
 def cache_bytes(cache) -> int | None:
+    """Bytes of every tensor storage a transformers cache object holds (its layers' K/V and states)."""
     if cache is None:
         return None
     objs = []
@@ -75,7 +81,7 @@ def cache_bytes(cache) -> int | None:
                 objs.append(value)
             elif isinstance(value, (tuple, list)):
                 objs += [v for v in value if hasattr(v, "untyped_storage") and v.dim() >= 2]
-    return _storage_bytes(objs)
+    return sum(storages(objs).values())
 
 
 def _preimport(spec: dict) -> None:
