@@ -65,7 +65,10 @@ def test_eager_attention_scores_grow_quadratically(tiny_models):
 
 
 def test_cached_estimate_does_not_import_torch(tiny_models, tmp_path):
-    env = {**os.environ, "VRAMCAL_CACHE": str(tmp_path / "c")}
+    from vramcal.records.store import Store
+
+    Store(tmp_path / "records.db").close()  # a records database exists: the correction lookup must stay torch-free
+    env = {**os.environ, "VRAMCAL_CACHE": str(tmp_path / "c"), "VRAMCAL_DB": str(tmp_path / "records.db")}
     args = [sys.executable, "-c",
             "import sys, json; from vramcal.calibrate.cli import main; rc = main(sys.argv[1:]); "
             "print('TORCH' if 'torch' in sys.modules else 'NOTORCH', file=sys.stderr); sys.exit(rc)",

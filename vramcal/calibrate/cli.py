@@ -98,9 +98,9 @@ def _apply_machine_correction(est: dict, device: str, db: str | None) -> dict:
     from .check import corrected
 
     fp = machine_fingerprint("cpu" if device == "cpu" else (device if ":" in device else "cuda:0"))
-    with Store(path) as store:
-        mid = store.machine_id(fp)
-        rows = store.latest_corrections(mid, stack_key(fp))
+    with Store(path, create=False) as store:
+        mid = store.find_machine(fp)
+        rows = store.latest_corrections(mid, stack_key(fp)) if mid is not None else {}
     if not rows:
         est["correction"] = None
         return est

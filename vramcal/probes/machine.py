@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import socket
 
@@ -37,13 +38,28 @@ def machine_fingerprint(device: str) -> dict:
     info = nvml.device_info(index)
     fp.update(kind="cuda", gpu_name=_na(info["name"]), gpu_uuid=_na(info["uuid"]), total_bytes=_na(info["total_bytes"]),
               driver=_na(info["driver"]))
-    try:
-        import torch
-
-        fp["cuda_runtime"] = torch.version.cuda
-    except ImportError:
-        fp["cuda_runtime"] = None
+    fp["cuda_runtime"] = torch_cuda_version()
     return fp
+
+
+def torch_cuda_version() -> str | None:
+    """The CUDA runtime torch was built with, read from ``torch/version.py`` without importing torch
+    (an estimate with a cached inventory must stay torch-free)."""
+    import importlib.util
+    import re
+    import sys
+
+    if "torch" in sys.modules:
+        return sys.modules["torch"].version.cuda
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        text = open(os.path.join(list(spec.submodule_search_locations)[0], "version.py")).read()
+    except OSError:
+        return None
+    m = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]?([^'\"\n]+?)['\"]?\s*$", text, re.M)
+    return None if m is None or m.group(1) == "None" else m.group(1)
 
 
 def stack_key(fp: dict) -> str:

@@ -215,8 +215,18 @@ class Store:
                 raise
         raise UserError(f"{self.path} stayed locked by other writers: try again, or use another --db")
 
+    @staticmethod
+    def _fingerprint_key(fingerprint: dict) -> str:
+        return json.dumps({k: fingerprint.get(k) for k in sorted(fingerprint) if k != "created_at"}, sort_keys=True)
+
+    def find_machine(self, fingerprint: dict) -> int | None:
+        """The id of a recorded machine, without recording anything."""
+        row = self.conn.execute("SELECT id FROM machines WHERE fingerprint = ?",
+                                (self._fingerprint_key(fingerprint),)).fetchone()
+        return row[0] if row else None
+
     def machine_id(self, fingerprint: dict) -> int:
-        key = json.dumps({k: fingerprint.get(k) for k in sorted(fingerprint) if k != "created_at"}, sort_keys=True)
+        key = self._fingerprint_key(fingerprint)
         cols = ("kind", "gpu_name", "gpu_uuid", "total_bytes", "driver", "cuda_runtime", "torch", "transformers",
                 "bitsandbytes", "accelerate", "hostname", "cpu_model")
 
