@@ -56,3 +56,19 @@ def test_static_cache_preallocates(tiny_models):
                    do_sample=False, past_key_values=cache, pad_token_id=0)
     e = estimate(path, "auto", ctx=ctx, batch=1, cache="static", device="cpu")
     assert e.components["kv_cache"] == cache_bytes(cache)
+
+
+def test_fp8_quantized_cache(tiny_models):
+    from transformers import QuantizedCache
+
+    path = tiny_models["dense-gqa"]
+    model = AutoModelForCausalLM.from_pretrained(path, device_map="cpu", dtype=torch.bfloat16)
+    ctx, batch = 80, 2
+    cache = QuantizedCache(backend="fp8", config=model.config)
+    ids = torch.randint(3, 1000, (batch, ctx - NEW_TOKENS))
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                   do_sample=False, past_key_values=cache, pad_token_id=0)
+    e = estimate(path, "auto", ctx=ctx, batch=batch, kv_dtype="fp8", device="cpu")
+    bf16 = estimate(path, "auto", ctx=ctx, batch=batch, device="cpu")
+    assert e.components["kv_cache"] == cache_bytes(cache)
+    assert e.components["kv_cache"] != bf16.components["kv_cache"]
