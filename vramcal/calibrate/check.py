@@ -50,6 +50,7 @@ class CheckResult:
     verdict: Verdict
     probe: dict
     corrections: dict[str, dict]
+    component_deltas: dict[str, int | None] = field(default_factory=dict)  # measured - estimated
     proposals: list[dict] = field(default_factory=list)
     memo_id: int | None = None
 
@@ -158,7 +159,8 @@ def check(model: str, quant: str = "auto", ctx: int = 4096, batch: int = 1, *, d
                               (f"fits with {fmt_gib_gb(total - peak)} headroom" if fits else
                                f"runs, but the peak {fmt_gib_gb(peak)} leaves less than the "
                                f"{fmt_gib_gb(buffer)} buffer of {fmt_gib_gb(total)}"))
-        out = CheckResult(run_id, machine_id, verdict, result.to_dict(), {k: asdict(v) for k, v in corr.items()})
+        out = CheckResult(run_id, machine_id, verdict, result.to_dict(), {k: asdict(v) for k, v in corr.items()},
+                          reconcile.component_deltas(result))
         out.probe.pop("samples", None)
         if verdict.fits:
             out.memo_id = store.add_memo(run_id, memo_for(store.run(run_id)))

@@ -110,6 +110,9 @@ def check_table(r) -> str:
              f"  budget {fmt_gib_gb(v.budget_bytes)}, buffer {fmt_gib_gb(v.buffer_bytes)}, "
              f"measured peak {fmt_gib_gb(v.peak_bytes)} at {v.peak_stage}",
              f"  recorded as run {r.run_id} (machine {r.machine_id})" + (f", memo {r.memo_id}" if r.memo_id else "")]
+    deltas = {k: v for k, v in (r.component_deltas or {}).items() if v is not None}
+    if deltas:
+        lines.append("  measured - estimated: " + ", ".join(f"{k} {v / 1024**3:+.3f} GiB" for k, v in deltas.items()))
     if r.corrections:
         lines.append("  correction now: " + ", ".join(
             f"{k} {c['intercept_bytes'] / 1024**3:+.3f} GiB from {c['n_runs']} run(s)" for k, c in r.corrections.items()))
