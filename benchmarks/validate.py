@@ -52,7 +52,7 @@ STAGES = ("load_peak", "post_load", "first_token", "end")
 BYTES_PER_PARAM = {"bf16": 2, "fp16": 2, "fp32": 4, "int8": 1, "nf4": 0.5, "nf4-dq": 0.5, "fp4": 0.5, "fp4-dq": 0.5}
 FIELDS = ["name", "device", "machine", "arch", "model", "quant", "ctx", "batch", "status", "run_id", "stage",
           "estimated_bytes", "calibrated_bytes", "measured_bytes", "error_raw_pct", "error_calibrated_pct",
-          "loo_runs", "peak_stage", "formula_total_bytes", "accelerate_bytes", "weights_estimated_bytes",
+          "loo_runs", "loo_scope", "peak_stage", "formula_total_bytes", "accelerate_bytes", "weights_estimated_bytes",
           "weights_measured_bytes", "kv_estimated_bytes", "kv_measured_bytes", "torch", "transformers",
           "bitsandbytes"]
 
@@ -111,8 +111,10 @@ def write_csv(args) -> int:
                 full = store.run(run["id"])
                 result = json.loads(full["result_json"])
                 est = json.loads(full["estimate_json"]) if full["estimate_json"] else {}
-                # leave-one-out: this run's correction comes only from the machine's other runs
-                loo = reconcile.fit_corrections(stage_rows, exclude_run=run["id"])
+                # leave-one-out: this run's correction comes only from the machine's other runs, in the
+                # most specific scope that has some (same model and quant, then same quant, then any)
+                scope, loo = reconcile.fit_scoped(stage_rows, "", run["quant"], run["config_hash"],
+                                                  exclude_run=run["id"])
                 measured = {s: (full["stages"].get(s) or {}).get("measured_peak_bytes") for s in STAGES}
                 peak_stage = max((s for s in STAGES if measured[s] is not None), key=lambda s: measured[s],
                                  default=None)
@@ -132,6 +134,8 @@ def write_csv(args) -> int:
                         "calibrated_bytes": cal, "measured_bytes": m,
                         "error_raw_pct": _pct(e, m), "error_calibrated_pct": _pct(cal, m),
                         "loo_runs": len({r for c in loo.values() for r in c.source_runs}),
+                        "loo_scope": "none" if scope is None else ("model+quant" if "model=" in scope else
+                                                                    "quant" if "quant=" in scope else "machine"),
                         "peak_stage": peak_stage, "formula_total_bytes": formula, "accelerate_bytes": acc,
                         "weights_estimated_bytes": (est.get("components") or {}).get("weights"),
                         "weights_measured_bytes": (st.get("load_peak") or {}).get("weights_bytes"),

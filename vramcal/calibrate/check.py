@@ -94,11 +94,29 @@ def record_probe(store: Store, machine_id: int, result, estimate: dict | None, r
     return run_id
 
 
-def refit(store: Store, machine_id: int, stack: str) -> dict[str, reconcile.Correction]:
-    corr = reconcile.fit_corrections(store.stage_rows(machine_id))
-    if corr:
-        store.add_corrections(machine_id, stack, [asdict(c) for c in corr.values()])
-    return corr
+def refit(store: Store, machine_id: int, stack: str, quant: str, config_hash: str | None
+          ) -> dict[str, reconcile.Correction]:
+    """Refit every scope this run belongs to and record them; return the most specific one."""
+    rows = store.stage_rows(machine_id)
+    best: dict[str, reconcile.Correction] = {}
+    for key, where in reconcile.scopes(stack, quant, config_hash):
+        corr = reconcile.fit_corrections(reconcile.rows_in(rows, where))
+        if corr:
+            store.add_corrections(machine_id, key, [asdict(c) for c in corr.values()])
+            best = best or corr
+    return best
+
+
+def lookup(store: Store, machine_id: int | None, stack: str, quant: str, config_hash: str | None
+           ) -> dict[str, reconcile.Correction]:
+    """The recorded corrections of the most specific scope that has any."""
+    if machine_id is None:
+        return {}
+    for key, _ in reconcile.scopes(stack, quant, config_hash):
+        rows = store.latest_corrections(machine_id, key)
+        if rows:
+            return reconcile.corrections_from_rows(rows)
+    return {}
 
 
 def corrected(estimate: dict, corrections: dict[str, reconcile.Correction]) -> dict:
@@ -144,7 +162,7 @@ def check(model: str, quant: str = "auto", ctx: int = 4096, batch: int = 1, *, d
         result = run_probe(source, quant, ctx, batch, device=device, synthetic=synthetic, interval_ms=interval_ms,
                            dtype=dtype, attn=attn, command=cmd)
         record_probe(store, machine_id, result, est, run_id=run_id)
-        corr = refit(store, machine_id, stack_key(fp))
+        corr = refit(store, machine_id, stack_key(fp), spec.name, source.config_hash)
         peak, stage = measured_peak(result)
         usable = total - buffer
         if result.status == "oom":
@@ -165,7 +183,13 @@ def check(model: str, quant: str = "auto", ctx: int = 4096, batch: int = 1, *, d
         if verdict.fits:
             out.memo_id = store.add_memo(run_id, memo_for(store.run(run_id)))
         else:
-            out.proposals = propose(source, spec.name, ctx, batch, usable, corr, prefer, device, attn=attn)
+            stack = stack_key(fp)
+
+            def corrections_for(q: str) -> dict[str, reconcile.Correction]:
+                return lookup(store, machine_id, stack, q, source.config_hash)
+
+            out.proposals = propose(source, spec.name, ctx, batch, usable, corrections_for, prefer, device,
+                                    attn=attn)
     return out
 
 
@@ -188,9 +212,9 @@ def _halves(n: int, floor: int) -> list[int]:
 
 
 def propose(source: ModelSource, quant: str, ctx: int, batch: int, usable: int,
-            corrections: dict[str, reconcile.Correction], prefer: str, device: str, attn: str = "auto",
-            limit: int = 3) -> list[dict]:
-    """Concrete next configurations, in the policy's order, each with its corrected estimate."""
+            corrections_for, prefer: str, device: str, attn: str = "auto", limit: int = 3) -> list[dict]:
+    """Concrete next configurations, in the policy's order, each with its corrected estimate
+    (``corrections_for(quant)`` gives this machine's corrections for a quantization)."""
     ctxs = _halves(ctx, 17 if ctx < 2048 else 1024)
     batches = _halves(batch, 1)
     quants = _lower(quant)
@@ -223,7 +247,7 @@ def propose(source: ModelSource, quant: str, ctx: int, batch: int, usable: int,
             e = estimators[key].estimate(c, b, device="cpu" if device == "cpu" else "cuda", exact=False).to_dict()
         except UserError:
             continue
-        fixed = reconcile.apply(e["stages"], c, b, corrections, margin="p95")
+        fixed = reconcile.apply(e["stages"], c, b, corrections_for(q), margin="p95")
         peak = max(fixed.values())
         if peak <= usable:
             out.append({"quant": q, "ctx": c, "batch": b, "kv_dtype": kv, "change": what,
@@ -244,11 +268,10 @@ def fit_contexts(model: str, budget: int, *, device: str, db: str | None, buffer
     from ..probes.machine import machine_fingerprint, stack_key
 
     source = resolve_model(model)
-    corr: dict[str, reconcile.Correction] = {}
     fp = machine_fingerprint(device)
     with Store(db) as store:
-        mid = store.machine_id(fp)
-        corr = reconcile.corrections_from_rows(store.latest_corrections(mid, stack_key(fp)))
+        mid = store.find_machine(fp)
+        corr_by_quant = {q: lookup(store, mid, stack_key(fp), q, source.config_hash) for q in quants}
     usable = budget - buffer
     from .. estimator.resolve import text_config
 
@@ -256,6 +279,7 @@ def fit_contexts(model: str, budget: int, *, device: str, db: str | None, buffer
     rows = []
     for q in quants:
         est = Estimator(source, resolve_quant(q, source.config))
+        corr = corr_by_quant[q]
 
         def peak(c, b):
             pts = est.sweep([(c, b)], device="cpu" if device == "cpu" else "cuda")[0]

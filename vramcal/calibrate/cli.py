@@ -94,17 +94,15 @@ def _apply_machine_correction(est: dict, device: str, db: str | None) -> dict:
         est["correction"] = None
         return est
     from ..probes.machine import machine_fingerprint, stack_key
-    from . import reconcile
-    from .check import corrected
+    from .check import corrected, lookup
 
     fp = machine_fingerprint("cpu" if device == "cpu" else (device if ":" in device else "cuda:0"))
     with Store(path, create=False) as store:
-        mid = store.find_machine(fp)
-        rows = store.latest_corrections(mid, stack_key(fp)) if mid is not None else {}
-    if not rows:
+        corr = lookup(store, store.find_machine(fp), stack_key(fp), est["quant"], est.get("config_hash"))
+    if not corr:
         est["correction"] = None
         return est
-    return corrected(est, reconcile.corrections_from_rows(rows))
+    return corrected(est, corr)
 
 
 def cmd_check(args) -> int:

@@ -1,9 +1,13 @@
 """Reconcile a measurement with its estimate, fit per-machine corrections, apply them.
 
-A correction belongs to one machine and one software stack (:func:`vramcal.probes.machine.stack_key`).
-Per stage it is ``measured - estimated = intercept + slope * tokens`` (tokens = ctx x batch), fitted by
-least squares over every finished run there; one run, or runs at a single token count, give an
-intercept only. The residuals' p50 and p95 say how far a corrected estimate is likely to be off.
+A correction belongs to one machine and one software stack (:func:`vramcal.probes.machine.stack_key`),
+and within it to a *scope*, most specific first (:func:`scopes`): the same model and quantization
+(the source documents' "reuse the difference when only the context or batch changes"), then the same
+quantization on any model, then any run on the stack. An estimate takes the most specific scope that
+has runs. Per stage it is ``measured - estimated = intercept + slope * tokens`` (tokens = ctx x
+batch), fitted by least squares over the scope's finished runs; one run, or runs at a single token
+count, give an intercept only. The residuals' p50 and p95 say how far a corrected estimate is likely
+to be off.
 
 On the CPU path the measured figure is the child's reading minus its baseline (docs/accounting.md).
 """
@@ -84,6 +88,30 @@ def _percentile(values: list[float], q: float) -> float:
     k = (len(s) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def scopes(stack: str, quant: str, config_hash: str | None) -> list[tuple[str, dict]]:
+    """(scope key, row filter) from the most specific to the least."""
+    out = []
+    if config_hash:
+        out.append((f"{stack}|quant={quant}|model={config_hash}", {"quant": quant, "config_hash": config_hash}))
+    out.append((f"{stack}|quant={quant}", {"quant": quant}))
+    out.append((stack, {}))
+    return out
+
+
+def rows_in(rows: list[dict], where: dict) -> list[dict]:
+    return [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+
+
+def fit_scoped(rows: list[dict], stack: str, quant: str, config_hash: str | None,
+               exclude_run: int | None = None) -> tuple[str | None, dict[str, "Correction"]]:
+    """The corrections of the most specific scope that has finished runs (other than ``exclude_run``)."""
+    for key, where in scopes(stack, quant, config_hash):
+        corr = fit_corrections(rows_in(rows, where), exclude_run=exclude_run)
+        if corr:
+            return key, corr
+    return None, {}
 
 
 def fit_corrections(rows: list[dict], exclude_run: int | None = None) -> dict[str, Correction]:

@@ -320,7 +320,7 @@ class Store:
 
     def stage_rows(self, machine_id: int) -> list[dict]:
         return [dict(r) for r in self.conn.execute(
-            "SELECT st.*, r.ctx, r.batch, r.model, r.quant, r.device, s.status FROM stages st "
+            "SELECT st.*, r.ctx, r.batch, r.model, r.config_hash, r.quant, r.device, s.status FROM stages st "
             "JOIN runs r ON r.id = st.run_id JOIN results s ON s.run_id = r.id WHERE r.machine_id = ? "
             "ORDER BY st.run_id", (machine_id,))]
 
