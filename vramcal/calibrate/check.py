@@ -25,7 +25,8 @@ from ..records.store import Store
 from ..units import GIB, fmt_gib_gb
 from . import reconcile
 
-QUANT_LADDER = ("fp32", "bf16", "fp16", "int8", "nf4-dq", "nf4")  # by weight bytes, not quality: see _lower
+# Weight quantizations from most to least memory: what "lower the quantization" steps through
+QUANT_LADDER = ("fp32", "bf16", "int8", "nf4-dq", "nf4")
 POLICIES = ("quality", "context", "throughput")
 DEFAULT_BUFFER = 2 * GIB
 
@@ -196,11 +197,10 @@ def check(model: str, quant: str = "auto", ctx: int = 4096, batch: int = 1, *, d
 # ------------------------------------------------------------------------------------ proposals
 
 def _lower(quant: str) -> list[str]:
-    ladder = ["fp32", "bf16", "int8", "nf4-dq", "nf4"]
     q = "bf16" if quant in ("auto", "fp16") else quant
-    if q not in ladder:
+    if q not in QUANT_LADDER:
         return []
-    return ladder[ladder.index(q) + 1:]
+    return list(QUANT_LADDER[QUANT_LADDER.index(q) + 1:])
 
 
 def _halves(n: int, floor: int) -> list[int]:

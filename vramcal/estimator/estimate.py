@@ -14,7 +14,7 @@ same moments. ``peak`` is the largest stage.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import UserError
 from .dryrun import ActivationModel, KVLayer, Trace, fit_activations, round_alloc
@@ -71,8 +71,6 @@ def _check_positive(ctx: int, batch: int) -> None:
 
 
 def _act_cache_key(quant: QuantSpec, attn: str, cache: str, kv_dtype: str) -> QuantSpec:
-    from dataclasses import replace
-
     return replace(quant, name=f"{quant.name}|{attn}|{cache}|{kv_dtype}")
 
 
