@@ -50,9 +50,9 @@ ARCHS = {
 }
 STAGES = ("load_peak", "post_load", "first_token", "end")
 BYTES_PER_PARAM = {"bf16": 2, "fp16": 2, "fp32": 4, "int8": 1, "nf4": 0.5, "nf4-dq": 0.5, "fp4": 0.5, "fp4-dq": 0.5}
-FIELDS = ["name", "device", "machine", "arch", "model", "quant", "ctx", "batch", "status", "run_id", "stage",
+FIELDS = ["name", "device", "machine", "arch", "model", "quant", "ctx", "batch", "status", "error", "run_id", "stage",
           "estimated_bytes", "calibrated_bytes", "measured_bytes", "error_raw_pct", "error_calibrated_pct",
-          "loo_runs", "loo_scope", "peak_stage", "formula_total_bytes", "accelerate_bytes", "weights_estimated_bytes",
+          "loo_runs", "loo_scope", "estimated_with", "peak_stage", "formula_total_bytes", "accelerate_bytes", "weights_estimated_bytes",
           "weights_measured_bytes", "kv_estimated_bytes", "kv_measured_bytes", "torch", "transformers",
           "bitsandbytes"]
 
@@ -105,12 +105,16 @@ def write_csv(args) -> int:
         machines = {m["id"]: m for m in store.machines()}
         for mid, machine in machines.items():
             stage_rows = store.stage_rows(mid)
-            for run in store.runs(machine_id=mid):
-                if run["status"] is None or run["device"] != args.device:
-                    continue
+            runs = [r for r in store.runs(machine_id=mid) if r["status"] is not None and r["device"] == args.device]
+            estimates = {r["id"]: _estimate_for(store, r, args.re_estimate) for r in runs}
+            if args.re_estimate:  # the leave-one-out fits must see the same estimates as the rows
+                stage_rows = [{**row, "estimated_bytes": (estimates[row["run_id"]].get("stages") or {}).get(
+                    row["stage"], row["estimated_bytes"])} if row["run_id"] in estimates else row
+                    for row in stage_rows]
+            for run in runs:
                 full = store.run(run["id"])
                 result = json.loads(full["result_json"])
-                est = json.loads(full["estimate_json"]) if full["estimate_json"] else {}
+                est = estimates[run["id"]]
                 # leave-one-out: this run's correction comes only from the machine's other runs, in the
                 # most specific scope that has some (same model and quant, then same quant, then any)
                 scope, loo = reconcile.fit_scoped(stage_rows, "", run["quant"], run["config_hash"],
@@ -130,10 +134,12 @@ def write_csv(args) -> int:
                         "name": args.name, "device": args.device,
                         "machine": machine.get("gpu_name") or machine.get("cpu_model"), "arch": run["model"],
                         "model": run["model"], "quant": run["quant"], "ctx": run["ctx"], "batch": run["batch"],
-                        "status": run["status"], "run_id": run["id"], "stage": s, "estimated_bytes": e,
+                        "status": run["status"], "error": run["error"], "run_id": run["id"], "stage": s,
+                        "estimated_bytes": e,
                         "calibrated_bytes": cal, "measured_bytes": m,
                         "error_raw_pct": _pct(e, m), "error_calibrated_pct": _pct(cal, m),
                         "loo_runs": len({r for c in loo.values() for r in c.source_runs}),
+                        "estimated_with": "current code" if args.re_estimate else "recorded with the run",
                         "loo_scope": "none" if scope is None else ("model+quant" if "model=" in scope else
                                                                     "quant" if "quant=" in scope else "machine"),
                         "peak_stage": peak_stage, "formula_total_bytes": formula, "accelerate_bytes": acc,
@@ -150,6 +156,19 @@ def write_csv(args) -> int:
         w.writerows(rows_out)
     print(f"{len(rows_out)} rows -> {args.out}", file=sys.stderr)
     return len(rows_out)
+
+
+def _estimate_for(store, run: dict, re_estimate: bool) -> dict:
+    """The estimate recorded with the run, or (``--re-estimate``) the current code's estimate of the
+    same configuration: estimates are a function of the code, measurements are the data."""
+    if not re_estimate:
+        full = store.run(run["id"])
+        return json.loads(full["estimate_json"]) if full["estimate_json"] else {}
+    from vramcal.estimator.estimate import estimate
+    from vramcal.estimator.resolve import ModelSource
+
+    source = ModelSource(name=run["model"], origin="config", config=ARCHS[run["model"]])
+    return estimate(source, run["quant"], run["ctx"], run["batch"], device=run["device"]).to_dict()
 
 
 def _pct(est, measured):
@@ -170,6 +189,8 @@ def main() -> int:
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting probes after this long (resume later)")
     ap.add_argument("--csv-only", action="store_true", help="rewrite the CSV from the database, run nothing")
+    ap.add_argument("--re-estimate", action="store_true",
+                    help="compare the measurements with the current code's estimates, not the recorded ones")
     args = ap.parse_args()
     args.db = args.db or f"validation-{args.name}.db"
     args.out = args.out or os.path.join("docs", "validation", f"{args.name}.csv")

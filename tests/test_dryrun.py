@@ -83,3 +83,23 @@ def test_meta_trace_equals_real_tensor_trace(tiny_models, arch, quant, attn):
     assert (meta.prefill_peak_bytes, meta.cache_bytes, meta.decode_peak_bytes) == \
         (real.prefill_peak_bytes + moved, real.cache_bytes + moved, real.decode_peak_bytes)
     assert meta.prefill_peak_bytes > meta.cache_bytes > 0
+
+
+def test_cpu_target_traces_the_math_attention_mla_falls_back_to(tiny_models):
+    """DeepSeek-V2's MLA has query and value head sizes of 24 and 16 here: the CPU's fused kernel cannot
+    take that, torch runs the math kernel, and the CPU-target dry run must show its seq x seq scores,
+    exactly as the same forward on real CPU tensors does."""
+    path = tiny_models["mla"]
+    model, spec = _real(path, "auto", "sdpa")
+    batch, seq = 2, 96
+    real = trace_model(model, spec.method, torch.bfloat16, batch, seq, lambda: DynamicCache(config=model.config),
+                       device="cpu", target="cpu")
+    cpu = Estimator(resolve_model(path), spec, attn="sdpa", use_cache=False, device="cpu")
+    cpu._ensure_dry_run(batch, seq, exact=True)
+    meta = next(t for t in cpu._act.traces if t.batch == batch and t.tokens == seq)
+    assert (meta.prefill_peak_bytes, meta.decode_peak_bytes) == (real.prefill_peak_bytes, real.decode_peak_bytes)
+    cuda = Estimator(resolve_model(path), spec, attn="sdpa", use_cache=False, device="cuda")
+    cuda._ensure_dry_run(batch, seq, exact=True)
+    fused = next(t for t in cuda._act.traces if t.batch == batch and t.tokens == seq)
+    scores = batch * 4 * seq * seq * 2  # batch x heads x seq x seq, bf16
+    assert meta.prefill_peak_bytes - fused.prefill_peak_bytes >= scores

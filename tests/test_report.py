@@ -33,6 +33,10 @@ def test_report_from_a_small_csv(tmp_path):
             rows.append(_row(run, stage, est if stage == "end" else est // 2, cal if stage == "end" else cal // 2,
                              meas if stage == "end" else meas // 2, arch="moe" if run == 3 else "dense-gqa",
                              wm=301 if run == 2 else 300))
+    failed = _row(9, "load_peak", 1, 1, 1)
+    failed.update(status="error", error="RuntimeError: size mismatch", measured_bytes="", error_raw_pct="",
+                  error_calibrated_pct="", calibrated_bytes="")
+    rows.append(failed)
     with open(d / "cpu.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, FIELDS)
         w.writeheader()
@@ -43,6 +47,7 @@ def test_report_from_a_small_csv(tmp_path):
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert "**No GPU data yet.**" in text
+    assert "**1 run(s) did not finish**" in text and "RuntimeError: size mismatch" in text
     # peak errors per run: raw -10 %, +10 %, -5 % -> median 10 %; calibrated -1 %, +1 %, 0 % -> median 1 %
     assert "| vramcal raw | 3 | 10.0 % | 10.0 % | 10.0 % |" in text
     assert "| vramcal calibrated (leave-one-out) | 3 | 1.0 % |" in text

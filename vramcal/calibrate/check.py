@@ -243,8 +243,9 @@ def propose(source: ModelSource, quant: str, ctx: int, batch: int, usable: int,
         key = (q, kv)
         try:
             if key not in estimators:
-                estimators[key] = Estimator(source, resolve_quant(q, source.config), attn=attn, kv_dtype=kv)
-            e = estimators[key].estimate(c, b, device="cpu" if device == "cpu" else "cuda", exact=False).to_dict()
+                estimators[key] = Estimator(source, resolve_quant(q, source.config), attn=attn, kv_dtype=kv,
+                                            device=device)
+            e = estimators[key].estimate(c, b, exact=False).to_dict()
         except UserError:
             continue
         fixed = reconcile.apply(e["stages"], c, b, corrections_for(q), margin="p95")
@@ -278,11 +279,11 @@ def fit_contexts(model: str, budget: int, *, device: str, db: str | None, buffer
     max_ctx = int(text_config(source.config).get("max_position_embeddings") or 131072)
     rows = []
     for q in quants:
-        est = Estimator(source, resolve_quant(q, source.config))
+        est = Estimator(source, resolve_quant(q, source.config), device=device)
         corr = corr_by_quant[q]
 
         def peak(c, b):
-            pts = est.sweep([(c, b)], device="cpu" if device == "cpu" else "cuda")[0]
+            pts = est.sweep([(c, b)])[0]
             stages = {k: pts[k] for k in reconcile.STAGES}
             return max(reconcile.apply(stages, c, b, corr, margin="p95").values())
 

@@ -152,14 +152,21 @@ class AllocationTracker:
 
 
 @contextlib.contextmanager
-def cuda_kernels(model, quant_method: str, compute_dtype):
-    """Swap in allocation-faithful stand-ins for the CUDA kernels the meta device lacks (module doc)."""
+def cuda_kernels(model, quant_method: str, compute_dtype, target: str = "cuda"):
+    """Swap in allocation-faithful stand-ins for the kernels the meta device lacks (module doc).
+
+    ``target="cpu"`` follows the CPU's choice instead: its fused (flash) attention kernel needs the
+    query and value head sizes to match; otherwise (MLA: 96 vs 64 in DeepSeek-V2) torch falls back to
+    the math kernel, whose ``seq x seq`` scores the meta device traces as they are."""
     import torch
     import torch.nn.functional as F
 
     real_sdpa = F.scaled_dot_product_attention
 
     def fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if target == "cpu" and query.shape[-1] != value.shape[-1]:
+            return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                             scale=scale, enable_gqa=enable_gqa)
         out = query.new_empty(query.shape[:-1] + (value.shape[-1],))
         lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
         del lse
@@ -256,9 +263,11 @@ def layer_bytes(layer) -> int:
 class DryRunner:
     """Holds one meta model and runs prefill / decode traces over it."""
 
-    def __init__(self, source, quant, attn: str | None = None, cache: str = "dynamic", kv_dtype: str = "auto"):
+    def __init__(self, source, quant, attn: str | None = None, cache: str = "dynamic", kv_dtype: str = "auto",
+                 target: str = "cuda"):
         import torch
 
+        self.target = target
         from ..errors import UserError
         from .inventory import build_meta_model
 
@@ -294,7 +303,7 @@ class DryRunner:
 
     def trace(self, batch: int, seq: int) -> Trace:
         return trace_model(self.model, self.quant.method, self.dtype, batch, seq,
-                           lambda: self._new_cache(seq + 16), device="meta")
+                           lambda: self._new_cache(seq + 16), device="meta", target=self.target)
 
     def kv_layers(self, batch: int = 1) -> list[KVLayer]:
         """Each cache layer's bytes per token (per batch row) and fixed part, from two tiny prefills."""
@@ -303,7 +312,7 @@ class DryRunner:
         sizes = []
         kinds = []
         windows = []
-        with torch.no_grad(), cuda_kernels(self.model, self.quant.method, self.dtype):
+        with torch.no_grad(), cuda_kernels(self.model, self.quant.method, self.dtype, self.target):
             for n in (small, large):
                 cache = self._new_cache(n if self.cache_kind == "static" else n + 16)
                 ids = torch.zeros(batch, n, dtype=torch.long, device="meta")
@@ -349,7 +358,8 @@ def fit_activations(traces: list[Trace]) -> ActivationModel:
                            traces=list(traces))
 
 
-def trace_model(model, quant_method: str, dtype, batch: int, seq: int, new_cache, device="meta") -> Trace:
+def trace_model(model, quant_method: str, dtype, batch: int, seq: int, new_cache, device="meta",
+                target: str = "cuda") -> Trace:
     """Prefill ``seq`` tokens for ``batch`` rows, then one decode step, as ``generate`` does, under the
     tracker. Works on the meta model of the dry run and, for cross-checks, on a real loaded model."""
     import inspect
@@ -366,7 +376,7 @@ def trace_model(model, quant_method: str, dtype, batch: int, seq: int, new_cache
         del out, logits
         return nxt
 
-    with torch.no_grad(), cuda_kernels(model, quant_method, dtype):
+    with torch.no_grad(), cuda_kernels(model, quant_method, dtype, target):
         tracker = AllocationTracker(torch.device(device).type)
         with tracker:
             cache = new_cache()

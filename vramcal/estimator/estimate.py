@@ -70,8 +70,12 @@ def _check_positive(ctx: int, batch: int) -> None:
         raise UserError(f"--batch must be a positive integer, got {batch}")
 
 
-def _act_cache_key(quant: QuantSpec, attn: str, cache: str, kv_dtype: str) -> QuantSpec:
-    return replace(quant, name=f"{quant.name}|{attn}|{cache}|{kv_dtype}")
+def _act_cache_key(quant: QuantSpec, attn: str, cache: str, kv_dtype: str, target: str) -> QuantSpec:
+    return replace(quant, name=f"{quant.name}|{attn}|{cache}|{kv_dtype}|{target}")
+
+
+def device_kind(device: str) -> str:
+    return "cpu" if device.startswith("cpu") else "cuda"
 
 
 class Estimator:
@@ -79,7 +83,7 @@ class Estimator:
     activation traces) and reuses them across contexts and batches."""
 
     def __init__(self, source: ModelSource, quant: QuantSpec, attn: str = "auto", cache: str = "dynamic",
-                 kv_dtype: str = "auto", use_cache: bool = True):
+                 kv_dtype: str = "auto", use_cache: bool = True, device: str = "cuda"):
         if attn not in ATTN_CHOICES:
             raise UserError(f"unknown --attn {attn!r}: choose one of {', '.join(ATTN_CHOICES)}")
         if cache not in CACHE_CHOICES:
@@ -91,7 +95,8 @@ class Estimator:
         self.attn, self.cache, self.kv_dtype = attn, cache, kv_dtype
         self.use_cache = use_cache
         self.inv: Inventory = inventory(source, quant, use_cache=use_cache)
-        self._act_key = _act_cache_key(quant, attn, cache, kv_dtype)
+        self.device = device
+        self._act_key = _act_cache_key(quant, attn, cache, kv_dtype, device_kind(device))
         self._runner = None
         self._kv: list[KVLayer] | None = None
         self._act: ActivationModel | None = None
@@ -129,7 +134,7 @@ class Estimator:
             from .dryrun import DryRunner
 
             self._runner = DryRunner(self.source, self.quant, attn=None if self.attn == "auto" else self.attn,
-                                     cache=self.cache, kv_dtype=self.kv_dtype)
+                                     cache=self.cache, kv_dtype=self.kv_dtype, target=device_kind(self.device))
             self.attn_used = self._runner.attn_used
         return self._runner
 
@@ -160,9 +165,10 @@ class Estimator:
         self._store_act_cache()
 
     # ---------------------------------------------------------------- the estimate
-    def estimate(self, ctx: int, batch: int = 1, device: str = "cuda", runtime: RuntimeProfile | None = None,
+    def estimate(self, ctx: int, batch: int = 1, device: str | None = None, runtime: RuntimeProfile | None = None,
                  exact: bool = True) -> Estimate:
         _check_positive(ctx, batch)
+        device = self._same_kind(device)
         prompt = ctx - NEW_TOKENS
         self._ensure_dry_run(batch, prompt, exact)
         rt = runtime or default_profile(device)
@@ -237,15 +243,25 @@ class Estimator:
         load_res = rt.reserve(max(load_alloc, warm))
         prefill_alloc = w_alloc + rt.workspace_bytes + kv_prompt + prefill_extra
         end_alloc = w_alloc + rt.workspace_bytes + kv_end + decode_extra
+        allocated = {"load_peak": load_alloc, "post_load": w_alloc, "first_token": prefill_alloc, "end": end_alloc}
+        if not rt.keeps_freed:  # the CPU gives large freed blocks back: each stage stands on its own
+            return {k: rt.context_bytes + v for k, v in allocated.items()}, allocated
         stages = {"load_peak": rt.context_bytes + load_res, "post_load": rt.context_bytes + load_res}
         stages["first_token"] = rt.context_bytes + max(load_res, rt.reserve(prefill_alloc))
         stages["end"] = max(stages["first_token"], rt.context_bytes + rt.reserve(end_alloc))
-        allocated = {"load_peak": load_alloc, "post_load": w_alloc, "first_token": prefill_alloc, "end": end_alloc}
         return stages, allocated
 
-    def sweep(self, points, device: str = "cuda", runtime: RuntimeProfile | None = None) -> list[dict]:
+    def _same_kind(self, device: str | None) -> str:
+        if device is None:
+            return self.device
+        if device_kind(device) != device_kind(self.device):
+            raise ValueError(f"this Estimator traces for {self.device}; make another one for {device}")
+        return device
+
+    def sweep(self, points, device: str | None = None, runtime: RuntimeProfile | None = None) -> list[dict]:
         """Peak per stage for many ``(ctx, batch)`` points from the cached KV layout and activation fit:
         arithmetic only, no tracing. Points outside the traced ones use the fit (see ``methods``)."""
+        device = self._same_kind(device)
         rt = runtime or default_profile(device)
         if self._kv is None or self._act is None:
             first = next(iter(points), (4096, 1))
@@ -284,8 +300,8 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int = 4096, bat
     if source.config.get("quantization_config") and quant != "auto":
         qm = source.config["quantization_config"].get("quant_method", "?")
         raise UserError(f"{source.name} is already quantized ({qm}): it loads only as stored, use --quant auto")
-    est = Estimator(source, spec, attn=attn, cache=cache, kv_dtype=kv_dtype, use_cache=use_cache)
-    return est.estimate(ctx, batch, device=device, runtime=runtime, exact=exact)
+    est = Estimator(source, spec, attn=attn, cache=cache, kv_dtype=kv_dtype, use_cache=use_cache, device=device)
+    return est.estimate(ctx, batch, runtime=runtime, exact=exact)
 
 
 # ------------------------------------------------------------------------------ formulas and comparison

@@ -17,6 +17,8 @@ CPU (resident set of the process, for the CPU probe path):
 
 - ``context_bytes`` 0: the probe subtracts the process's resident set before loading (its baseline
   with torch and transformers imported), so only what loading and generating add is compared.
+- ``keeps_freed`` False: glibc serves large blocks with ``mmap`` and unmaps them when they are freed,
+  so the resident set falls after the prefill; CPU stages are not running peaks.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class RuntimeProfile:
     workspace_bytes: int
     segment_bytes: int
     source: str  # where the numbers came from
+    keeps_freed: bool = True  # a caching allocator: memory in use never falls back after a peak
 
     def reserve(self, allocated_bytes: int) -> int:
         """Bytes the caching allocator holds for ``allocated_bytes`` of live blocks (no fragmentation)."""
@@ -44,7 +47,7 @@ class RuntimeProfile:
 CUDA_DEFAULT = RuntimeProfile("cuda", context_bytes=512 * MIB, workspace_bytes=32 * MIB, segment_bytes=2 * MIB,
                               source="vramcal defaults (docs/accounting.md)")
 CPU_DEFAULT = RuntimeProfile("cpu", context_bytes=0, workspace_bytes=0, segment_bytes=1,
-                             source="vramcal defaults: CPU probe subtracts its own baseline")
+                             source="vramcal defaults: CPU probe subtracts its own baseline", keeps_freed=False)
 
 
 def default_profile(device: str) -> RuntimeProfile:
