@@ -64,30 +64,32 @@ def test_not_a_database_is_refused_untouched(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and _digest(p) == before
 
 
-def test_other_programs_sqlite_is_refused_untouched(tmp_path):
-    p = tmp_path / "other.db"
-    c = sqlite3.connect(p)
-    c.execute("CREATE TABLE t (x)")
-    c.execute("INSERT INTO t VALUES (1)")
+def _sql(path, *statements: str) -> None:
+    c = sqlite3.connect(path)
+    for statement in statements:
+        c.execute(statement)
     c.commit()
     c.close()
-    before = _digest(p)
-    with pytest.raises(UserError, match="another program"):
-        Store(p)
-    assert _digest(p) == before
+
+
+def _refused_untouched(path, match: str) -> None:
+    before = _digest(path)
+    with pytest.raises(UserError, match=match):
+        Store(path)
+    assert _digest(path) == before
+
+
+def test_other_programs_sqlite_is_refused_untouched(tmp_path):
+    p = tmp_path / "other.db"
+    _sql(p, "CREATE TABLE t (x)", "INSERT INTO t VALUES (1)")
+    _refused_untouched(p, "another program")
 
 
 def test_newer_schema_is_refused_untouched(tmp_path):
     p = tmp_path / "new.db"
     Store(p).close()
-    c = sqlite3.connect(p)
-    c.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
-    c.commit()
-    c.close()
-    before = _digest(p)
-    with pytest.raises(UserError, match="newer than this vramcal"):
-        Store(p)
-    assert _digest(p) == before
+    _sql(p, f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    _refused_untouched(p, "newer than this vramcal")
 
 
 def test_older_schema_is_upgraded_keeping_rows(tmp_path):
