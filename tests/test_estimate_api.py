@@ -124,3 +124,14 @@ def test_cpu_stages_are_not_running_peaks(tiny_models):
     assert e.stages == e.allocated  # no context, no caching allocator
     assert e.stages["post_load"] < e.stages["load_peak"]  # the bf16 source of a quantized weight is freed
     assert e.peak == max(e.stages.values())
+
+
+def test_sweep_agrees_with_estimate_for_sliding_windows(tiny_models):
+    """Right after the prefill a dynamic sliding-window layer still holds the whole prompt's storage;
+    the sweep must count it as the traced estimate does (window 24, prompt 512)."""
+    from vramcal.estimator.estimate import Estimator
+
+    source = resolve_model(tiny_models["sliding"])
+    est = Estimator(source, resolve_quant("auto", source.config), device="cpu")
+    single = est.estimate(528, 1)
+    assert est.sweep([(528, 1)])[0]["first_token"] == single.stages["first_token"]

@@ -95,6 +95,7 @@ class Estimator:
         self.attn, self.cache, self.kv_dtype = attn, cache, kv_dtype
         self.use_cache = use_cache
         self.inv: Inventory = inventory(source, quant, use_cache=use_cache)
+        self._w_alloc = sum(round_alloc(size) * n for size, n in self.inv.alloc_sizes.items())
         self.device = device
         self._act_key = _act_cache_key(quant, attn, cache, kv_dtype, device_kind(device))
         self._runner = None
@@ -180,11 +181,9 @@ class Estimator:
         approximate = inv.approximate
         tc = text_config(self.source.config)
 
-        # KV cache at the end: prompt + 15 tokens are in the cache (the 16th is never fed back);
-        # a static cache holds its whole max_cache_len (= ctx) from the start
-        end_tokens = ctx if self.cache == "static" else ctx - 1
+        end_tokens = self._end_tokens(ctx)
         if self._kv is not None:
-            kv_end = sum(layer.bytes_at(end_tokens, batch) for layer in self._kv)
+            kv_end = self._kv_end(ctx, batch)
             kv_by_kind: dict[str, int] = {}
             for layer in self._kv:
                 kv_by_kind[layer.kind] = kv_by_kind.get(layer.kind, 0) + layer.bytes_at(end_tokens, batch)
@@ -202,10 +201,7 @@ class Estimator:
             traced = any(t.batch == batch and t.tokens == prompt for t in self._act.traces)
             methods["activations"] = ("dry run of the real forward on meta tensors" if traced else
                                       f"fit over {len(self._act.traces)} dry-run traces")
-            kv_prompt = next((t.cache_bytes for t in self._act.traces if t.batch == batch and t.tokens == prompt),
-                             None)
-            if kv_prompt is None:
-                kv_prompt = sum(layer.bytes_at(prompt, batch) for layer in (self._kv or []))
+            kv_prompt = self._kv_prompt(batch, prompt)
         else:
             prefill_extra, decode_extra = _formula_activations(tc, inv, batch, prompt)
             kv_prompt = _formula_kv(tc, prompt, batch, inv.dtype)
@@ -270,22 +266,33 @@ class Estimator:
             raise UserError(f"{self.source.name}: the dry run is unavailable ({self._dry_error}); "
                             "use `estimate` for formula-based figures")
         out = []
-        kv = self._kv
         for ctx, batch in points:
             _check_positive(ctx, batch)
             prompt = ctx - NEW_TOKENS
-            end_tokens = ctx if self.cache == "static" else ctx - 1
-            kv_end = sum(layer.bytes_at(end_tokens, batch) for layer in kv)
-            kv_prompt = sum(layer.bytes_at(prompt, batch) for layer in kv)
-            stages, _ = self._stages(rt, kv_prompt, kv_end, self._act.prefill_extra(batch, prompt),
-                                     self._act.decode_extra(batch, prompt))
+            stages, _ = self._stages(rt, self._kv_prompt(batch, prompt), self._kv_end(ctx, batch),
+                                     self._act.prefill_extra(batch, prompt), self._act.decode_extra(batch, prompt))
             out.append({"ctx": ctx, "batch": batch, "quant": self.quant.name, "peak": max(stages.values()),
                         **stages})
         return out
 
-    @property
-    def _w_alloc(self) -> int:
-        return sum(round_alloc(size) * n for size, n in self.inv.alloc_sizes.items())
+    def _end_tokens(self, ctx: int) -> int:
+        """Positions in the cache at the end: prompt + 15 (the 16th token is never fed back); a static
+        cache holds its whole max_cache_len (= ctx) from the start."""
+        return ctx if self.cache == "static" else ctx - 1
+
+    def _kv_end(self, ctx: int, batch: int) -> int:
+        return sum(layer.bytes_at(self._end_tokens(ctx), batch) for layer in self._kv)
+
+    def _kv_prompt(self, batch: int, prompt: int) -> int:
+        """The cache right after the prefill: as traced where this point was traced; otherwise from the
+        layer layout, where a dynamic sliding-window layer still holds the whole prompt's storage (its
+        window view is cut from it), so no window cap applies yet."""
+        for t in self._act.traces:
+            if t.batch == batch and t.tokens == prompt:
+                return t.cache_bytes
+        if self.cache == "static":
+            return sum(layer.bytes_at(prompt, batch) for layer in self._kv or [])
+        return sum(batch * (layer.fixed_bytes + layer.bytes_per_token * prompt) for layer in self._kv or [])
 
 
 def estimate(model: str | ModelSource, quant: str = "auto", ctx: int = 4096, batch: int = 1, *, dtype: str | None = None,
