@@ -161,7 +161,8 @@ def check(model: str, quant: str = "auto", ctx: int = 4096, batch: int = 1, *, d
                                  quant_impl=spec.implementation, dtype=spec.dtype, ctx=ctx, batch=batch,
                                  kv_dtype="auto", attn=attn, device=device, command=cmd, estimate=est)
         result = run_probe(source, quant, ctx, batch, device=device, synthetic=synthetic, interval_ms=interval_ms,
-                           dtype=dtype, attn=attn, command=cmd)
+                           dtype=dtype, attn=attn, command=cmd, with_estimate=False)
+        result.estimate = est  # estimated once, above, and recorded with the run before the probe started
         record_probe(store, machine_id, result, est, run_id=run_id)
         corr = refit(store, machine_id, stack_key(fp), spec.name, source.config_hash)
         peak, stage = measured_peak(result)

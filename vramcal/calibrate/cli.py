@@ -160,15 +160,12 @@ def cmd_memo(args) -> int:
 
 def cmd_fit(args) -> int:
     from . import present
-    from .check import DEFAULT_BUFFER, fit_contexts
+    from .check import DEFAULT_BUFFER, budget_for, fit_contexts
 
     if args.budget == "auto":
         from ..probes.machine import machine_fingerprint
 
-        total = machine_fingerprint(args.device).get("total_bytes")
-        if not total:
-            raise UserError("cannot read this device's memory: pass --budget, e.g. --budget 24GiB")
-        budget = int(total)
+        budget = budget_for(args.device, machine_fingerprint(args.device), None)
     else:
         budget = _size(args.budget, "--budget")
     buffer = DEFAULT_BUFFER if args.buffer is None else _size(args.buffer, "--buffer")
