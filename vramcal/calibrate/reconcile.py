@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STAGES = ("load_peak", "post_load", "first_token", "end")
+from ..estimator.estimate import STAGES
 
 
 def stage_rows(result) -> list[dict]:

@@ -285,10 +285,7 @@ class DryRunner:
         self.attn_used = attn or getattr(self.model.config, "_attn_implementation", None) or "sdpa"
         self.model.eval()
         self.quant = quant
-        import inspect
-
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_keyword(self.model)
         self.torch = torch
 
     def _new_cache(self, max_len: int):
@@ -358,15 +355,20 @@ def fit_activations(traces: list[Trace]) -> ActivationModel:
                            traces=list(traces))
 
 
+def cache_keyword(model) -> str:
+    """``cache`` where the model's forward takes it (transformers deprecates ``past_key_values``)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def trace_model(model, quant_method: str, dtype, batch: int, seq: int, new_cache, device="meta",
                 target: str = "cuda") -> Trace:
     """Prefill ``seq`` tokens for ``batch`` rows, then one decode step, as ``generate`` does, under the
     tracker. Works on the meta model of the dry run and, for cross-checks, on a real loaded model."""
-    import inspect
-
     import torch
 
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_kw = cache_keyword(model)
 
     def step(ids, cache):
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
