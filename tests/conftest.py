@@ -5,7 +5,6 @@ Each is saved once per session and then loaded for real through ``from_pretraine
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -66,9 +65,3 @@ def _private_cache(tmp_path, monkeypatch):
     """Each test gets its own inventory cache directory, so no test reads another's results."""
     monkeypatch.setenv("VRAMCAL_CACHE", str(tmp_path / "cache"))
 
-
-def write_config(tmp_path, cfg: dict, name="model") -> str:
-    d = tmp_path / name
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(cfg))
-    return str(d)

@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from fake_nvml import FakeNVML, NVMLError_GpuIsLost, NVMLError_NotSupported
+from fake_nvml import FakeNVML, NVMLError_NotSupported
 
 from vramcal.probes import nvml
 from vramcal.probes.nvml import NA

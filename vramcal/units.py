@@ -38,10 +38,6 @@ def fmt_gib_gb(n_bytes: int | None) -> str:
     return f"{gib(n_bytes):.2f} GiB ({gb(n_bytes):.2f} GB)"
 
 
-def fmt_signed_gib(n_bytes: int) -> str:
-    return f"{n_bytes / GIB:+.2f} GiB"
-
-
 def parse_size(text: str) -> int:
     """Parse ``24GiB``, ``24 GB``, ``512MiB`` or a plain byte count into integer bytes.
 

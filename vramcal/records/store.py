@@ -20,7 +20,6 @@ import json
 import os
 import sqlite3
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
@@ -105,18 +104,6 @@ def default_path() -> Path:
         return Path(os.environ["VRAMCAL_DB"])
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return Path(base) / "vramcal" / "vramcal.db"
-
-
-@dataclass
-class RunRow:
-    id: int
-    machine_id: int
-    model: str
-    quant: str
-    ctx: int
-    batch: int
-    device: str
-    status: str | None  # None: no result (interrupted)
 
 
 class Store:
