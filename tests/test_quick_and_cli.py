@@ -107,3 +107,12 @@ def test_hub_cache_lookup(tmp_path):
     r = run("estimate", "acme/tiny", "--ctx", "64", "--json", env={"HF_HUB_CACHE": str(tmp_path / "hub")})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["model"] == "acme/tiny"
+
+
+def test_quick_mode_imports_neither_torch_nor_the_estimator():
+    code = ("import sys; from vramcal.calibrate.cli import main; "
+            "rc = main(['estimate', '--params-b', '27', '--bits', '4', '--json']); "
+            "print(sorted(m for m in ('torch', 'transformers', 'vramcal.estimator.inventory', "
+            "'vramcal.calibrate.check') if m in sys.modules), file=sys.stderr); sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr.strip().splitlines()[-1] == "[]", r.stderr

@@ -24,10 +24,10 @@ from ..estimator.resolve import ModelSource, resolve_model
 from ..records.store import Store
 from ..units import GIB, fmt_gib_gb
 from . import reconcile
+from .policies import POLICIES
 
 # Weight quantizations from most to least memory: what "lower the quantization" steps through
 QUANT_LADDER = ("fp32", "bf16", "int8", "nf4-dq", "nf4")
-POLICIES = ("quality", "context", "throughput")
 DEFAULT_BUFFER = 2 * GIB
 
 

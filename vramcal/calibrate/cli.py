@@ -260,7 +260,7 @@ def _argv_command() -> str:
 
 
 def _add_calibration(sub) -> None:
-    from .check import POLICIES
+    from .policies import POLICIES
 
     c = sub.add_parser("check", help="estimate, probe, record, verdict: does it fit, and if not what to change",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
