@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import UserError
+from ..files import atomic_write, check_writable
 from .store import Store
 
 FORMATS = ("csv", "json", "parquet")
@@ -28,18 +29,24 @@ def runs_frame(store: Store):
 def export(store: Store, fmt: str, out: str | None) -> str | None:
     if fmt not in FORMATS:
         raise UserError(f"unknown --format {fmt!r}: choose csv, json or parquet")
+    protect = (store.path,)
+    if out:
+        check_writable(out, "--out", protect)  # before the query: nothing is computed for a bad target
     frame = runs_frame(store)
     if fmt == "parquet":
         if not out:
             raise UserError("parquet is binary: pass --out FILE.parquet")
+        import io
+
+        buf = io.BytesIO()
         try:
-            frame.to_parquet(out, index=False)
+            frame.to_parquet(buf, index=False)
         except ImportError:
             raise UserError("parquet export needs pyarrow: pip install pyarrow") from None
+        atomic_write(out, buf.getvalue(), "--out", protect)
         return None
     text = frame.to_csv(index=False) if fmt == "csv" else frame.to_json(orient="records", indent=1)
     if out:
-        with open(out, "w") as fh:
-            fh.write(text)
+        atomic_write(out, text, "--out", protect)
         return None
     return text

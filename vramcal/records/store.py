@@ -109,12 +109,17 @@ def default_path() -> Path:
 class Store:
     """One open database. Use as a context manager or call :meth:`close`."""
 
-    def __init__(self, path: str | os.PathLike | None = None, create: bool = True):
+    def __init__(self, path: str | os.PathLike | None = None, create: bool = True, readonly: bool = False):
         self.path = Path(path) if path else default_path()
         if not create and not self.path.exists():
             raise UserError(f"no records database at {self.path}: `vramcal check MODEL ...` records the first run "
                             "(or pass --db / set VRAMCAL_DB)")
         self._refuse_foreign_file()
+        self.readonly = readonly
+        if readonly:
+            self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=60.0, isolation_level=None)
+            self.conn.row_factory = sqlite3.Row
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
         self.conn.row_factory = sqlite3.Row
