@@ -117,9 +117,7 @@ class Estimator:
         self._progress = progress or (lambda step: None)
         self._problems: list[str] = []
         start = len(CACHE_PROBLEMS)
-        if not (use_cache and load_cached(source, quant) is not None):
-            self._progress("building the model on the meta device (imports torch and transformers)")
-        self.inv: Inventory = inventory(source, quant, use_cache=use_cache)
+        self.inv: Inventory = inventory(source, quant, use_cache=use_cache, progress=self._progress)
         self._w_alloc = sum(round_alloc(size) * n for size, n in self.inv.alloc_sizes.items())
         self.device = device
         self._act_key = _act_cache_key(quant, attn, cache, kv_dtype, device_kind(device))

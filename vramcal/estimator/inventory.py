@@ -151,7 +151,7 @@ def store_cached(source: ModelSource, quant: QuantSpec, data: dict, kind: str = 
             tmp.unlink()
 
 
-def inventory(source: ModelSource, quant: QuantSpec, use_cache: bool = True) -> Inventory:
+def inventory(source: ModelSource, quant: QuantSpec, use_cache: bool = True, progress=None) -> Inventory:
     if use_cache:
         cached = load_cached(source, quant)
         if cached is not None:
@@ -159,6 +159,8 @@ def inventory(source: ModelSource, quant: QuantSpec, use_cache: bool = True) -> 
                 return Inventory.from_dict(cached)
             except (TypeError, KeyError, ValueError, AttributeError):
                 CACHE_PROBLEMS.append("a cached inventory did not have the expected fields; recomputed")
+    if progress is not None:
+        progress("building the model on the meta device (imports torch and transformers)")
     inv = _compute(source, quant)
     if use_cache:
         store_cached(source, quant, inv.to_dict())
