@@ -45,6 +45,10 @@ _DEVICE_RE = re.compile(r"^(?:cuda:(\d+)|(\d+)|(cpu)|(disk))$")
 
 # ----------------------------------------------------------------------------------------- devices
 
+def _fmt(n: int) -> str:
+    return fmt_gib_gb(n) if n >= 10 * 1024**2 else f"{n:,} bytes"
+
+
 def device_key(name: str) -> int | str:
     """``cuda:0`` / ``0`` -> 0, ``cpu`` -> "cpu", ``disk`` -> "disk" (accelerate's keys); UserError otherwise."""
     m = _DEVICE_RE.match(name.strip().lower())
@@ -245,7 +249,7 @@ def _compute(source: ModelSource, quant: QuantSpec, mm: dict[str, int], strategy
 
     from .inventory import build_meta_model
 
-    model, hf_quantizer, dtype = build_meta_model(source, quant)
+    model, hf_quantizer, dtype = _meta_model_as_loaded(source, quant)
     accel_mm = {device_key(k): v for k, v in mm.items()}
     seen: dict = {}
     real_infer = hf_acc.infer_auto_device_map
@@ -284,6 +288,22 @@ def _compute(source: ModelSource, quant: QuantSpec, mm: dict[str, int], strategy
     return plan
 
 
+def _meta_model_as_loaded(source: ModelSource, quant: QuantSpec, **kwargs):
+    """:func:`build_meta_model` with the quantizer's module replacement run under the load dtype as the
+    default dtype, as ``from_pretrained`` runs it (inside ``local_torch_dtype``): bitsandbytes' new
+    Linear layers then create their bias in that dtype, not float32, and the device map sizes them so."""
+    import torch
+
+    from .inventory import build_meta_model
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, quant.dtype))
+    try:
+        return build_meta_model(source, quant, **kwargs)
+    finally:
+        torch.set_default_dtype(before)
+
+
 def _check_budget(source: ModelSource, mm: dict[str, int], edge_map: dict[str, str], model, hf_quantizer) -> None:
     layers = decoder_layers(model)
     values = set(edge_map.values())
@@ -292,10 +312,10 @@ def _check_budget(source: ModelSource, mm: dict[str, int], edge_map: dict[str, s
         from transformers.integrations.accelerate import compute_module_sizes
 
         sizes, _ = compute_module_sizes(model, hf_quantizer)
-        one = max(sizes.get(n, 0) for n in layers)
+        one = int(max(sizes.get(n, 0) for n in layers))
         raise UserError(f"{source.name}: no decoder layer fits on {', '.join(d for d in mm if d.startswith('cuda'))} "
-                        f"({', '.join(f'{d}={fmt_gib_gb(v)}' for d, v in mm.items() if d.startswith('cuda'))}); "
-                        f"one layer counts {fmt_gib_gb(one)} to transformers, and accelerate keeps room for the largest "
+                        f"({', '.join(f'{d}={_fmt(v)}' for d, v in mm.items() if d.startswith('cuda'))}); "
+                        f"one layer counts {_fmt(one)} to transformers, and accelerate keeps room for the largest "
                         "layer free on the first GPU" + (", after bitsandbytes keeps 10 % back" if hf_quantizer else "")
                         + ": give the GPUs more memory")
     if "disk" in values and "disk" not in mm:
@@ -436,10 +456,8 @@ def _alternative(source, quant, strategy, mm, effective, accel_map, edge_map) ->
     ``llm_int8_enable_fp32_cpu_offload=True``. bitsandbytes then leaves every module on cpu / disk
     unconverted (the quantizer adds the map's cpu / disk entries to ``modules_to_not_convert``), so
     they hold the load dtype -- not float32 unless the load dtype is float32."""
-    from .inventory import build_meta_model
-
-    model, hf_quantizer, dtype = build_meta_model(source, quant, device_map=dict(accel_map),
-                                                  bnb_extra={OFFLOAD_FLAG: True})
+    model, hf_quantizer, dtype = _meta_model_as_loaded(source, quant, device_map=dict(accel_map),
+                                                       bnb_extra={OFFLOAD_FLAG: True})
     hf_quantizer.validate_environment(device_map=dict(accel_map))  # as get_hf_quantizer does: must pass now
     plan = _describe(source, quant, model, hf_quantizer, dtype, strategy, mm, effective, accel_map, edge_map)
     plan.strategy = "custom"
