@@ -127,8 +127,9 @@ def _real_cpu_load(path, spec):
                                                 dtype=getattr(torch, spec.dtype))
 
 
-def _bytes_by_device(model, device_map: dict[str, str]) -> dict[str, int]:
-    """Every tensor the loaded model holds (as the probe counts them), summed per device of the plan's map."""
+def _bytes_by_device(model, device_map: dict[str, str], main: str | None = None) -> dict[str, int]:
+    """Every tensor the loaded model holds (as the probe counts them), summed per device of the plan's map.
+    Buffers of cpu / disk modules go to ``main``: accelerate's dispatch (offload_buffers=False) moves them."""
     owner: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=True):
         objs = [p]
@@ -147,8 +148,11 @@ def _bytes_by_device(model, device_map: dict[str, str]) -> dict[str, int]:
     assert set(sizes) == set(owner)
     where = expand_device_map(device_map, sorted(set(owner.values())))
     out: dict[str, int] = {}
+    buffers = {n for n, _ in model.named_buffers()}
     for ptr, b in sizes.items():
         dev = str(where[owner[ptr]])
+        if main and dev in ("cpu", "disk") and owner[ptr] in buffers:
+            dev = main
         out[dev] = out.get(dev, 0) + b
     return out
 
@@ -218,14 +222,15 @@ def test_weights_per_device_equal_loaded_tensors(tiny_models, arch, quant, budge
     spec = resolve_quant(quant, source.config)
     plan = plan_placement(source, spec, _budget(path, quant, budget), use_cache=False)
     real = _real_cpu_load(path, spec)
-    truth = _bytes_by_device(real, plan.device_map)
+    truth = _bytes_by_device(real, plan.device_map, plan.main_device)
     assert plan.weights == truth
     assert sum(plan.weights.values()) == inventory(source, spec).tensor_bytes
     assert {d: sum(s * n for s, n in sizes.items()) for d, sizes in plan.alloc_sizes.items()} == plan.weights
     if plan.alternative is not None:
         # what loads instead: GPU modules quantized as before, cpu / disk modules in the load dtype
         alt = plan.alternative
-        plain = _bytes_by_device(_real_cpu_load(path, resolve_quant("bf16", source.config)), plan.device_map)
+        plain = _bytes_by_device(_real_cpu_load(path, resolve_quant("bf16", source.config)), plan.device_map,
+                                 plan.main_device)
         expect = {d: (plain[d] if d in ("cpu", "disk") else truth[d]) for d in truth}
         assert alt.weights == expect
         assert alt.pcie_bytes_per_token == plain.get("cpu", 0)
@@ -257,9 +262,12 @@ def test_alternative_is_what_from_pretrained_builds(tiny_models, monkeypatch, ar
     count_meta_model(source, spec, model, model.hf_quantizer if hasattr(model, "hf_quantizer") else None,
                      getattr(torch, spec.dtype), per_tensor=per_tensor)
     where = expand_device_map(alt.device_map, [n for n, _ in per_tensor])
+    buffers = {n for n, _ in model.named_buffers()}
     by_dev: dict[str, int] = {}
     for n, b in per_tensor:
-        by_dev[str(where[n])] = by_dev.get(str(where[n]), 0) + b
+        dev = str(where[n])
+        dev = alt.main_device if dev in ("cpu", "disk") and n in buffers else dev
+        by_dev[dev] = by_dev.get(dev, 0) + b
     assert by_dev == alt.weights
 
 

@@ -359,21 +359,25 @@ def _describe(source, quant, model, hf_quantizer, dtype, strategy, mm, effective
     names = [n for n, _ in per_tensor]
     where = expand_device_map(edge_map, names)  # the loader's own rule: tensor -> device
     entry = expand_device_map({k: k for k in edge_map}, names)  # and the map entry it belongs to
+    gpus = [k for k in dict.fromkeys(accel_map.values()) if k not in ("cpu", "disk")]
+    # accelerate's dispatch_model: main_device = list(set(map values) - {"cpu", "disk"})[0]
+    main = device_name(list(set(accel_map.values()) - {"cpu", "disk"})[0]) if gpus else "cpu"
+    # dispatch_model(offload_buffers=False), as transformers calls it: an offloaded module's buffers are
+    # moved to its execution device for good; only parameters stay on cpu / disk
+    buffers = {n for n, _ in model.named_buffers()} if len(set(accel_map.values())) > 1 else set()
     weights: Counter[str] = Counter()
     sizes: dict[str, Counter[int]] = {}
     block: Counter[str] = Counter()
     block_alloc: Counter[str] = Counter()
     for name, b in per_tensor:
         dev = str(where[name])
+        if dev in ("cpu", "disk") and name in buffers:
+            dev = main
         weights[dev] += b
         sizes.setdefault(dev, Counter())[b] += 1
         if dev in ("cpu", "disk"):
             block[entry[name]] += b
             block_alloc[entry[name]] += round_alloc(b)
-
-    gpus = [k for k in dict.fromkeys(accel_map.values()) if k not in ("cpu", "disk")]
-    # accelerate's dispatch_model: main_device = list(set(map values) - {"cpu", "disk"})[0]
-    main = device_name(list(set(accel_map.values()) - {"cpu", "disk"})[0]) if gpus else "cpu"
 
     def exec_dev(dev: str) -> str:
         return main if dev in ("cpu", "disk") else dev
