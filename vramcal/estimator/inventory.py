@@ -282,9 +282,17 @@ def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, d
     except ValueError as exc:
         raise _UnknownArchitecture(str(exc).splitlines()[0]) from None
     if hf_quantizer is not None:
-        with torch.device("meta"):
-            hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map=device_map, checkpoint_files=None,
-                                          use_kernels=False)
+        # from_pretrained runs the module replacement inside ``local_torch_dtype``: the new Linear layers
+        # create their bias in the load dtype, not float32 (device maps size them so)
+        before = torch.get_default_dtype()
+        try:
+            if dtype.is_floating_point:
+                torch.set_default_dtype(dtype)
+            with torch.device("meta"):
+                hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map=device_map, checkpoint_files=None,
+                                              use_kernels=False)
+        finally:
+            torch.set_default_dtype(before)
     return model, hf_quantizer, dtype
 
 

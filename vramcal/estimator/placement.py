@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from ..errors import UserError
 from ..units import fmt_gib_gb, parse_size
 from .dryrun import round_alloc
-from .inventory import load_cached, software_versions, store_cached
+from .inventory import build_meta_model, load_cached, software_versions, store_cached
 from .quant import QuantSpec
 from .resolve import ModelSource
 from .runtime import RuntimeProfile, default_profile
@@ -247,9 +247,7 @@ def _compute(source: ModelSource, quant: QuantSpec, mm: dict[str, int], strategy
 
     import transformers.integrations.accelerate as hf_acc
 
-    from .inventory import build_meta_model
-
-    model, hf_quantizer, dtype = _meta_model_as_loaded(source, quant)
+    model, hf_quantizer, dtype = build_meta_model(source, quant)
     accel_mm = {device_key(k): v for k, v in mm.items()}
     seen: dict = {}
     real_infer = hf_acc.infer_auto_device_map
@@ -286,22 +284,6 @@ def _compute(source: ModelSource, quant: QuantSpec, mm: dict[str, int], strategy
         plan.refused = refused
         plan.alternative = _alternative(source, quant, strategy, mm, seen["max_memory"], accel_map, edge_map)
     return plan
-
-
-def _meta_model_as_loaded(source: ModelSource, quant: QuantSpec, **kwargs):
-    """:func:`build_meta_model` with the quantizer's module replacement run under the load dtype as the
-    default dtype, as ``from_pretrained`` runs it (inside ``local_torch_dtype``): bitsandbytes' new
-    Linear layers then create their bias in that dtype, not float32, and the device map sizes them so."""
-    import torch
-
-    from .inventory import build_meta_model
-
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, quant.dtype))
-    try:
-        return build_meta_model(source, quant, **kwargs)
-    finally:
-        torch.set_default_dtype(before)
 
 
 def _check_budget(source: ModelSource, mm: dict[str, int], edge_map: dict[str, str], model, hf_quantizer) -> None:
@@ -460,7 +442,7 @@ def _alternative(source, quant, strategy, mm, effective, accel_map, edge_map) ->
     ``llm_int8_enable_fp32_cpu_offload=True``. bitsandbytes then leaves every module on cpu / disk
     unconverted (the quantizer adds the map's cpu / disk entries to ``modules_to_not_convert``), so
     they hold the load dtype -- not float32 unless the load dtype is float32."""
-    model, hf_quantizer, dtype = _meta_model_as_loaded(source, quant, device_map=dict(accel_map),
+    model, hf_quantizer, dtype = build_meta_model(source, quant, device_map=dict(accel_map),
                                                        bnb_extra={OFFLOAD_FLAG: True})
     hf_quantizer.validate_environment(device_map=dict(accel_map))  # as get_hf_quantizer does: must pass now
     plan = _describe(source, quant, model, hf_quantizer, dtype, strategy, mm, effective, accel_map, edge_map)
