@@ -391,7 +391,9 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
         params += p.numel()
     if not largest_source:
         largest_source = max((k for k in sizes), default=0)
-    warmup = _warmup_bytes(model, hf_quantizer)
+    # transformers pre-reserves the checkpoint's bytes on the device before loading; for a format whose
+    # quantizer is not installed the meta model holds 16-bit Linear layers, so their size is not it
+    warmup = _warmup_bytes(model, hf_quantizer) if quant.method in ("none", "bnb4", "bnb8") else None
     tc = text_config(source.config)
     notes = _defaults_used(tc, model.config)
     if untied:
