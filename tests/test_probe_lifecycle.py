@@ -59,8 +59,15 @@ def _start_parent(tmp_path, model: str, synthetic: bool = False, ctx: int = 1000
     # its own session, like a shell job: a signal to the group stands for the terminal's Ctrl-C
     args = [model, str(journal), str(out), "1" if synthetic else "0", str(ctx), str(new_tokens),
             "1" if ignore_ctrl_c else "0"]
-    proc = subprocess.Popen([sys.executable, "-c", PARENT, *args], env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with open(tmp_path / "stderr.txt", "wb") as err:  # a file, not a pipe nobody reads while it runs
+        proc = subprocess.Popen([sys.executable, "-c", PARENT, *args], env=env, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=err)
+    proc.stderr_path = tmp_path / "stderr.txt"
     return proc, tmp, journal, out
+
+
+def _stderr(proc) -> str:
+    return proc.stderr_path.read_text(errors="replace")[-2000:]
 
 
 def _wait_for_stage(proc, journal, stage: str, timeout: float = 180.0) -> list[dict]:
@@ -70,7 +77,7 @@ def _wait_for_stage(proc, journal, stage: str, timeout: float = 180.0) -> list[d
         if any(e["event"] == "stage" and e["name"] == stage for e in events):
             return events
         if proc.poll() is not None:
-            raise AssertionError(f"the parent ended first: {proc.stderr.read().decode()[-2000:]}")
+            raise AssertionError(f"the parent ended first: {_stderr(proc)}")
         time.sleep(0.05)
     proc.kill()
     raise AssertionError(f"no {stage} marker within {timeout} s")
@@ -161,7 +168,7 @@ def test_parent_stopped_records_interrupted_and_kills_child(tmp_path, dense, how
         proc.send_signal(signal.SIGTERM)
     else:  # the terminal's Ctrl-C goes to the foreground group: the parent's, not the child's session
         os.killpg(proc.pid, signal.SIGINT)
-    assert proc.wait(timeout=60) == code, proc.stderr.read().decode()[-2000:]
+    assert proc.wait(timeout=60) == code, _stderr(proc)
     assert _gone(child, within=2)
     assert _probe_folders(tmp) == []
     d = json.loads(out.read_text())
@@ -180,7 +187,7 @@ def test_ctrl_c_reaches_the_parent_only(tmp_path, dense):
     proc, tmp, journal, out = _start_parent(tmp_path, dense, ctx=96, new_tokens=64, ignore_ctrl_c=True)
     _wait_for_stage(proc, journal, "post_load")
     os.killpg(proc.pid, signal.SIGINT)
-    assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()[-2000:]
+    assert proc.wait(timeout=120) == 0, _stderr(proc)
     d = json.loads(out.read_text())
     assert d["status"] == "ok" and d["exit_code"] == 0 and d["stages"]["end"]["generated"] == 64
     assert _probe_folders(tmp) == []

@@ -53,7 +53,10 @@ def remove_temp_folder(path: str | None) -> None:
 def die_with_parent(parent_pid: int, temp_dir: str | None) -> None:
     """End this process, after removing ``temp_dir``, on SIGTERM, and ask Linux for a SIGTERM when
     the parent dies. SIGTERM is taken by a thread in ``sigwait`` rather than a Python handler, so it is
-    served even while the main thread is inside a long C call (loading, a CUDA synchronize)."""
+    served even while the main thread is inside a long C call (loading, a CUDA synchronize).
+
+    Linux sends the parent-death signal when the *thread* that started this process ends; the probe
+    keeps that thread waiting until this process is gone, so in practice that is the parent's end."""
     code = 128 + signal.SIGTERM
 
     def leave() -> None:
@@ -61,7 +64,8 @@ def die_with_parent(parent_pid: int, temp_dir: str | None) -> None:
         os._exit(code)
 
     if hasattr(signal, "pthread_sigmask") and hasattr(signal, "sigwait"):
-        # blocked here, before any other thread exists: every thread torch starts inherits the mask
+        # blocked here, before any other thread exists: every thread torch starts inherits the mask (so
+        # would a program it ran; the parent's SIGKILL to the group reaches those all the same)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
         def watch() -> None:

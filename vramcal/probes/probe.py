@@ -410,18 +410,40 @@ class _Probe:
         return proc
 
     @staticmethod
+    def _wait_exited(proc: subprocess.Popen, timeout: float | None) -> bool:
+        """Wait until ``proc`` has exited, without reaping it: while it is a zombie its pid, and so its
+        process group id, cannot be reused, and :meth:`_kill` can still kill what is left of the group."""
+        if not hasattr(os, "waitid"):
+            try:
+                proc.wait(timeout)
+                return True
+            except subprocess.TimeoutExpired:
+                return False
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+                    return True
+            except ChildProcessError:  # reaped already
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+
+    @staticmethod
     def _kill(proc: subprocess.Popen) -> None:
-        # the group id is the leader's pid, which stays reserved while any member lives
+        """Kill ``proc``'s process group (it leads one: ``start_new_session``) and reap ``proc``. Only
+        while not reaped: the group id is the leader's pid, free for reuse once the leader is reaped."""
+        if proc.returncode is not None:
+            return
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
-            pass
-        if proc.returncode is None:
             proc.kill()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:  # stuck in the driver: nothing more a parent can do
-                pass
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # stuck in the driver: nothing more a parent can do
+            pass
 
     def close(self) -> None:
         for proc in self.procs:
@@ -460,8 +482,9 @@ class _Probe:
         with tempfile.TemporaryFile(mode="w+") as log:
             proc = self._spawn([sys.executable, "-m", "vramcal.probes.child", "write-synthetic", cfg_path, model_dir,
                                 str(os.getpid()), self.folder], stdout=log, stderr=log)
-            rc = proc.wait()
-            if rc != 0:
+            self._wait_exited(proc, None)
+            self._kill(proc)  # reaps it, and takes anything it left in its group
+            if proc.returncode != 0:
                 log.seek(0)
                 tail = ([ln for ln in log.read().splitlines() if ln.strip()] or ["?"])[-1]
                 raise UserError(f"could not write synthetic weights for {source.name}: {tail}")
@@ -490,12 +513,8 @@ class _Probe:
             self._read_events(read_fd)
         finally:
             os.close(read_fd)
-        if self.timed_out:
-            self._kill(self.child)
-        try:
-            self.child.wait(timeout=60 if self.timeout_s is None else max(1.0, self.timeout_s))
-        except subprocess.TimeoutExpired:  # closed its pipe but does not exit
-            self.notes.append("the child did not exit after its last event: killed")
+        if not self.timed_out and not self._wait_exited(self.child, 60.0):  # closed its pipe, does not exit
+            self.notes.append("the child did not exit within 60 s of its last event: killed")
         self.close()
         self._flush_samples()
 
