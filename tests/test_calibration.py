@@ -15,6 +15,7 @@ from test_probe_cpu import MID
 from vramcal.calibrate.check import check
 from vramcal.calibrate.memo import memo_for
 from vramcal.calibrate.runs import record_probe
+from vramcal.cli import config_of_command
 from vramcal.probes.machine import machine_fingerprint
 from vramcal.probes.probe import run_probe
 from vramcal.records.store import Store
@@ -56,7 +57,7 @@ def test_one_check_makes_the_next_estimate_closer(model, tmp_path):
     fresh = run_probe(model, "bf16", target_ctx, 2, device="cpu", with_estimate=False)
     assert fresh.status == "ok"
     for stage in ("post_load", "first_token", "end"):
-        measured = fresh.above_baseline(stage, "peak_bytes")
+        measured = fresh.measured()[stage].peak_bytes
         assert abs(corrected["stages"][stage] - measured) < abs(raw["stages"][stage] - measured), stage
 
 
@@ -106,9 +107,14 @@ def test_when_it_does_not_fit_it_proposes(model, tmp_path):
     d = json.loads(r.stdout)
     assert r.returncode == 1 and not d["verdict"]["fits"], d["verdict"]
     assert d["verdict"]["peak_bytes"] > budget
+    assert d["proposals"], "a ladder with quantization, context and batch steps must offer something"
     for p in d["proposals"]:
         assert p["corrected_peak_bytes"] <= budget
         assert p["command"].startswith("vramcal check ")
+        config = config_of_command(p["command"])  # every proposal is a command the parser accepts ...
+        assert (config.quant, config.work.ctx, config.work.batch, config.kv_dtype) == \
+            (p["quant"], p["ctx"], p["batch"], p["kv_dtype"])  # ... and it means what the proposal says
+        assert config.synthetic is False and config.device == "cpu"
     for p in d["proposals"]:  # throughput: quantization first, then context, the batch last
         assert p["quant"] != "bf16"
         if p["batch"] < 8:
@@ -139,3 +145,109 @@ def test_calibration_bad_input(args, needle, tmp_path):
                        env={**os.environ, "VRAMCAL_DB": str(tmp_path / "x.db")})
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
     assert not os.path.exists("/nonexistent-dir")
+
+
+def test_every_ladder_step_is_a_command_the_parser_accepts():
+    """All policies, with fp8 KV, halved contexts and batches, new tokens and a pre-quantized model."""
+    from vramcal.calibrate.proposals import POLICIES, ladder
+    from vramcal.workload import Configuration, Workload
+
+    steps = 0
+    for prefer in POLICIES:
+        for quant, requantize in (("bf16", True), ("auto", False)):
+            for q, w, kv, _ in ladder(quant, Workload(8000, 192, 4), prefer, requantize):
+                cmd = Configuration("llama-3.1-8b", w, quant=q, device="cuda:1", kv_dtype=kv, attn="eager",
+                                    synthetic=True).command("check")
+                c = config_of_command(cmd)
+                assert (c.quant, c.work, c.kv_dtype, c.device, c.attn, c.synthetic) == \
+                    (q, w, kv, "cuda:1", "eager", True), cmd
+                steps += 1
+    assert steps > 20
+
+
+def test_cli_and_proposals_offer_the_same_policies():
+    from vramcal import cli
+    from vramcal.calibrate.proposals import POLICIES
+
+    assert cli.POLICIES == POLICIES
+
+
+def test_memo_recheck_replays_a_prequantized_runs_command(model, tmp_path):
+    """The memo's command names --quant as the user gave it, so a run that loaded a checkpoint as stored
+    (--quant auto) is rechecked the same way, not with the resolved name the parser would refuse."""
+    db = str(tmp_path / "pq.db")
+    r = check(model, "auto", ctx=128, device="cpu", db=db)
+    assert r.verdict.fits
+    cfg = config_of_command(r.command)
+    assert cfg.quant == "auto" and cfg.model == os.path.abspath(model)
+
+
+def test_bad_input_to_check_writes_nothing(model, tmp_path):
+    db = tmp_path / "never.db"
+    for extra in (["--device", "cuda:3"], ["--ctx", "8"], ["--dtype", "int4"], ["--buffer", "1TiB"]):
+        r = subprocess.run([sys.executable, "-m", "vramcal", "check", model, "--quant", "bf16", "--device", "cpu",
+                            "--db", str(db), *extra], capture_output=True, text=True)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (extra, r.stderr)
+    empty = tmp_path / "noweights"
+    empty.mkdir()
+    (empty / "config.json").write_text(open(os.path.join(model, "config.json")).read())
+    r = subprocess.run([sys.executable, "-m", "vramcal", "check", str(empty), "--device", "cpu", "--db", str(db)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--synthetic" in r.stderr
+    assert not db.exists(), "validation must come before the records database is touched"
+
+
+def _check_until(model, db, stage, tmp_path):
+    """Start `vramcal check` in its own process and return it once its probe has reached ``stage``."""
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "vramcal", "check", model, "--quant", "bf16", "--ctx", "2048",
+                             "--batch", "4", "--new-tokens", "200", "--device", "cpu", "--db", db],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 240
+    journal = db + "-journal.d"
+    while time.monotonic() < deadline:
+        for f in (os.listdir(journal) if os.path.isdir(journal) else []):
+            if f'"name": "{stage}"' in open(os.path.join(journal, f)).read():
+                return proc
+        if proc.poll() is not None:
+            raise AssertionError(proc.stderr.read())
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"never reached {stage}")
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_check_interrupted_is_recorded_with_its_last_stage(model, tmp_path, sig, code):
+    db = str(tmp_path / "i.db")
+    proc = _check_until(model, db, "first_token", tmp_path)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert "Traceback" not in err
+    with Store(db, create=False, readonly=True) as s:
+        [run] = s.runs()
+        full = s.run(run["id"])
+    assert full["status"] == "interrupted" and full["last_stage"] == "first_token", full
+    assert full["sample_count"] > 0
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("vramcal-probe-")]
+
+
+def test_check_killed_outright_is_recovered_by_the_next_write(model, tmp_path):
+    import psutil
+
+    db = str(tmp_path / "k9.db")
+    proc = _check_until(model, db, "post_load", tmp_path)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()
+    proc.wait()
+    psutil.wait_procs(children, timeout=30)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    with Store(db, create=False, readonly=True) as s:
+        assert s.runs()[0]["status"] is None  # the row exists, the result does not yet
+    check(model, "bf16", ctx=128, device="cpu", db=db)  # any command that writes folds the journal in
+    with Store(db, create=False, readonly=True) as s:
+        first = s.run(s.runs()[0]["id"])
+    assert first["status"] == "interrupted" and first["last_stage"] in ("post_load", "first_token"), first
+    assert first["sample_count"] > 0 and "journal" in first["error"]

@@ -141,7 +141,6 @@ def _add_probe(sub) -> None:
 
 
 def cmd_probe(args) -> int:
-    from . import present
     from .probes.probe import run_probe
 
     if args.timeline and not args.timeline.lower().endswith(".png"):
@@ -149,13 +148,26 @@ def cmd_probe(args) -> int:
     work = _work(args, 512)
     config = _config(args, work)
     if args.timeline:
-        from .present import check_writable
+        from .files import check_writable
 
         check_writable(args.timeline, "--timeline")
-    r = run_probe(args.model, args.quant, work.ctx, work.batch, device=args.device, synthetic=args.synthetic,
-                  interval_ms=args.interval_ms, dtype=config.dtype, attn=args.attn, new_tokens=work.new_tokens,
-                  kv_dtype=args.kv_dtype, cache=args.cache, command=config.command("probe"))
-    if args.timeline:
+    from .probes.probe import ProbeInterrupted
+
+    try:
+        r = run_probe(args.model, args.quant, work.ctx, work.batch, device=args.device, synthetic=args.synthetic,
+                      interval_ms=args.interval_ms, dtype=config.dtype, attn=args.attn, new_tokens=work.new_tokens,
+                      kv_dtype=args.kv_dtype, cache=args.cache, command=config.command("probe"))
+    except ProbeInterrupted as exc:  # show what was measured before the signal, then exit 130 / 143
+        _show_probe(exc.result, args)
+        raise
+    _show_probe(r, args)
+    return 0 if r.status == "ok" else 1
+
+
+def _show_probe(r, args) -> None:
+    from . import present
+
+    if args.timeline and r.samples:
         from .probes.timeline import write_timeline
 
         write_timeline(r, args.timeline)
@@ -166,7 +178,6 @@ def cmd_probe(args) -> int:
         _out(json.dumps(out))
     else:
         _out(present.probe_table(r))
-    return 0 if r.status == "ok" else 1
 
 
 def _config(args, work) -> Configuration:
@@ -400,17 +411,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"vramcal: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("vramcal: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or a probe's ProbeInterrupted (SIGINT / SIGTERM), recorded first
+        print(f"vramcal: {exc or 'interrupted'}", file=sys.stderr)
+        return getattr(exc, "exit_code", 130)
     except Exception as exc:  # noqa: BLE001 -- the last line of defence: one line, a distinct exit code
         if debug:
             raise
-        from .probes.probe import ProbeInterrupted
-
-        if isinstance(exc, ProbeInterrupted):
-            print(f"vramcal: {exc}", file=sys.stderr)
-            return 128 + exc.signum
         first = str(exc).splitlines()[0][:300] if str(exc) else ""
         print(f"vramcal: internal error, {type(exc).__name__}: {first} (run with --debug for the traceback "
               "and report it)", file=sys.stderr)

@@ -3,7 +3,6 @@ arithmetic of memory here."""
 
 from __future__ import annotations
 
-from .files import check_writable  # noqa: F401 -- the command line checks --timeline's target here
 from .units import fmt_gib_gb, gb, gib
 from .workload import STAGE_LABELS, STAGES
 
@@ -56,7 +55,8 @@ def estimate_table(e) -> str:
 
 def probe_table(r) -> str:
     cpu = r.series == "rss"
-    head = [f"{r.model}  quant={r.quant} ({r.quant_implementation})  ctx={r.ctx}  batch={r.batch}  device={r.device}",
+    head = [f"{r.model}  quant={r.quant} ({r.quant_implementation})  ctx={r.ctx} ({r.new_tokens} new)  "
+            f"batch={r.batch}  device={r.device}",
             f"status: {r.status.upper()}"
             + (f" at {r.oom['stage']}, asked for {fmt_gib_gb(r.oom['requested_bytes'])}" if r.oom else "")
             + (f" ({r.error})" if r.error else ""),
@@ -66,15 +66,13 @@ def probe_table(r) -> str:
     what = "above baseline" if cpu else "memory.used"
     lines = [f"  {'stage':<12} {'measured ' + what:>26} {'peak in interval':>26} {'estimate':>26} {'diff':>10}"]
     est = (r.estimate or {}).get("stages", {})
-    base = r.stages.get("baseline", {}).get("used_bytes") if cpu else 0
-    for name, st in r.stages.items():
-        used, peak = st.get("used_bytes"), st.get("peak_bytes")
-        if cpu and base is not None:
-            used = None if used is None else used - base
-            peak = None if peak is None else peak - base
+    for name, m in r.measured().items():
         e = est.get(name)
-        diff = f"{gib(peak - e):+8.3f} GiB" if (e is not None and peak is not None) else ""
-        lines.append(f"  {name:<12} {_g(used):>26} {_g(peak):>26} {_g(e):>26} {diff:>10}")
+        diff = f"{gib(m.peak_bytes - e):+8.3f} GiB" if (e is not None and m.peak_bytes is not None) else ""
+        lines.append(f"  {name:<12} {_g(m.used_bytes):>26} {_g(m.peak_bytes):>26} {_g(e):>26} {diff:>10}")
+    u = r.measured_unfinished()
+    if u is not None:
+        lines.append(f"  {u.stage + ' *':<12} {'':>26} {_g(u.peak_bytes):>26}   (* under way when the run stopped)")
     lines.append("  (estimate is the stage's peak; diff = measured peak - estimate)")
     for n in r.notes:
         lines.append("  note: " + n)

@@ -16,6 +16,7 @@ This module imports nothing heavy; the command line's start-up depends on it.
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from dataclasses import dataclass
 
@@ -70,6 +71,9 @@ def choice(value: str, choices: tuple[str, ...], flag: str) -> str:
     return value
 
 
+_DEVICE = re.compile(r"(cpu)|cuda(?::(0|[1-9][0-9]{0,2}))?")
+
+
 @dataclass(frozen=True)
 class Device:
     """A device as vramcal means it: ``cpu`` or ``cuda:N``."""
@@ -83,15 +87,10 @@ class Device:
 
 def parse_device(text: str | None, default: str = "cuda:0") -> Device:
     """``cpu``, ``cuda`` (= ``cuda:0``) or ``cuda:N``; anything else is refused in one line."""
-    text = (default if text is None else str(text)).strip().lower()
-    if text == "cpu":
-        return Device("cpu")
-    if text == "cuda":
-        return Device("cuda", 0)
-    if text.startswith("cuda:"):
-        idx = text[5:]
-        if idx.isdigit() and len(idx) <= 3:
-            return Device("cuda", int(idx))
+    text = default if text is None else str(text)
+    m = _DEVICE.fullmatch(text.lower())
+    if m is not None:
+        return Device("cpu") if m.group(1) == "cpu" else Device("cuda", int(m.group(2) or 0))
     raise UserError(f"unknown device {text!r}: use cpu, cuda or cuda:N (e.g. cuda:1)")
 
 

@@ -23,52 +23,39 @@ __all__ = ["Correction", "apply", "stage_rows", "component_deltas", "fit_correct
 
 
 def stage_rows(result) -> list[dict]:
-    """Rows for the ``stages`` table: estimate beside measurement, per stage of a probe result."""
-    cpu = result.series == "rss"
-    base = result.stages.get("baseline", {}).get("used_bytes") if cpu else 0
+    """Rows for the ``stages`` table: estimate beside measurement, per stage of a probe result. The
+    measured figures follow the probe's one baseline rule (``ProbeResult.measured``); the baseline row
+    itself is kept as read, so the absolute figure stays in the records."""
     est = (result.estimate or {}).get("stages", {})
+    measured = result.measured()
+    absolute = result.readings()
     rows = []
-    for name, st in result.stages.items():
-        peak, used = st.get("peak_bytes"), st.get("used_bytes")
-        if cpu and base is not None and name != "baseline":
-            peak = None if peak is None else peak - base
-            used = None if used is None else used - base
-        rows.append({"stage": name, "estimated_bytes": est.get(name), "measured_peak_bytes": peak,
-                     "measured_used_bytes": used, "torch_max_allocated": st.get("torch_max_allocated"),
-                     "torch_max_reserved": st.get("torch_max_reserved")})
+    for name, r in measured.items():
+        if name == "baseline":
+            r = absolute[name]
+        rows.append({"stage": name, "estimated_bytes": est.get(name), "measured_peak_bytes": r.peak_bytes,
+                     "measured_used_bytes": r.used_bytes, "torch_max_allocated": r.torch_max_allocated,
+                     "torch_max_reserved": r.torch_max_reserved})
     return rows
-
-
-def unfinished_peak(result) -> int | None:
-    """The peak sampled in the stage a stopped run was in, on the same footing as :func:`stage_rows`."""
-    peak = (result.unfinished or {}).get("peak_bytes")
-    if peak is None:
-        return None
-    base = result.stages.get("baseline", {}).get("used_bytes") if result.series == "rss" else 0
-    return peak - (base or 0)
 
 
 def component_deltas(result) -> dict[str, int | None]:
     """Measured minus estimated where the stages separate the components: the context
-    (``context - baseline``), the weights (``post_load - context``) and generation
-    (``first_token - post_load``)."""
-    st = result.stages
+    (``context - baseline``), the weights (``post_load`` minus where loading started) and generation
+    (the prefill's peak above ``post_load``, minus the estimated activations and prompt cache). Each
+    difference of two readings goes through the one delta rule (``StageReading.minus``)."""
+    read = result.readings()
     est = (result.estimate or {}).get("components", {})
-
-    def used(name):
-        return st.get(name, {}).get("used_bytes")
-
-    def peak(name):
-        return st.get(name, {}).get("peak_bytes")
-
-    start = used("context") if "context" in st else used("baseline")
     out: dict[str, int | None] = {"context": None, "weights": None, "generation": None}
-    if "context" in st and used("baseline") is not None and used("context") is not None:
-        out["context"] = used("context") - used("baseline")
-    if start is not None and used("post_load") is not None and est.get("weights") is not None:
-        out["weights"] = used("post_load") - start - est["weights"]
-    if peak("first_token") is not None and used("post_load") is not None and est:
-        out["generation"] = peak("first_token") - used("post_load") - est.get("activations", 0) - _kv_prompt(result)
+    start = read.get("context") or read.get("baseline")
+    if "context" in read and "baseline" in read:
+        out["context"] = read["context"].minus(read["baseline"]).used_bytes
+    if start is not None and "post_load" in read and est.get("weights") is not None:
+        added = read["post_load"].minus(start).used_bytes
+        out["weights"] = None if added is None else added - est["weights"]
+    if "first_token" in read and "post_load" in read and est:
+        above = read["first_token"].minus(read["post_load"]).peak_bytes
+        out["generation"] = None if above is None else above - est.get("activations", 0) - _kv_prompt(result)
     return out
 
 
@@ -76,7 +63,7 @@ def _kv_prompt(result) -> int:
     """The estimate's cache right after the prefill, scaled from its cache at the end."""
     est = result.estimate or {}
     kv_end = est.get("components", {}).get("kv_cache", 0)
-    new = est.get("new_tokens") or NEW_TOKENS
+    new = est.get("new_tokens") or getattr(result, "new_tokens", None) or NEW_TOKENS
     prompt = est.get("prompt") or (est.get("ctx") or result.ctx) - new
     return int(kv_end * prompt / max(prompt + new - 1, 1))
 

@@ -13,10 +13,10 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 from ..errors import UserError
 from ..records.store import Store
+from ..workload import STAGES
 from . import reconcile
 
 
@@ -30,18 +30,14 @@ def budget_for(device: str, fingerprint: dict, budget: int | None) -> int:
 
 
 def measured_peak(result) -> tuple[int | None, str | None]:
-    """The highest measured stage (above the baseline on the CPU), counting a stage that was under way
-    when the run stopped."""
-    best: tuple[int | None, str | None] = (None, None)
-    for r in reconcile.stage_rows(result):
-        if r["stage"] in reconcile.STAGES and r["measured_peak_bytes"] is not None:
-            if best[0] is None or r["measured_peak_bytes"] > best[0]:
-                best = (r["measured_peak_bytes"], r["stage"])
-    if result.unfinished and result.unfinished.get("peak_bytes") is not None:
-        p = reconcile.unfinished_peak(result)
-        if p is not None and (best[0] is None or p > best[0]):
-            best = (p, result.unfinished.get("stage"))
-    return best
+    """The highest measured stage (``ProbeResult.measured``: above the baseline on the CPU), counting
+    the stage that was under way when the run stopped."""
+    readings = [r for name, r in result.measured().items() if name in STAGES]
+    unfinished = result.measured_unfinished()
+    if unfinished is not None:
+        readings.append(unfinished)
+    best = max((r for r in readings if r.peak_bytes is not None), key=lambda r: r.peak_bytes, default=None)
+    return (None, None) if best is None else (best.peak_bytes, best.stage)
 
 
 def begin_run(store: Store, machine_id: int, result_like: dict, estimate: dict | None, command: str) -> int:
@@ -79,47 +75,47 @@ def record_failure(store: Store, run_id: int, status: str, message: str, last_st
 def journal_dir(store: Store) -> Path:
     """Beside an SQLite file; for a server database, under the user's state directory."""
     path = getattr(store, "path", None)
-    if path is not None and not str(path).startswith("postgresql"):
+    if path is not None and "://" not in str(path):
         return Path(str(path) + "-journal.d")
-    ident = hashlib.sha256(getattr(store, "display", str(path)).encode()).hexdigest()[:16]
+    ident = hashlib.sha256(str(getattr(store, "display", path)).encode()).hexdigest()[:16]
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(base) / "vramcal" / "journal" / ident
 
 
 class Journal:
-    """Append-only JSON lines for one run: stage markers and samples as they arrive. Removed once the
-    run's result is in the store; left behind only if this process dies first."""
+    """The probe's events for one run (``run_probe(journal=...)``), one JSON line each, as they arrive.
+    Removed once the run's result is in the store; left behind only if this process dies first, and
+    then folded into the records by :func:`recover_journals`."""
 
-    def __init__(self, store: Store, run_id: int, series: str | None = None):
-        self.dir = journal_dir(store)
-        self.path = self.dir / f"{run_id}.{os.getpid()}.jsonl"
-        self.run_id, self.series = run_id, series
+    def __init__(self, store: Store, run_id: int):
+        self.path = journal_dir(store) / f"{run_id}.{os.getpid()}.jsonl"
         self._fh = None
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = open(self.path, "a", buffering=1)
         except OSError:
             self._fh = None  # no journal: only a SIGKILL of this process would lose more than it does now
 
-    def __call__(self, kind: str, payload: dict) -> None:
-        if self._fh is None:
-            return
-        with contextlib.suppress(OSError, ValueError):
-            self._fh.write(json.dumps({"kind": kind, **payload}, default=str) + "\n")
+    def __call__(self, event: dict) -> None:
+        if self._fh is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._fh.write(json.dumps(event, default=str) + "\n")
 
-    def close(self, remove: bool = True) -> None:
+    def close(self) -> None:
         if self._fh is not None:
             with contextlib.suppress(OSError):
                 self._fh.close()
             self._fh = None
-        if remove:
-            with contextlib.suppress(OSError):
-                self.path.unlink()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
 
 
 def recover_journals(store: Store) -> list[int]:
-    """Fold journals of processes that are gone into records: status ``killed``, the last stage the
-    journal saw and its samples. Returns the run ids recovered."""
+    """Fold the journals of processes that are gone into records: the probe's result rebuilt from its
+    events (``probes.probe.recover``: status ``interrupted``, the last stage, the samples so far), or,
+    if the child never started, a run closed as ``killed``. Returns the run ids recovered."""
+    from ..probes.probe import recover
+
     d = journal_dir(store)
     if not d.is_dir():
         return []
@@ -131,32 +127,21 @@ def recover_journals(store: Store) -> list[int]:
             continue
         if _alive(pid):
             continue
-        stages: dict[str, dict] = {}
-        samples: list[tuple[float, str, int | None]] = []
-        series = None
-        try:
-            lines = path.read_text().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue  # the last line of a killed writer may be cut short
-            if ev.get("kind") == "stage":
-                stages[ev["name"]] = {k: v for k, v in ev.items() if k not in ("kind", "name")}
-                series = ev.get("series", series)
-            elif ev.get("kind") == "samples":
-                series = ev.get("series", series)
-                samples += [(s["t"], series, s.get("bytes")) for s in ev.get("samples", [])]
+        events = []
+        with contextlib.suppress(OSError):
+            for line in path.read_text().splitlines():
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    continue  # the last line of a killed writer may be cut short
         run = store.run(run_id)
         if run is not None and run.get("status") is None:
-            last = list(stages)[-1] if stages else None
-            rows = reconcile.stage_rows(SimpleNamespace(series=series, stages=stages, estimate=None))
-            store.finish_run(run_id, {"status": "killed", "last_stage": last, "series": series,
-                                      "error": f"the process recording this run (pid {pid}) was killed after "
-                                               f"stage {last or 'none'}; recovered from its journal",
-                                      "stages": stages, "samples": len(samples)}, rows, samples)
+            result = recover(events)
+            if result is None:
+                record_failure(store, run_id, "killed", f"the recording process (pid {pid}) was killed before "
+                                                        "the probe started")
+            else:
+                record_probe(store, run["machine_id"], result, result.estimate, run_id=run_id)
             done.append(run_id)
         with contextlib.suppress(OSError):
             path.unlink()

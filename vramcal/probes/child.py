@@ -161,6 +161,18 @@ def _preimport(spec: dict) -> None:
     gc.collect()
 
 
+def _cache_kwargs(model, spec: dict, cache_len: int) -> dict:
+    """The cache ``generate`` fills, as the estimate assumed it: transformers' fp8 QuantizedCache for
+    ``--kv-dtype fp8``, a StaticCache pre-allocated to the whole context for ``--cache static``."""
+    from transformers import QuantizedCache, StaticCache
+
+    if spec.get("kv_dtype", "auto") == "fp8":
+        return {"past_key_values": QuantizedCache(backend="fp8", config=model.config)}
+    if spec.get("cache", "dynamic") == "static":
+        return {"past_key_values": StaticCache(config=model.config, max_cache_len=cache_len)}
+    return {}
+
+
 def run(spec: dict, emit: Emitter) -> int:
     phase = "baseline"
     try:
@@ -257,7 +269,8 @@ def run(spec: dict, emit: Emitter) -> int:
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                                  do_sample=False, streamer=streamer, logits_processor=logits_marker,
-                                 pad_token_id=0, return_dict_in_generate=True)
+                                 pad_token_id=0, return_dict_in_generate=True,
+                                 **_cache_kwargs(model, spec, cache_len=spec["ctx"]))
         if cuda:
             torch.cuda.synchronize(device)
         emit("stage", name="end", prompt_tokens=prompt, generated=int(out.sequences.shape[1] - prompt),

@@ -37,7 +37,6 @@ import math
 import os
 import re
 import select
-import shlex
 import signal
 import subprocess
 import sys
@@ -55,9 +54,9 @@ from . import nvml
 from .child import TEMP_PREFIX, remove_temp_folder
 from .readings import StageReading, comparable
 from .sampler import Sample, Sampler, attribute, nvml_reader, rss_reader
+from ..workload import NEW_TOKENS, PROBE_STAGES, Configuration, parse_device, workload
 
-STAGE_ORDER = ("baseline", "context", "load_peak", "post_load", "first_token", "end")
-DEFAULT_NEW_TOKENS = 16
+STAGE_ORDER = PROBE_STAGES
 JOURNAL_EVERY_S = 1.0  # samples reach the journal at every marker and at least this often
 
 
@@ -87,7 +86,7 @@ class ProbeResult:
     notes: list[str] = field(default_factory=list)
     exit_code: int | None = None
     unfinished: dict | None = None  # a run that stopped: the stage it was in and what was sampled there
-    new_tokens: int = DEFAULT_NEW_TOKENS  # generated after a prompt of ctx - new_tokens
+    new_tokens: int = NEW_TOKENS  # generated after a prompt of ctx - new_tokens
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -140,24 +139,19 @@ class _Terminated(KeyboardInterrupt):
 
 # ---------------------------------------------------------------------------------- devices
 
-_DEVICE = re.compile(r"cuda(?::(0|[1-9][0-9]*))?")
 
 
 def _cuda_index(device: str) -> int:
-    m = _DEVICE.fullmatch(device)
-    if m is None:
-        raise UserError(f"cannot read device {device!r}: use cpu, cuda or cuda:N")
-    return int(m.group(1) or 0)
+    return parse_device(device).index or 0
 
 
 def _check_device(device: str) -> tuple[str | None, list[str]]:
     """Which series to sample, and notes; refuses a device string other than cpu, cuda, cuda:N, and a
     device that is not there."""
-    if device == "cpu":
+    dev = parse_device(device)
+    if dev.kind == "cpu":
         return "rss", []
-    if not isinstance(device, str) or not device.startswith("cuda"):
-        raise UserError(f"unknown device {device!r}: use cpu, cuda or cuda:N")
-    index = _cuda_index(device)
+    index = dev.index
     ok, why = nvml.available()
     if ok:
         count = nvml.query("nvmlDeviceGetCount")
@@ -272,7 +266,8 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
               device: str = "cpu", synthetic: bool = False, interval_ms: float = 5.0, dtype: str | None = None,
               attn: str = "auto", with_estimate: bool = True, keep_samples: bool = True,
               command: str | None = None, timeout_s: float | None = None, on_event=None,
-              new_tokens: int = DEFAULT_NEW_TOKENS, journal: Callable[[dict], None] | None = None) -> ProbeResult:
+              new_tokens: int = NEW_TOKENS, journal: Callable[[dict], None] | None = None,
+              kv_dtype: str = "auto", cache: str = "dynamic") -> ProbeResult:
     """Probe ``model`` (anything ``vramcal estimate`` accepts): a prompt of ``ctx - new_tokens`` tokens,
     then exactly ``new_tokens`` generated.
 
@@ -296,39 +291,28 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
 
     Ctrl-C or SIGTERM while this runs raises :class:`ProbeInterrupted` with the result so far.
     """
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
-        raise UserError(f"--new-tokens must be a positive integer, got {new_tokens!r}")
-    if isinstance(ctx, bool) or not isinstance(ctx, int) or ctx <= new_tokens:
-        raise UserError(f"--ctx must be an integer above the {new_tokens} new tokens (it is prompt + new tokens), "
-                        f"got {ctx!r}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
-        raise UserError(f"--batch must be a positive integer, got {batch!r}")
-    if not isinstance(interval_ms, (int, float)) or not math.isfinite(interval_ms) or interval_ms <= 0:
-        raise UserError(f"--interval-ms must be a positive number, got {interval_ms!r}")
+    work = workload(ctx, batch, new_tokens)
+    ctx, batch, new_tokens = work.ctx, work.batch, work.new_tokens
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     spec = resolve_quant(quant, source.config, dtype)
-    if spec.method not in ("none", "bnb4", "bnb8") and not spec.pre_quantized:
-        raise UserError(f"cannot probe quant {spec.name}")
-    series, notes = _check_device(device)
-    if not source.weight_files and not synthetic:
-        raise UserError(f"{source.name} has no *.safetensors weights here: add --synthetic to probe random "
-                        "weights at its real widths")
+    series, notes = preflight(source, spec, device, synthetic, interval_ms, kv_dtype, cache)
 
     identity = {"device": device, "model": source.name, "quant": spec.name,
                 "quant_implementation": spec.implementation, "dtype": spec.dtype, "ctx": ctx, "batch": batch,
                 "attn": attn, "new_tokens": new_tokens, "series": series, "interval_ms": float(interval_ms),
-                "command": command or _command(source.name, quant, ctx, batch, device, synthetic, interval_ms,
-                                               new_tokens),
+                "command": command or Configuration(source.ref, work, quant=quant, device=device, dtype=dtype,
+                                                    kv_dtype=kv_dtype, attn=attn, cache=cache,
+                                                    synthetic=synthetic).command("probe"),
                 "estimate": None}
     probe = _Probe(identity, interval_ms / 1000.0, timeout_s, on_event, journal, notes)
     with _sigterm_raises():
         try:
             if with_estimate:
-                identity["estimate"] = _estimate_or_note(source, quant, ctx, batch, dtype, attn, device,
-                                                         new_tokens, notes)
+                identity["estimate"] = _estimate_or_note(source, quant, work, dtype, attn, device, kv_dtype,
+                                                         cache, notes)
             child_spec = {"device": device, "dtype": spec.dtype, "ctx": ctx, "batch": batch,
                           "bnb": None if spec.pre_quantized else spec.bnb_config_kwargs(), "attn": attn,
-                          "new_tokens": new_tokens}
+                          "new_tokens": new_tokens, "kv_dtype": kv_dtype, "cache": cache}
             probe.run(source, synthetic, child_spec)
         except KeyboardInterrupt as exc:
             name = "SIGTERM" if isinstance(exc, _Terminated) else "SIGINT"
@@ -341,35 +325,38 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
     return probe.result(keep_samples=keep_samples)
 
 
-def _estimate_or_note(source, quant, ctx, batch, dtype, attn, device, new_tokens, notes) -> dict | None:
-    import inspect
+def preflight(source: ModelSource, spec, device: str, synthetic: bool, interval_ms: float = 5.0,
+              kv_dtype: str = "auto", cache: str = "dynamic") -> tuple[str | None, list[str]]:
+    """Everything a probe needs, checked before anything runs or is recorded: the sampled series and
+    notes, or a one-line UserError."""
+    from ..workload import CACHES, KV_DTYPES, choice
 
+    if isinstance(interval_ms, bool) or not isinstance(interval_ms, (int, float)) or not math.isfinite(interval_ms) \
+            or not 0 < interval_ms <= 10_000:
+        raise UserError(f"--interval-ms must be a positive number of milliseconds (at most 10000), got {interval_ms!r}")
+    choice(kv_dtype, KV_DTYPES, "--kv-dtype")
+    choice(cache, CACHES, "--cache")
+    if spec.method not in ("none", "bnb4", "bnb8") and not spec.pre_quantized:
+        raise UserError(f"cannot probe quant {spec.name}")
+    series, notes = _check_device(device)
+    if not source.weight_files and not synthetic:
+        raise UserError(f"{source.name} has no *.safetensors weights here: add --synthetic to probe random "
+                        "weights at its real widths")
+    return series, notes
+
+
+def _estimate_or_note(source, quant, work, dtype, attn, device, kv_dtype, cache, notes) -> dict | None:
     from ..estimator.estimate import estimate as _estimate
 
-    kwargs = {"dtype": dtype, "attn": attn, "device": "cpu" if device == "cpu" else "cuda"}
-    if new_tokens != DEFAULT_NEW_TOKENS:
-        if "new_tokens" not in inspect.signature(_estimate).parameters:
-            notes.append(f"no estimate: this estimator assumes {DEFAULT_NEW_TOKENS} new tokens")
-            return None
-        kwargs["new_tokens"] = new_tokens
     try:
-        return _estimate(source, quant, ctx, batch, **kwargs).to_dict()
+        return _estimate(source, quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
+                         dtype=dtype, attn=attn, kv_dtype=kv_dtype, cache=cache,
+                         device="cpu" if device == "cpu" else "cuda").to_dict()
     except UserError:
         raise
-    except Exception as exc:  # the measurement is still worth having
+    except (RuntimeError, ValueError, TypeError, ImportError, OSError) as exc:  # the measurement is still worth having
         notes.append(f"no estimate: {type(exc).__name__}: {exc}")
         return None
-
-
-def _command(name, quant, ctx, batch, device, synthetic, interval_ms, new_tokens=DEFAULT_NEW_TOKENS) -> str:
-    parts = ["vramcal", "probe", name, "--quant", quant, "--ctx", str(ctx), "--batch", str(batch), "--device", device]
-    if new_tokens != DEFAULT_NEW_TOKENS:
-        parts += ["--new-tokens", str(new_tokens)]
-    if synthetic:
-        parts.append("--synthetic")
-    if interval_ms != 5.0:
-        parts += ["--interval-ms", f"{interval_ms:g}"]
-    return shlex.join(parts)
 
 
 class _Probe:

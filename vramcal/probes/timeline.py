@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import UserError
+from .readings import StageReading, subtracts_baseline
 
 
 def write_timeline(result, path: str) -> str:
@@ -26,7 +27,11 @@ def write_timeline(result, path: str) -> str:
             ax.axvline(st["t"], color="grey", ls="--", lw=0.8)
             ax.text(st["t"], top, f" {name}", rotation=90, va="top", fontsize=8)
     est = (result.estimate or {}).get("stages") or {}
-    base = result.stages.get("baseline", {}).get("used_bytes") if series == "rss" else 0
+    # the estimate is compared with readings above the baseline on the CPU (readings.subtracts_baseline);
+    # the plot shows absolute samples, so the line goes back up by the baseline there
+    base = 0
+    if subtracts_baseline(series):
+        base = result.readings().get("baseline", StageReading("baseline", series)).used_bytes
     if est.get("first_token") and base is not None:
         ax.axhline((est["first_token"] + base) / 1024**3, color="tab:red", lw=0.8, ls=":",
                    label="estimated first-token peak" + (" (+ baseline)" if series == "rss" else ""))
