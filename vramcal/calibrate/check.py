@@ -97,15 +97,11 @@ def record_probe(store: Store, machine_id: int, result, estimate: dict | None, r
 
 def refit(store: Store, machine_id: int, stack: str, quant: str, config_hash: str | None
           ) -> dict[str, reconcile.Correction]:
-    """Refit every scope this run belongs to and record them; return the most specific one."""
-    rows = store.stage_rows(machine_id)
-    best: dict[str, reconcile.Correction] = {}
-    for key, where in reconcile.scopes(stack, quant, config_hash):
-        corr = reconcile.fit_corrections(reconcile.rows_in(rows, where))
-        if corr:
-            store.add_corrections(machine_id, key, [asdict(c) for c in corr.values()])
-            best = best or corr
-    return best
+    """Refit every scope this run belongs to and record them, under the machine's refit lock (no lost
+    updates when two hosts refit at once); return the most specific one."""
+    from .fleet import refit as _refit
+
+    return _refit(store, machine_id, stack, quant, config_hash)
 
 
 def lookup(store: Store, machine_id: int | None, stack: str, quant: str, config_hash: str | None
@@ -120,8 +116,10 @@ def lookup(store: Store, machine_id: int | None, stack: str, quant: str, config_
     return {}
 
 
-def corrected(estimate: dict, corrections: dict[str, reconcile.Correction]) -> dict:
-    """The estimate's JSON with ``correction`` added: raw, correction, corrected, source runs."""
+def corrected(estimate: dict, corrections: dict[str, reconcile.Correction], found=None) -> dict:
+    """The estimate's JSON with ``correction`` added: raw, correction, corrected, source runs, and with
+    ``found`` (a :class:`~vramcal.calibrate.fleet.FoundCorrection`) where it came from: this machine or
+    its class, which hosts and runs."""
     stages = estimate["stages"]
     fixed = reconcile.apply(stages, estimate["ctx"], estimate["batch"], corrections)
     out = dict(estimate)
@@ -131,6 +129,8 @@ def corrected(estimate: dict, corrections: dict[str, reconcile.Correction]) -> d
         "p95_residual": {k: c.residual_p95_bytes for k, c in corrections.items()},
         "source_runs": sorted({r for c in corrections.values() for r in c.source_runs}),
     }
+    if found is not None:
+        out["correction"]["source"] = found.to_dict()
     out["stages"] = fixed
     out["peak"] = max(fixed.values())
     return out
@@ -185,10 +185,10 @@ def check(model: str, quant: str = "auto", ctx: int = 4096, batch: int = 1, *, d
         if verdict.fits:
             out.memo_id = store.add_memo(run_id, memo_for(store.run(run_id)))
         else:
-            stack = stack_key(fp)
+            from .fleet import find_correction
 
             def corrections_for(q: str) -> dict[str, reconcile.Correction]:
-                return lookup(store, machine_id, stack, q, source.config_hash)
+                return find_correction(store, fp, q, source.config_hash).corrections
 
             out.proposals = propose(source, spec.name, ctx, batch, usable, corrections_for, prefer, device,
                                     attn=attn)
@@ -267,13 +267,14 @@ def fit_contexts(model: str, budget: int, *, device: str, db: str | None, buffer
                  quants=("bf16", "int8", "nf4-dq", "nf4"), batches=(1, 2, 4, 8)) -> list[dict]:
     """The largest ctx per quant and batch whose corrected estimate, at the p95 of this machine's
     residuals, stays within ``budget - buffer``."""
-    from ..probes.machine import machine_fingerprint, stack_key
+    from ..probes.machine import machine_fingerprint
 
     source = resolve_model(model)
     fp = machine_fingerprint(device)
+    from .fleet import find_correction
+
     with Store(db) as store:
-        mid = store.find_machine(fp)
-        corr_by_quant = {q: lookup(store, mid, stack_key(fp), q, source.config_hash) for q in quants}
+        corr_by_quant = {q: find_correction(store, fp, q, source.config_hash).corrections for q in quants}
     usable = budget - buffer
     from .. estimator.resolve import text_config
 

@@ -69,7 +69,9 @@ def timeout_from_env() -> float:
 
 
 def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+    diag = getattr(exc, "diag", None)  # psycopg: the server's primary message, without CONTEXT lines
+    text = getattr(diag, "message_primary", None) or str(exc)
+    return " ".join(text.split()) or type(exc).__name__
 
 
 class Engine:
@@ -353,8 +355,9 @@ class PostgresEngine(Engine):
 
     kind = "postgresql"
 
-    def __init__(self, url: str, *, create: bool, readonly: bool, timeout_s: float):
+    def __init__(self, url: str, *, create: bool, readonly: bool, timeout_s: float, role: str | None = None):
         self.url = url
+        self.role = role
         self.label = redact(url)
         self.readonly = readonly
         self.create = create
@@ -383,6 +386,10 @@ class PostgresEngine(Engine):
             raise UserError(f"cannot connect to the records database {self.label}: {redact(_one_line(exc))}; "
                             "check that the server is up, and the user, password and sslmode in the URL") from None
         try:
+            if self.role:
+                from psycopg import sql
+
+                self.conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(self.role)))
             self.conn.execute(f"SET search_path TO {PG_SCHEMA}")
             self.conn.execute(f"SET lock_timeout = {int(self.timeout_s * 1000)}")
             if self.readonly:
@@ -498,8 +505,9 @@ class PostgresEngine(Engine):
                        "excluded.value", (key, str(value)))
 
     def lock_schema(self, tx) -> None:
-        tx.execute(f"CREATE SCHEMA IF NOT EXISTS {PG_SCHEMA}")
         tx.execute("SELECT pg_advisory_xact_lock(?)", (APPLICATION_ID,))
+        if not tx.execute("SELECT 1 FROM pg_namespace WHERE nspname = ?", (PG_SCHEMA,)):
+            tx.execute(f"CREATE SCHEMA {PG_SCHEMA}")  # needs CREATE on the database; init-fleet makes it first
 
     def lock_machine(self, tx, machine_id: int) -> None:
         """Refits of one machine run one at a time, each reading every run committed before it."""
@@ -536,8 +544,13 @@ class _PgTx:
                 cur.executemany(self.engine.sql(text), rows)
 
 
-def open_engine(db: str, *, create: bool, readonly: bool, timeout_s: float | None = None) -> Engine:
+def open_engine(db: str, *, create: bool, readonly: bool, timeout_s: float | None = None,
+                role: str | None = None) -> Engine:
+    """``role``: PostgreSQL only, ``SET ROLE`` after connecting (``init-fleet`` builds the schema as its
+    owner role)."""
     timeout_s = timeout_from_env() if timeout_s is None else timeout_s
     if is_url(db):
-        return PostgresEngine(db, create=create, readonly=readonly, timeout_s=timeout_s)
+        return PostgresEngine(db, create=create, readonly=readonly, timeout_s=timeout_s, role=role)
+    if role:
+        raise UserError("a role applies to a postgresql:// records database only")
     return SqliteEngine(Path(db), create=create, readonly=readonly, timeout_s=timeout_s)

@@ -183,10 +183,10 @@ class Store:
     (default ``$VRAMCAL_DB_TIMEOUT`` or 60 s)."""
 
     def __init__(self, db: str | os.PathLike | None = None, create: bool = True, readonly: bool = False,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, role: str | None = None):
         target = str(db) if db else default_db()
         self._open_args = (target, create, readonly, timeout_s)
-        self.engine = open_engine(target, create=create, readonly=readonly, timeout_s=timeout_s)
+        self.engine = open_engine(target, create=create, readonly=readonly, timeout_s=timeout_s, role=role)
         try:
             self._ensure_schema()
         except BaseException:
