@@ -97,7 +97,7 @@ def _apply_machine_correction(est: dict, device: str, db: str | None) -> dict:
     from .check import corrected, lookup
 
     fp = machine_fingerprint("cpu" if device == "cpu" else (device if ":" in device else "cuda:0"))
-    with Store(path, create=False) as store:
+    with Store(path, create=False, readonly=True) as store:
         corr = lookup(store, store.find_machine(fp), stack_key(fp), est["quant"], est.get("config_hash"))
     if not corr:
         est["correction"] = None
@@ -133,7 +133,7 @@ def cmd_memo(args) -> int:
     from ..records.store import Store
     from .check import memo_markdown, recheck
 
-    with Store(args.db, create=False) as store:
+    with Store(args.db, create=False, readonly=True) as store:
         memos = store.memos()
     if not memos:
         raise UserError("no memo recorded yet: run `vramcal check MODEL ...` once; a run that fits leaves one")
@@ -180,7 +180,7 @@ def cmd_records(args) -> int:
     from ..records.store import Store
     from . import present
 
-    with Store(args.db, create=False) as store:
+    with Store(args.db, create=False, readonly=True) as store:
         if args.action == "list":
             runs = store.runs()
             print(json.dumps(runs, default=str) if args.json else present.runs_table(runs))

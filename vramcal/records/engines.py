@@ -133,6 +133,8 @@ class SqliteEngine(Engine):
             self.conn.row_factory = sqlite3.Row
             self.conn.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")
             self.conn.execute("PRAGMA foreign_keys = ON")
+            if not readonly and not self.created:
+                self._quick_check()
         except sqlite3.Error as exc:
             self.close()
             raise self.user_error(exc) from None
@@ -205,19 +207,29 @@ class SqliteEngine(Engine):
         return f"{uri}?immutable=1" if mode == "immutable" else f"{uri}?mode={mode}"
 
     def _connect_readonly(self) -> sqlite3.Connection:
-        """``mode=ro``: no write lock, no journal. A WAL database needs its ``-shm`` file; when that is
-        missing and cannot be created (a read-only folder), and no ``-wal`` holds unmerged pages, the file
-        is read as immutable."""
+        """``mode=ro``: no write lock, no journal. A WAL database needs its ``-shm`` file (a reader
+        creates it, and an empty ``-wal``, when they are missing; both are harmless and go away with the
+        next writer). When they cannot be created (a read-only folder) and no ``-wal`` holds pages not yet
+        merged into the file, the file is read as immutable instead."""
         conn = sqlite3.connect(self._uri("ro"), uri=True, timeout=self.timeout_s, isolation_level=None)
         try:
             conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
             return conn
-        except sqlite3.OperationalError as exc:
+        except sqlite3.OperationalError:
             conn.close()
             wal = Path(f"{self.path}-wal")
-            if "unable to open" in str(exc) and not (wal.exists() and wal.stat().st_size > 0):
-                return sqlite3.connect(self._uri("immutable"), uri=True, isolation_level=None)
-            raise
+            if (wal.exists() and wal.stat().st_size > 0) or os.access(self.path.parent, os.W_OK):
+                raise
+            return sqlite3.connect(self._uri("immutable"), uri=True, isolation_level=None)
+
+    def _quick_check(self) -> None:
+        """Before anything is written: a damaged page anywhere would otherwise surface only when (and if)
+        a query reads it, after SQLite had appended to the file. O(size of the file); a second or so for
+        hundreds of MB, once per writing command."""
+        problem = self.conn.execute("PRAGMA quick_check(1)").fetchone()[0]
+        if problem != "ok":
+            raise UserError(f"{self.path} is damaged ({' '.join(str(problem).split())}); it was left untouched: "
+                            "restore it from a backup, or pass another --db to start a new history")
 
     def set_wal(self) -> None:
         """WAL for a database this engine created (an existing file keeps its journal mode: switching
@@ -237,8 +249,11 @@ class SqliteEngine(Engine):
         if "locked" in msg or "busy" in msg:
             return UserError(f"{p} stayed locked by another process for {self.timeout_s:g} s; nothing was "
                              "written: try again when it finishes (or raise VRAMCAL_DB_TIMEOUT)")
+        if ("readonly" in msg or "read-only" in msg) and self.readonly:
+            return UserError(f"cannot read {p}: {_one_line(exc)} (a WAL database needs to create {p.name}-shm "
+                             "beside it): make its folder writable, or copy the file somewhere writable")
         if "readonly" in msg or "read-only" in msg:
-            return UserError(f"{p} is read-only, so this run cannot be recorded there: make it writable "
+            return UserError(f"{p} is read-only, so nothing can be recorded there: make it writable "
                              "(and its folder), or pass another --db")
         if "unable to open" in msg:
             return UserError(f"cannot open the records database {p} (check the permissions of the file "
