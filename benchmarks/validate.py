@@ -58,7 +58,7 @@ FIELDS = ["name", "device", "machine", "arch", "model", "quant", "ctx", "batch",
 
 
 def run_matrix(args) -> None:
-    from vramcal.calibrate.check import record_probe
+    from vramcal.calibrate.runs import record_probe
     from vramcal.probes.machine import machine_fingerprint
     from vramcal.probes.probe import run_probe
     from vramcal.records.store import Store
@@ -129,7 +129,7 @@ def write_csv(args) -> int:
                 for s in STAGES:
                     e = (est.get("stages") or {}).get(s)
                     m = measured[s]
-                    cal = None if e is None else reconcile.apply({s: e}, run["ctx"], run["batch"], loo)[s]
+                    cal = None if e is None else reconcile.apply({s: e}, run["ctx"] * run["batch"], loo)[s]
                     rows_out.append({
                         "name": args.name, "device": args.device,
                         "machine": machine.get("gpu_name") or machine.get("cpu_model"), "arch": run["model"],

@@ -12,7 +12,9 @@ import pytest
 from conftest import save_tiny
 from test_probe_cpu import MID
 
-from vramcal.calibrate.check import check, memo_for, record_probe
+from vramcal.calibrate.check import check
+from vramcal.calibrate.memo import memo_for
+from vramcal.calibrate.runs import record_probe
 from vramcal.probes.machine import machine_fingerprint
 from vramcal.probes.probe import run_probe
 from vramcal.records.store import Store

@@ -70,7 +70,7 @@ def test_cached_estimate_does_not_import_torch(tiny_models, tmp_path):
     Store(tmp_path / "records.db").close()  # a records database exists: the correction lookup must stay torch-free
     env = {**os.environ, "VRAMCAL_CACHE": str(tmp_path / "c"), "VRAMCAL_DB": str(tmp_path / "records.db")}
     args = [sys.executable, "-c",
-            "import sys, json; from vramcal.calibrate.cli import main; rc = main(sys.argv[1:]); "
+            "import sys, json; from vramcal.cli import main; rc = main(sys.argv[1:]); "
             "print('TORCH' if 'torch' in sys.modules else 'NOTORCH', file=sys.stderr); sys.exit(rc)",
             "estimate", tiny_models["dense-gqa"], "--quant", "nf4", "--ctx", "300", "--json"]
     first = subprocess.run(args, capture_output=True, text=True, env=env)
@@ -78,9 +78,13 @@ def test_cached_estimate_does_not_import_torch(tiny_models, tmp_path):
     again = subprocess.run(args, capture_output=True, text=True, env=env)
     assert again.returncode == 0 and again.stderr.split()[-1] == "NOTORCH", again.stderr
     assert json.loads(again.stdout)["stages"] == json.loads(first.stdout)["stages"]
-    other_ctx = subprocess.run(args[:-3] + ["--ctx", "700", "--fast", "--json"], capture_output=True, text=True,
-                               env=env)
-    assert other_ctx.returncode == 0 and other_ctx.stderr.split()[-1] == "NOTORCH", other_ctx.stderr
+    # the first --fast traces the fit points once (an exact first estimate traces only its own point) ...
+    fit = subprocess.run(args[:-3] + ["--ctx", "700", "--fast", "--json"], capture_output=True, text=True, env=env)
+    assert fit.returncode == 0 and fit.stderr.split()[-1] == "TORCH", fit.stderr
+    # ... and every later --fast point of the same model is arithmetic on the cached fit
+    for ctx in ("1500", "3000"):
+        other = subprocess.run(args[:-3] + ["--ctx", ctx, "--fast", "--json"], capture_output=True, text=True, env=env)
+        assert other.returncode == 0 and other.stderr.split()[-1] == "NOTORCH", other.stderr
 
 
 def test_already_quantized_checkpoint_refuses_other_quant(tmp_path):

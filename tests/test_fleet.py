@@ -19,7 +19,6 @@ from pg_server import pg_server, pg_url, wait_until  # noqa: F401 (fixtures)
 from vramcal.errors import UserError
 from vramcal.records.engines import redact
 from vramcal.records.store import Store
-from vramcal.records.sync import copy_records
 
 MIB = 1024**2
 NS = uuid.UUID("6f1c2a5e-0000-4000-8000-000000000000")
@@ -305,8 +304,8 @@ def db(request, tmp_path) -> str:
 
 
 def test_a_new_host_of_a_known_class_uses_the_class_correction(db):
-    from vramcal.calibrate.check import corrected
     from vramcal.calibrate.fleet import find_correction, refit
+    from vramcal.estimator.correction import apply
     from vramcal.probes.machine import stack_key
 
     with Store(db) as s:
@@ -328,18 +327,49 @@ def test_a_new_host_of_a_known_class_uses_the_class_correction(db):
         assert abs(end.intercept_bytes - 110 * MIB) < 1024 and abs(end.slope_bytes_per_token - 1000) < 1e-6
         assert found.host_spread_bytes["end"] == 20 * MIB
         assert abs(end.residual_p95_bytes - 30 * MIB) < 1024
-        est = {"stages": {k: 5000 * MIB for k in STAGES}, "ctx": 2048, "batch": 1, "peak": 5000 * MIB}
-        out = corrected(est, found.corrections, found)
-        assert out["stages"]["end"] == 5000 * MIB + 110 * MIB + 2048 * 1000
-        assert out["correction"]["source"]["source"] == "class"
-        assert "machine class" in out["correction"]["source"]["label"] and "2 hosts (a, b)" in \
-            out["correction"]["source"]["label"]
+        shown = found.as_set()  # what an estimate applies and prints
+        assert shown.scope.startswith("machine class NVIDIA H100 80GB HBM3, 80 GiB, driver 550, CUDA 12.8")
+        assert "2 hosts" in shown.scope and shown.hosts == ["a", "b"] and len(shown.source_runs) == 6
+        fixed = apply({k: 5000 * MIB for k in STAGES}, 2048, shown.stages)
+        assert fixed["end"] == 5000 * MIB + 110 * MIB + 2048 * 1000
 
         own = find_correction(s, _fp("a", driver="550.1"), "nf4", "cfg-m")
-        assert own.source == "machine" and own.hosts == ["a"]
+        assert own.source == "machine" and own.hosts == ["a"] and own.as_set().scope.startswith("this machine")
         assert abs(own.corrections["end"].intercept_bytes - 100 * MIB) < 1024
         other_class = find_correction(s, _fp("y", driver="560.1"), "nf4", "cfg-m")
         assert other_class.source is None and not other_class.corrections
+
+
+def test_corrected_estimate_on_a_new_host_says_it_used_the_class(tmp_path, db):
+    """The library's corrected estimate, on this (unrecorded) machine, when two other hosts of its class
+    have measured the same model: the class's correction is applied and named, with its hosts."""
+    from conftest import TINY
+
+    from vramcal.calibrate.corrections import corrected_estimate, refit
+    from vramcal.probes.machine import machine_fingerprint, stack_key
+
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY["dense-gqa"]))
+    raw = corrected_estimate(str(model), "bf16", 256, 1, device="cpu", db=db)
+    assert raw.correction is None  # nothing recorded yet
+    here = machine_fingerprint("cpu")
+    with Store(db) as s:
+        for host, extra in (("rack-1", 30 * MIB), ("rack-2", 34 * MIB)):
+            fp = {**here, "hostname": host}
+            for ctx in (128, 256, 512):
+                stages = [{"stage": k, "estimated_bytes": v, "measured_peak_bytes": v + extra}
+                          for k, v in raw.stages.items()]
+                s.record_run(fp, {**_context(ctx=ctx), "config_hash": raw.config_hash, "quant": raw.quant,
+                                  "device": "cpu"}, {"status": "ok"}, stages, [])
+            refit(s, s.find_machine(fp), stack_key(fp), raw.quant, raw.config_hash)
+        assert s.find_machine(here) is None
+    est = corrected_estimate(str(model), "bf16", 256, 1, device="cpu", db=db)
+    c = est.correction
+    assert c["scope"].startswith("machine class ") and "same model and quant" in c["scope"], c["scope"]
+    assert c["hosts"] == ["rack-1", "rack-2"] and len(c["source_runs"]) == 6
+    assert est.stages["end"] == raw.stages["end"] + 32 * MIB
+    assert c["p95_residual"]["end"] >= 4 * MIB  # the two hosts differ by 4 MiB: the band says so
 
 
 def test_class_summary(db):
@@ -446,3 +476,58 @@ def test_unrecorded_run_is_kept_and_recorded_once(tmp_path, db):
         assert record_saved(s, path) == rid and s.count("runs") == 1
         run = s.run(rid)
         assert run["uuid"] == payload["uuid"] and list(run["stages"]) == list(STAGES) and run["sample_count"] == 1
+
+
+# ------------------------------------------------------------------------------------ command line
+
+def test_records_commands_on_a_fleet(pg_server, tmp_path):
+    admin = pg_server.url(pg_server.create_database("cli"))
+    r = subprocess.run([sys.executable, "-m", "vramcal", "records", "init-fleet", "--db", admin, "--json"],
+                       capture_output=True, text=True, env={**os.environ, "VRAMCAL_WRITER_PASSWORD": "w-secret"})
+    assert r.returncode == 0, r.stderr
+    made = json.loads(r.stdout)
+    assert made["writer"] == "vramcal_writer" and "w-secret" not in r.stdout + r.stderr
+    assert pg_server.password not in r.stdout + r.stderr
+    writer = admin.replace(f"postgres:{pg_server.password}@", "vramcal_writer:w-secret@")
+
+    local = tmp_path / "laptop.db"
+    _history(local)
+    first = _cli("records", "push", "--db", str(local), "--to", writer)
+    assert first.returncode == 0 and "200 runs" in first.stdout and "w-secret" not in first.stdout, first.stderr
+    again = _cli("records", "push", "--db", str(local), "--to", writer)
+    assert again.returncode == 0 and "nothing copied" in again.stdout, again.stdout
+
+    listed = _cli("records", "list", "--db", writer, "--all-machines", "--json", "--status", "oom", "--model", "m0")
+    runs = json.loads(listed.stdout)
+    assert runs and all(r["status"] == "oom" and r["model"] == "m0" for r in runs)
+    assert {r["hostname"] for r in runs} == {"laptop", "airgap"}
+    mine = _cli("records", "list", "--db", writer, "--json")  # this host recorded nothing there
+    assert mine.returncode == 0 and json.loads(mine.stdout) == []
+    table = _cli("records", "list", "--db", writer, "--all-machines", "--gpu", "h100", "--host", "airgap")
+    assert table.returncode == 0 and len(table.stdout.splitlines()) == 101 and "airgap" in table.stdout
+
+    summary = _cli("records", "summary", "--db", writer, "--json")
+    rows = json.loads(summary.stdout)
+    assert len(rows) == 2 and sum(r["runs"] for r in rows) == 200  # two driver majors: two classes
+    assert all(r["corrections"]["end"]["n_runs"] > 0 for r in rows)
+    assert "p95 band" in _cli("records", "summary", "--db", writer).stdout
+
+    back = tmp_path / "back.db"
+    pulled = _cli("records", "pull", "--from", writer, "--db", str(back), "--json")
+    assert pulled.returncode == 0 and json.loads(pulled.stdout)["runs_added"] == 200, pulled.stderr
+
+    bad = _cli("records", "list", "--db", writer, "--to", "x")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_records_import_saved_runs(tmp_path):
+    from vramcal.records.unrecorded import run_payload, save_unrecorded
+
+    paths = [save_unrecorded(run_payload(_fp("h"), _context(ctx=64 * (i + 1)), {"status": "ok"}, _stages(64, 0), []),
+                             tmp_path / "saved") for i in range(2)]
+    db = tmp_path / "r.db"
+    r = _cli("records", "import", *map(str, paths), "--db", str(db))
+    assert r.returncode == 0 and r.stdout.count("recorded ") == 2, r.stderr
+    assert not any(p.exists() for p in paths)
+    with Store(db, create=False, readonly=True) as s:
+        assert s.count("runs") == 2 and s.count("stages") == 8

@@ -37,8 +37,14 @@ def test_quick_cli_json():
     r = run("estimate", "--params-b", "27", "--bits", "4", "--layers", "60", "--kv-heads", "8", "--head-dim", "128",
             "--ctx", "32768", "--json")
     assert r.returncode == 0, r.stderr
-    q = json.loads(r.stdout)["quick"]
+    out = json.loads(r.stdout)
+    q = out["formula"]
     assert q["kv_cache_bytes"] == 7.5 * GIB and q["weights_bytes"] == 13_500_000_000
+    # the same shape as a full estimate: the same component keys, a peak, None where the formula is silent
+    assert set(out["components"]) == {"weights", "kv_cache", "activations", "runtime"}
+    assert out["components"]["activations"] is None and out["mode"] == "quick"
+    assert out["components"]["kv_cache"] == 7.5 * GIB
+    assert out["peak"] == q["total_bytes"] == sum(v for v in out["components"].values() if v is not None)
 
 
 BAD = [
@@ -54,6 +60,21 @@ BAD = [
     (["estimate"], "give a MODEL"),
     (["estimate", "llama-3.1-8b", "--attn", "magic"], "--attn"),
     (["estimate", "llama-3.1-8b", "--kv-dtype", "int3"], "--kv-dtype"),
+    (["estimate", "--params-b", "nan", "--bits", "4"], "--params-b"),
+    (["estimate", "--params-b", "inf", "--bits", "4"], "--params-b"),
+    (["estimate", "--params-b", "7", "--bits", "4", "--kv-bytes", "-2", "--layers", "2", "--kv-heads", "2",
+      "--head-dim", "64"], "--kv-bytes"),
+    (["estimate", "--params-b", "7", "--bits", "4", "--layers", "2"], "--head-dim"),
+    (["estimate", "llama-3.1-8b", "--ctx", "100", "--prompt", "80"], "not both"),
+    (["estimate", "llama-3.1-8b", "--new-tokens", "0"], "--new-tokens"),
+    (["estimate", "llama-3.1-8b", "--ctx", "10", "--new-tokens", "16"], "leaves no prompt"),
+    (["estimate", "llama-3.1-8b", "--ctx", "99999999999"], "beyond"),
+    (["estimate", "llama-3.1-8b", "--batch", "9999999"], "beyond"),
+    (["estimate", "llama-3.1-8b", "--device", "tpu"], "unknown device"),
+    (["estimate", "llama-3.1-8b", "--dtype", "int4"], "--dtype"),
+    (["probe", "llama-3.1-8b", "--device", "cuda:x"], "unknown device"),
+    (["fit", "llama-3.1-8b", "--budget", "1GiB", "--buffer", "2GiB", "--device", "cpu"], "--buffer"),
+    (["records", "list", "--out", "x.csv"], "records export"),
 ]
 
 
@@ -65,6 +86,66 @@ def test_bad_input_one_line_exit_2(tmp_path, args, needle):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("vramcal: ") and needle in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+CONFIG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 256, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"hidden_size": -64}, "hidden_size = -64 is impossible"),
+    ({"hidden_size": "64"}, "hidden_size must be a whole number"),
+    ({"num_hidden_layers": 1.5}, "num_hidden_layers must be a whole number"),
+    ({"vocab_size": True}, "vocab_size must be a whole number"),
+    ({"num_key_value_heads": 3}, "not a multiple"),
+    ({"hidden_size": 65}, "not divisible"),
+    ({"vocab_size": None}, "does not give vocab_size"),
+])
+def test_configs_with_impossible_sizes_are_refused(tmp_path, change, needle):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({k: v for k, v in {**CONFIG, **change}.items() if v is not None}))
+    r = run("estimate", str(d), "--ctx", "64")
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_config_with_only_model_type_is_refused_not_defaulted(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    r = run("estimate", str(d))
+    assert r.returncode == 2 and "does not give hidden_size, num_hidden_layers" in r.stderr, r.stderr
+    (d / "config.json").write_text('{"model_type": "llama", "hidden_size": NaN}')
+    r = run("estimate", str(d))
+    assert r.returncode == 2 and "not valid JSON" in r.stderr and "NaN" in r.stderr, r.stderr
+
+
+def test_missing_optional_fields_take_named_defaults(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({k: v for k, v in CONFIG.items() if k != "intermediate_size"}))
+    r = run("estimate", str(d), "--ctx", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    notes = " ".join(json.loads(r.stdout)["notes"])
+    assert "intermediate_size" in notes and "default" in notes, notes
+
+
+def test_dtype_spellings_agree_with_quant(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    for spelling in ("fp16", "float16", "half"):  # --quant fp16 was accepted; --dtype fp16 is now too
+        r = run("estimate", str(d), "--quant", "nf4", "--dtype", spelling, "--ctx", "64", "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["dtype"] == "float16"
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    """`vramcal models | head -1`: the reader goes away; no BrokenPipeError traceback."""
+    code = ("import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1); "
+            "from vramcal.cli import main; sys.exit(main(['models']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
 
 
 def test_malformed_and_unknown_configs(tmp_path):
@@ -110,9 +191,9 @@ def test_hub_cache_lookup(tmp_path):
 
 
 def test_quick_mode_imports_neither_torch_nor_the_estimator():
-    code = ("import sys; from vramcal.calibrate.cli import main; "
+    code = ("import sys; from vramcal.cli import main; "
             "rc = main(['estimate', '--params-b', '27', '--bits', '4', '--json']); "
             "print(sorted(m for m in ('torch', 'transformers', 'vramcal.estimator.inventory', "
-            "'vramcal.calibrate.check') if m in sys.modules), file=sys.stderr); sys.exit(rc)")
+            "'vramcal.calibrate.check', 'vramcal.calibrate.proposals') if m in sys.modules), file=sys.stderr); sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stderr.strip().splitlines()[-1] == "[]", r.stderr

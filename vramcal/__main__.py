@@ -1,5 +1,5 @@
 import sys
 
-from vramcal.calibrate.cli import main
+from vramcal.cli import main
 
 sys.exit(main())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..estimator.correction import CorrectionSet
 from ..records.machines import class_key, class_label
 from ..records.store import Store
 from . import reconcile
@@ -55,6 +56,18 @@ class FoundCorrection:
         d.pop("corrections")
         d["label"] = self.label()
         return d
+
+    def as_set(self) -> CorrectionSet:
+        """What the estimator applies and shows: the stages, where they came from, the hosts."""
+        if not self.source:
+            return CorrectionSet({})
+        if self.source == "machine":
+            return CorrectionSet(self.corrections, scope=f"this machine, {self.scope}", hosts=list(self.hosts))
+        widest = max(self.host_spread_bytes.values(), default=0)
+        return CorrectionSet(self.corrections, hosts=list(self.hosts),
+                             scope=f"machine class {class_label(self.machine_class)}, {self.scope}: "
+                                   f"{len(self.hosts)} host{'s' * (len(self.hosts) != 1)}, p95 band widened by "
+                                   f"their spread (up to {widest / 1024**2:.0f} MiB)")
 
 
 def find_correction(store: Store, fingerprint: dict, quant: str, config_hash: str | None) -> FoundCorrection:
@@ -103,17 +116,19 @@ def widen_by_host_spread(corr: dict[str, reconcile.Correction], rows: list[dict]
     return spreads
 
 
-def refit(store: Store, machine_id: int, stack: str, quant: str, config_hash: str | None
-          ) -> dict[str, reconcile.Correction]:
+def refit(store: Store, machine_id: int, stack: str, quant: str, config_hash: str | None) -> CorrectionSet:
     """Refit every scope a run of (``quant``, ``config_hash``) belongs to, under the machine's refit
     lock, and record them; return the most specific scope's corrections."""
+    scopes = reconcile.scopes(stack, quant, config_hash)
+    names = SCOPE_NAMES[-len(scopes):]
+
     def fit(rows: list[dict]):
-        writes, best = [], {}
-        for key, where in reconcile.scopes(stack, quant, config_hash):
+        writes, best = [], CorrectionSet({})
+        for (key, where), name in zip(scopes, names):
             corr = reconcile.fit_corrections(reconcile.rows_in(rows, where))
             if corr:
                 writes.append((key, [asdict(c) for c in corr.values()]))
-                best = best or corr
+                best = best or CorrectionSet(corr, scope=f"this machine, {name}")
         return writes, best
 
     return store.refit(machine_id, fit)

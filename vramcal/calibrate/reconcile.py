@@ -14,9 +14,12 @@ On the CPU path the measured figure is the child's reading minus its baseline (d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
 
-from ..estimator.estimate import STAGES
+from ..estimator.correction import Correction, apply
+from ..workload import NEW_TOKENS, STAGES
+
+__all__ = ["Correction", "apply", "stage_rows", "component_deltas", "fit_corrections", "fit_scoped", "scopes"]
 
 
 def stage_rows(result) -> list[dict]:
@@ -34,6 +37,15 @@ def stage_rows(result) -> list[dict]:
                      "measured_used_bytes": used, "torch_max_allocated": st.get("torch_max_allocated"),
                      "torch_max_reserved": st.get("torch_max_reserved")})
     return rows
+
+
+def unfinished_peak(result) -> int | None:
+    """The peak sampled in the stage a stopped run was in, on the same footing as :func:`stage_rows`."""
+    peak = (result.unfinished or {}).get("peak_bytes")
+    if peak is None:
+        return None
+    base = result.stages.get("baseline", {}).get("used_bytes") if result.series == "rss" else 0
+    return peak - (base or 0)
 
 
 def component_deltas(result) -> dict[str, int | None]:
@@ -61,33 +73,22 @@ def component_deltas(result) -> dict[str, int | None]:
 
 
 def _kv_prompt(result) -> int:
+    """The estimate's cache right after the prefill, scaled from its cache at the end."""
     est = result.estimate or {}
     kv_end = est.get("components", {}).get("kv_cache", 0)
-    ctx = est.get("ctx") or result.ctx
-    return int(kv_end * (ctx - 16) / max(ctx - 1, 1))
-
-
-@dataclass
-class Correction:
-    stage: str
-    intercept_bytes: int
-    slope_bytes_per_token: float
-    n_runs: int
-    residual_p50_bytes: int
-    residual_p95_bytes: int
-    source_runs: list[int]
-
-    def at(self, tokens: int) -> int:
-        return int(self.intercept_bytes + self.slope_bytes_per_token * tokens)
+    new = est.get("new_tokens") or NEW_TOKENS
+    prompt = est.get("prompt") or (est.get("ctx") or result.ctx) - new
+    return int(kv_end * prompt / max(prompt + new - 1, 1))
 
 
 def _percentile(values: list[float], q: float) -> float:
+    """The q-quantile with linear interpolation between order statistics (numpy's default)."""
     if not values:
         return 0.0
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    if len(values) == 1:
+        return float(values[0])
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if 0 < q < 1 else \
+        float(min(values) if q <= 0 else max(values))
 
 
 def scopes(stack: str, quant: str, config_hash: str | None) -> list[tuple[str, dict]]:
@@ -140,14 +141,3 @@ def corrections_from_rows(rows: dict[str, dict]) -> dict[str, Correction]:
     return {stage: Correction(stage, r["intercept_bytes"], r["slope_bytes_per_token"], r["n_runs"],
                               r.get("residual_p50_bytes") or 0, r.get("residual_p95_bytes") or 0, r["source_runs"])
             for stage, r in rows.items()}
-
-
-def apply(stages: dict[str, int], ctx: int, batch: int, corrections: dict[str, Correction],
-          margin: str | None = None) -> dict[str, int]:
-    """Corrected stages; ``margin='p95'`` adds each stage's p95 residual (for fitting to a budget)."""
-    out = {}
-    for stage, raw in stages.items():
-        c = corrections.get(stage)
-        extra = 0 if c is None else c.at(ctx * batch) + (c.residual_p95_bytes if margin == "p95" else 0)
-        out[stage] = raw + extra
-    return out

@@ -63,26 +63,39 @@ class Trace:
 
 @dataclass
 class ActivationModel:
-    """Peak extra bytes as ``a + b*tokens + c*tokens**2/batch`` (tokens = batch x seq), fitted to traces."""
+    """Peak extra bytes at traced points, and between them ``a + b*tokens + c*tokens**2/batch`` (tokens =
+    batch x seq) fitted to traces. ``prefill`` / ``decode`` are None until a fit was made: an exact
+    estimate traces only its own point."""
 
-    prefill: tuple[float, float, float]
-    decode: tuple[float, float]
+    prefill: tuple[float, float, float] | None
+    decode: tuple[float, float] | None
     traces: list[Trace] = field(default_factory=list)
 
-    def prefill_extra(self, batch: int, seq: int) -> int:
+    def _trace(self, batch: int, seq: int) -> Trace | None:
         for t in self.traces:
             if t.batch == batch and t.tokens == seq:
-                return t.prefill_peak_bytes - t.cache_bytes
+                return t
+        return None
+
+    def prefill_extra(self, batch: int, seq: int) -> int:
+        t = self._trace(batch, seq)
+        if t is not None:
+            return t.prefill_peak_bytes - t.cache_bytes
         a, b, c = self.prefill
         n = batch * seq
         return int(a + b * n + c * batch * seq * seq)
 
-    def decode_extra(self, batch: int, seq: int) -> int:
-        for t in self.traces:
-            if t.batch == batch and t.tokens == seq:
-                return t.decode_peak_bytes
+    def decode_extra(self, batch: int, seq: int, new_tokens: int = 2, growth_per_row_token: int = 0) -> int:
+        """The largest decode step's transient after a ``seq``-token prefill. The traced step is the
+        first (the cache at ``seq``); the last runs at ``seq + new_tokens - 2``. A dynamic cache layer
+        appends with ``torch.cat``, so its old and new storage coexist for a moment: the step's transient
+        grows by the largest layer's bytes per token (``growth_per_row_token``) per batch row and token."""
+        extra_positions = max(new_tokens - 2, 0)
+        t = self._trace(batch, seq)
+        if t is not None:
+            return t.decode_peak_bytes + growth_per_row_token * batch * extra_positions
         a, b = self.decode
-        return int(a + b * batch * seq)
+        return int(a + b * batch * (seq + extra_positions))
 
 
 class AllocationTracker:

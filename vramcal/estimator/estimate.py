@@ -4,32 +4,39 @@ Stages are what a probe on the device will see (docs/accounting.md):
 
 - ``load_peak``   highest memory while ``from_pretrained`` runs;
 - ``post_load``   once loading is done;
-- ``first_token`` highest memory up to the first new token (the prefill);
-- ``end``         highest memory up to the 16th new token.
+- ``first_token`` highest memory up to the first new token (the prefill of the prompt);
+- ``end``         highest memory up to the last new token (``new_tokens``, 16 by default).
 
 On CUDA each is ``context + reserved``, and reserved is a running peak (the caching allocator keeps
 freed blocks), so the stages never decrease; ``allocated`` gives the ``memory_allocated`` view of the
-same moments. ``peak`` is the largest stage.
+same moments. ``peak`` is the largest stage, and ``peak_breakdown`` says what the peak is made of.
+
+``components`` are the sizes of the things that take memory: the weights, the KV cache at the end,
+the largest transient (activations) and the runtime (CUDA context, cuBLAS workspace, allocator
+rounding). They never go below zero, and they need not add up to the peak: the prefill's transient
+and the end's full cache do not exist at the same moment. ``peak_breakdown`` adds up exactly.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import UserError
+from ..units import GB, fmt_gib_gb
+from ..workload import ATTNS, CACHES, KV_DTYPES, NEW_TOKENS, STAGES, Workload, choice, parse_device, workload
+from .correction import CorrectionSet, apply
 from .dryrun import ActivationModel, KVLayer, Trace, fit_activations, round_alloc
-from .inventory import Inventory, inventory, load_cached, store_cached
+from .inventory import CACHE_PROBLEMS, Inventory, inventory, load_cached, store_cached
 from .quant import DTYPE_BYTES, QuantSpec, resolve_quant
 from .quick import QuickEstimate, quick_estimate
 from .resolve import ModelSource, resolve_model, text_config
 from .runtime import RuntimeProfile, default_profile
 
-NEW_TOKENS = 16
 FIT_TOKENS = (512, 2048, 8192)
-ATTN_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2")
-CACHE_CHOICES = ("dynamic", "static")
-KV_DTYPES = ("auto", "fp8")
-STAGES = ("load_peak", "post_load", "first_token", "end")
+LARGEST_GPU_BYTES = 288 * GB  # the largest memory on one GPU sold today (B300); beyond it, split the model
+
+__all__ = ["Estimate", "Estimator", "estimate", "STAGES", "NEW_TOKENS"]
 
 
 @dataclass
@@ -39,14 +46,14 @@ class Estimate:
     quant: str
     quant_implementation: str
     dtype: str
-    ctx: int
+    ctx: int  # prompt + new tokens
     batch: int
     kv_dtype: str
     attn: str
     cache: str
     device: str
-    components: dict[str, int]  # weights, kv_cache, activations, runtime
-    stages: dict[str, int]  # device memory in use (NVML view)
+    components: dict[str, int]  # weights, kv_cache, activations, runtime: sizes, each >= 0
+    stages: dict[str, int]  # device memory in use (NVML view); corrected when ``correction`` is set
     allocated: dict[str, int]  # torch memory_allocated view of the same moments
     peak: int
     approximate: bool
@@ -58,16 +65,33 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     runtime_source: str = ""
     config_hash: str = ""
+    prompt: int = 0
+    new_tokens: int = NEW_TOKENS
+    peak_stage: str = ""
+    peak_breakdown: dict[str, int] = field(default_factory=dict)  # what the peak is made of; sums to it
+    warnings: list[str] = field(default_factory=list)  # inputs beyond the model's or the device's limits
+    correction: dict | None = None  # raw stages, the correction, its source (when one was applied)
+    mode: str = "full"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def workload(self) -> Workload:
+        return Workload(self.prompt, self.new_tokens, self.batch)
 
-def _check_positive(ctx: int, batch: int) -> None:
-    if not isinstance(ctx, int) or ctx <= NEW_TOKENS:
-        raise UserError(f"--ctx must be an integer above {NEW_TOKENS} (prompt + {NEW_TOKENS} generated tokens), got {ctx}")
-    if not isinstance(batch, int) or batch <= 0:
-        raise UserError(f"--batch must be a positive integer, got {batch}")
+    def corrected(self, corrections: CorrectionSet) -> Estimate:
+        """This estimate with a machine's corrections applied: ``stages`` and ``peak`` corrected, the raw
+        figures and the correction's source kept in ``correction``."""
+        if not corrections:
+            return replace(self, correction=None)
+        raw = dict(self.stages)
+        fixed = apply(raw, self.ctx * self.batch, corrections.stages)
+        info = {"raw": raw, "corrected": fixed, "delta": {k: fixed[k] - raw[k] for k in raw},
+                "p95_residual": {k: c.residual_p95_bytes for k, c in corrections.stages.items()},
+                "source_runs": corrections.source_runs, "scope": corrections.scope, "hosts": corrections.hosts}
+        peak_stage = max(fixed, key=fixed.get)
+        return replace(self, stages=fixed, peak=fixed[peak_stage], peak_stage=peak_stage, correction=info)
 
 
 def _act_cache_key(quant: QuantSpec, attn: str, cache: str, kv_dtype: str, target: str) -> QuantSpec:
@@ -75,7 +99,7 @@ def _act_cache_key(quant: QuantSpec, attn: str, cache: str, kv_dtype: str, targe
 
 
 def device_kind(device: str) -> str:
-    return "cpu" if device.startswith("cpu") else "cuda"
+    return "cpu" if str(device).startswith("cpu") else "cuda"
 
 
 class Estimator:
@@ -83,17 +107,18 @@ class Estimator:
     activation traces) and reuses them across contexts and batches."""
 
     def __init__(self, source: ModelSource, quant: QuantSpec, attn: str = "auto", cache: str = "dynamic",
-                 kv_dtype: str = "auto", use_cache: bool = True, device: str = "cuda"):
-        if attn not in ATTN_CHOICES:
-            raise UserError(f"unknown --attn {attn!r}: choose one of {', '.join(ATTN_CHOICES)}")
-        if cache not in CACHE_CHOICES:
-            raise UserError(f"unknown --cache {cache!r}: choose dynamic or static")
-        if kv_dtype not in KV_DTYPES:
-            raise UserError(f"unknown --kv-dtype {kv_dtype!r}: choose auto (the model's dtype) or fp8 "
-                            "(transformers' QuantizedCache fp8 backend)")
+                 kv_dtype: str = "auto", use_cache: bool = True, device: str = "cuda", progress=None):
+        choice(attn, ATTNS, "--attn")
+        choice(cache, CACHES, "--cache")
+        choice(kv_dtype, KV_DTYPES, "--kv-dtype")
         self.source, self.quant = source, quant
         self.attn, self.cache, self.kv_dtype = attn, cache, kv_dtype
         self.use_cache = use_cache
+        self._progress = progress or (lambda step: None)
+        self._problems: list[str] = []
+        start = len(CACHE_PROBLEMS)
+        if not (use_cache and load_cached(source, quant) is not None):
+            self._progress("building the model on the meta device (imports torch and transformers)")
         self.inv: Inventory = inventory(source, quant, use_cache=use_cache)
         self._w_alloc = sum(round_alloc(size) * n for size, n in self.inv.alloc_sizes.items())
         self.device = device
@@ -105,30 +130,37 @@ class Estimator:
         self.attn_used = attn
         if use_cache:
             self._load_act_cache()
+        self._problems += CACHE_PROBLEMS[start:]
+        del CACHE_PROBLEMS[start:]
 
     # ---------------------------------------------------------------- cached dry-run results
     def _load_act_cache(self) -> None:
         data = load_cached(self.source, self._act_key, kind="activations")
         if not data:
             return
-        self._kv = [KVLayer(**d) for d in data["kv"]] if data.get("kv") is not None else None
-        if data.get("act"):
-            a = data["act"]
-            self._act = ActivationModel(prefill=tuple(a["prefill"]), decode=tuple(a["decode"]),
-                                        traces=[Trace(**t) for t in a["traces"]])
-        self._dry_error = data.get("error")
-        self.attn_used = data.get("attn_used", self.attn)
+        try:
+            kv = [KVLayer(**d) for d in data["kv"]]
+            act = data["act"]
+            model = None
+            if act is not None:
+                model = ActivationModel(prefill=tuple(act["prefill"]) if act["prefill"] else None,
+                                        decode=tuple(act["decode"]) if act["decode"] else None,
+                                        traces=[Trace(**t) for t in act["traces"]])
+            attn_used = str(data["attn_used"])
+        except (KeyError, TypeError, ValueError):
+            CACHE_PROBLEMS.append("a cached dry run did not have the expected fields; recomputed")
+            return
+        self._kv, self._act, self.attn_used = kv, model, attn_used
 
     def _store_act_cache(self) -> None:
-        if not self.use_cache:
+        """Only successful dry runs are cached; a failure is retried by the next estimate."""
+        if not self.use_cache or self._kv is None or self._act is None:
             return
-        act = None
-        if self._act is not None:
-            act = {"prefill": list(self._act.prefill), "decode": list(self._act.decode),
-                   "traces": [asdict(t) for t in self._act.traces]}
-        store_cached(self.source, self._act_key, {
-            "kv": [asdict(k) for k in self._kv] if self._kv is not None else None, "act": act,
-            "error": self._dry_error, "attn_used": self.attn_used}, kind="activations")
+        act = {"prefill": list(self._act.prefill) if self._act.prefill else None,
+               "decode": list(self._act.decode) if self._act.decode else None,
+               "traces": [asdict(t) for t in self._act.traces]}
+        store_cached(self.source, self._act_key, {"kv": [asdict(k) for k in self._kv], "act": act,
+                                                   "attn_used": self.attn_used}, kind="activations")
 
     def _dry_runner(self):
         if self._runner is None:
@@ -139,85 +171,99 @@ class Estimator:
             self.attn_used = self._runner.attn_used
         return self._runner
 
+    def _traced(self, batch: int, prompt: int) -> bool:
+        return bool(self._act and any(t.batch == batch and t.tokens == prompt for t in self._act.traces))
+
     def _ensure_dry_run(self, batch: int, prompt: int, exact: bool) -> None:
-        """Make sure KV layout and an activation model exist; trace (batch, prompt) itself if ``exact``."""
-        if self._dry_error is not None or self.inv.method == "checkpoint":
-            return
+        """Make sure the KV layout exists and the activations at (batch, prompt) are known: traced
+        there if ``exact``, else from a fit over a few traced points (traced once, then cached)."""
+        if self._dry_error is not None or self.inv.method in ("checkpoint", "formula"):
+            return  # formula: transformers cannot build this model here, so it cannot run it either
         need_kv = self._kv is None
-        need_fit = self._act is None
-        need_point = exact and not (self._act and any(t.batch == batch and t.tokens == prompt
-                                                      for t in self._act.traces))
-        if not (need_kv or need_fit or need_point):
+        need_point = exact and not self._traced(batch, prompt)
+        need_fit = not exact and (self._act is None or self._act.prefill is None)
+        if not (need_kv or need_point or need_fit):
             return
         try:
             runner = self._dry_runner()
             if need_kv:
+                self._progress("measuring the KV cache layout (two tiny prefills on meta tensors)")
                 self._kv = runner.kv_layers()
             traces = list(self._act.traces) if self._act else []
-            if need_fit:
-                traces += [runner.trace(1, n) for n in FIT_TOKENS]
-            if need_point and not any(t.batch == batch and t.tokens == prompt for t in traces):
+            if need_point:
+                self._progress(f"tracing the prefill of {prompt:,} tokens x {batch} and a decode step")
                 traces.append(runner.trace(batch, prompt))
-            self._act = fit_activations(traces)
+            if need_fit:
+                for n in FIT_TOKENS:
+                    if not any(t.batch == 1 and t.tokens == n for t in traces):
+                        self._progress(f"tracing {n:,} tokens for the activation fit")
+                        traces.append(runner.trace(1, n))
+            self._act = fit_activations(traces) if need_fit or (self._act and self._act.prefill) else \
+                ActivationModel(prefill=None, decode=None, traces=traces)
         except UserError:
             raise
-        except Exception as exc:  # an op the meta device cannot run: fall back to formulas, say so
+        except (RuntimeError, ValueError, TypeError, NotImplementedError, IndexError, KeyError,
+                AttributeError, AssertionError, ImportError) as exc:  # an op the meta device cannot run: formulas, said so
             self._dry_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            return
         self._store_act_cache()
 
     # ---------------------------------------------------------------- the estimate
-    def estimate(self, ctx: int, batch: int = 1, device: str | None = None, runtime: RuntimeProfile | None = None,
-                 exact: bool = True) -> Estimate:
-        _check_positive(ctx, batch)
+    def estimate(self, ctx: int | None = None, batch: int = 1, device: str | None = None,
+                 runtime: RuntimeProfile | None = None, exact: bool = True, new_tokens: int = NEW_TOKENS,
+                 prompt: int | None = None) -> Estimate:
+        work = workload(ctx, batch, new_tokens, prompt)
         device = self._same_kind(device)
-        prompt = ctx - NEW_TOKENS
-        self._ensure_dry_run(batch, prompt, exact)
+        self._ensure_dry_run(work.batch, work.prompt, exact)
         rt = runtime or default_profile(device)
         inv = self.inv
-        notes = list(inv.notes)
+        notes = list(inv.notes) + self._problems
         methods = {"weights": {"meta": "meta-device model + quantizer (exact)",
                                "checkpoint": "checkpoint safetensors headers",
                                "formula": "formula from config fields"}[inv.method]}
         approximate = inv.approximate
         tc = text_config(self.source.config)
+        batch, ctx = work.batch, work.ctx
 
-        end_tokens = self._end_tokens(ctx)
         if self._kv is not None:
-            kv_end = self._kv_end(ctx, batch)
+            kv_end = self._kv_end(work)
             kv_by_kind: dict[str, int] = {}
             for layer in self._kv:
-                kv_by_kind[layer.kind] = kv_by_kind.get(layer.kind, 0) + layer.bytes_at(end_tokens, batch)
+                kv_by_kind[layer.kind] = kv_by_kind.get(layer.kind, 0) + layer.bytes_at(self._end_tokens(work), batch)
             methods["kv_cache"] = "cache layers of the installed transformers, measured on meta tensors"
+            kv_prompt = self._kv_prompt(work)
         else:
-            kv_end = _formula_kv(tc, end_tokens, batch, inv.dtype)
+            kv_end = _formula_kv(tc, self._end_tokens(work), batch, inv.dtype)
             kv_by_kind = {"formula": kv_end}
             methods["kv_cache"] = "formula (2 x layers x kv_heads x head_dim x tokens x bytes)"
+            kv_prompt = _formula_kv(tc, work.prompt, batch, inv.dtype)
             approximate = True
 
-        # activations
-        if self._act is not None:
-            prefill_extra = self._act.prefill_extra(batch, prompt)
-            decode_extra = self._act.decode_extra(batch, prompt)
-            traced = any(t.batch == batch and t.tokens == prompt for t in self._act.traces)
-            methods["activations"] = ("dry run of the real forward on meta tensors" if traced else
-                                      f"fit over {len(self._act.traces)} dry-run traces")
-            kv_prompt = self._kv_prompt(batch, prompt)
+        if self._act is not None and (self._traced(batch, work.prompt) or self._act.prefill is not None):
+            prefill_extra = self._act.prefill_extra(batch, work.prompt)
+            decode_extra = self._act.decode_extra(batch, work.prompt, work.new_tokens, self._cat_growth())
+            methods["activations"] = ("dry run of the real forward on meta tensors" if self._traced(batch, work.prompt)
+                                      else f"fit over {len(self._act.traces)} dry-run traces")
         else:
-            prefill_extra, decode_extra = _formula_activations(tc, inv, batch, prompt)
-            kv_prompt = _formula_kv(tc, prompt, batch, inv.dtype)
+            prefill_extra, decode_extra = _formula_activations(tc, inv, batch, work.prompt)
             methods["activations"] = "formula (dry run unavailable)"
             approximate = True
             if self._dry_error:
                 notes.append(f"dry run failed ({self._dry_error}); activations from a formula")
 
-        stages, allocated = self._stages(rt, kv_prompt, kv_end, prefill_extra, decode_extra)
-        peak = max(stages.values())
-        act = max(prefill_extra, decode_extra)
-        components = {"weights": inv.tensor_bytes, "kv_cache": kv_end, "activations": act,
-                      "runtime": peak - inv.tensor_bytes - kv_end - act}
-        formula, diffs = _compare_formula(tc, inv, self.quant, ctx, batch, components)
+        stages, allocated, moments = self._stages(rt, kv_prompt, kv_end, prefill_extra, decode_extra)
+        peak_stage = max(STAGES, key=lambda k: stages[k])
+        peak = stages[peak_stage]
+        act = max(prefill_extra, decode_extra, 0)
+        held = moments[peak_stage]
+        runtime_bytes = rt.context_bytes + rt.workspace_bytes + (self._w_alloc - inv.tensor_bytes)
+        components = {"weights": inv.tensor_bytes, "kv_cache": kv_end, "activations": act, "runtime": runtime_bytes}
+        breakdown = {"weights": inv.tensor_bytes, "kv_cache": held["kv"], "activations": held["act"],
+                     "runtime": peak - inv.tensor_bytes - held["kv"] - held["act"]}
+        formula, diffs = _compare_formula(tc, inv, self.quant, work, components)
         if self.attn_used == "eager":
             notes.append("eager attention materialises batch x heads x seq x seq scores: the prefill grows with ctx^2")
+        warnings = _warnings(tc, work, peak, device)
         return Estimate(
             model=self.source.name, architecture=inv.architecture, quant=self.quant.name,
             quant_implementation=self.quant.implementation, dtype=inv.dtype, ctx=ctx, batch=batch,
@@ -225,27 +271,37 @@ class Estimator:
             components=components, stages=stages, allocated=allocated, peak=peak, approximate=approximate,
             methods=methods, weights_breakdown={k: v for k, v in inv.groups.items() if v},
             kv_breakdown=kv_by_kind, formula=formula, differences=diffs, notes=notes,
-            runtime_source=rt.source, config_hash=self.source.config_hash)
+            runtime_source=rt.source, config_hash=self.source.config_hash, prompt=work.prompt,
+            new_tokens=work.new_tokens, peak_stage=peak_stage, peak_breakdown=breakdown, warnings=warnings)
 
-
-    def _stages(self, rt: RuntimeProfile, kv_prompt: int, kv_end: int, prefill_extra: int,
-                decode_extra: int) -> tuple[dict[str, int], dict[str, int]]:
-        """The stage rules of docs/accounting.md: device memory in use, and allocated, at each stage."""
+    def _stages(self, rt: RuntimeProfile, kv_prompt: int, kv_end: int, prefill_extra: int, decode_extra: int
+                ) -> tuple[dict[str, int], dict[str, int], dict[str, dict[str, int]]]:
+        """The stage rules of docs/accounting.md: device memory in use, and allocated, at each stage;
+        and for each stage, the KV and transient bytes of the moment that set it."""
         inv = self.inv
         w_alloc = self._w_alloc
         on_the_fly = self.quant.method in ("bnb4", "bnb8") and not self.quant.pre_quantized
-        load_alloc = w_alloc + (inv.largest_source_bytes if on_the_fly else 0)
+        load_extra = inv.largest_source_bytes if on_the_fly else 0
+        load_alloc = w_alloc + load_extra
         warm = inv.warmup_bytes if (rt.device_kind == "cuda" and inv.warmup_bytes) else 0
         load_res = rt.reserve(max(load_alloc, warm))
         prefill_alloc = w_alloc + rt.workspace_bytes + kv_prompt + prefill_extra
         end_alloc = w_alloc + rt.workspace_bytes + kv_end + decode_extra
         allocated = {"load_peak": load_alloc, "post_load": w_alloc, "first_token": prefill_alloc, "end": end_alloc}
+        at = {"load": {"kv": 0, "act": 0}, "post": {"kv": 0, "act": 0},
+              "prefill": {"kv": kv_prompt, "act": max(prefill_extra, 0)},
+              "decode": {"kv": kv_end, "act": max(decode_extra, 0)}}
         if not rt.keeps_freed:  # the CPU gives large freed blocks back: each stage stands on its own
-            return {k: rt.context_bytes + v for k, v in allocated.items()}, allocated
+            stages = {k: rt.context_bytes + v for k, v in allocated.items()}
+            return stages, allocated, {"load_peak": at["load"], "post_load": at["post"],
+                                       "first_token": at["prefill"], "end": at["decode"]}
+        prefill_res, end_res = rt.reserve(prefill_alloc), rt.reserve(end_alloc)
         stages = {"load_peak": rt.context_bytes + load_res, "post_load": rt.context_bytes + load_res}
-        stages["first_token"] = rt.context_bytes + max(load_res, rt.reserve(prefill_alloc))
-        stages["end"] = max(stages["first_token"], rt.context_bytes + rt.reserve(end_alloc))
-        return stages, allocated
+        stages["first_token"] = rt.context_bytes + max(load_res, prefill_res)
+        stages["end"] = max(stages["first_token"], rt.context_bytes + end_res)
+        first = at["prefill"] if prefill_res > load_res else at["load"]
+        end = at["decode"] if rt.context_bytes + end_res > stages["first_token"] else first
+        return stages, allocated, {"load_peak": at["load"], "post_load": at["load"], "first_token": first, "end": end}
 
     def _same_kind(self, device: str | None) -> str:
         if device is None:
@@ -254,61 +310,103 @@ class Estimator:
             raise ValueError(f"this Estimator traces for {self.device}; make another one for {device}")
         return device
 
-    def sweep(self, points, device: str | None = None, runtime: RuntimeProfile | None = None) -> list[dict]:
+    def sweep(self, points, device: str | None = None, runtime: RuntimeProfile | None = None,
+              new_tokens: int = NEW_TOKENS) -> list[dict]:
         """Peak per stage for many ``(ctx, batch)`` points from the cached KV layout and activation fit:
         arithmetic only, no tracing. Points outside the traced ones use the fit (see ``methods``)."""
         device = self._same_kind(device)
         rt = runtime or default_profile(device)
-        if self._kv is None or self._act is None:
-            first = next(iter(points), (4096, 1))
-            self._ensure_dry_run(first[1], first[0] - NEW_TOKENS, exact=False)
-        if self._kv is None or self._act is None:
+        points = list(points)
+        if self._kv is None or self._act is None or self._act.prefill is None:
+            first = workload(*(points[0] if points else (4096, 1)), new_tokens)
+            self._ensure_dry_run(first.batch, first.prompt, exact=False)
+        if self._kv is None or self._act is None or self._act.prefill is None:
             raise UserError(f"{self.source.name}: the dry run is unavailable ({self._dry_error}); "
                             "use `estimate` for formula-based figures")
         out = []
         for ctx, batch in points:
-            _check_positive(ctx, batch)
-            prompt = ctx - NEW_TOKENS
-            stages, _ = self._stages(rt, self._kv_prompt(batch, prompt), self._kv_end(ctx, batch),
-                                     self._act.prefill_extra(batch, prompt), self._act.decode_extra(batch, prompt))
-            out.append({"ctx": ctx, "batch": batch, "quant": self.quant.name, "peak": max(stages.values()),
-                        **stages})
+            work = workload(ctx, batch, new_tokens)
+            stages, _, _ = self._stages(rt, self._kv_prompt(work), self._kv_end(work),
+                                        self._act.prefill_extra(work.batch, work.prompt),
+                                        self._act.decode_extra(work.batch, work.prompt, work.new_tokens,
+                                                                self._cat_growth()))
+            out.append({"ctx": work.ctx, "batch": work.batch, "quant": self.quant.name,
+                        "peak": max(stages.values()), **stages})
         return out
 
-    def _end_tokens(self, ctx: int) -> int:
-        """Positions in the cache at the end: prompt + 15 (the 16th token is never fed back); a static
-        cache holds its whole max_cache_len (= ctx) from the start."""
-        return ctx if self.cache == "static" else ctx - 1
+    def _cat_growth(self) -> int:
+        """Per batch row and generated token: the largest growing cache layer's bytes per token (the
+        dynamic cache's concatenation; a static cache writes in place)."""
+        if self.cache == "static" or not self._kv:
+            return 0
+        return max((layer.bytes_per_token for layer in self._kv if layer.max_tokens is None), default=0)
 
-    def _kv_end(self, ctx: int, batch: int) -> int:
-        return sum(layer.bytes_at(self._end_tokens(ctx), batch) for layer in self._kv)
+    def _end_tokens(self, work: Workload) -> int:
+        """Positions in the cache at the end: prompt + new - 1 (the last token is never fed back); a
+        static cache holds its whole max_cache_len (= ctx) from the start."""
+        return work.ctx if self.cache == "static" else work.end_positions
 
-    def _kv_prompt(self, batch: int, prompt: int) -> int:
+    def _kv_end(self, work: Workload) -> int:
+        return sum(layer.bytes_at(self._end_tokens(work), work.batch) for layer in self._kv)
+
+    def _kv_prompt(self, work: Workload) -> int:
         """The cache right after the prefill: as traced where this point was traced; otherwise from the
         layer layout, where a dynamic sliding-window layer still holds the whole prompt's storage (its
         window view is cut from it), so no window cap applies yet."""
-        for t in self._act.traces:
-            if t.batch == batch and t.tokens == prompt:
+        if self.cache == "static":  # allocated to max_cache_len = ctx before the prefill
+            return sum(layer.bytes_at(work.ctx, work.batch) for layer in self._kv or [])
+        for t in (self._act.traces if self._act else []):
+            if t.batch == work.batch and t.tokens == work.prompt:
                 return t.cache_bytes
-        if self.cache == "static":
-            return sum(layer.bytes_at(prompt, batch) for layer in self._kv or [])
-        return sum(batch * (layer.fixed_bytes + layer.bytes_per_token * prompt) for layer in self._kv or [])
+        return sum(work.batch * (layer.fixed_bytes + layer.bytes_per_token * work.prompt) for layer in self._kv or [])
 
 
-def estimate(model: str | ModelSource, quant: str = "auto", ctx: int = 4096, batch: int = 1, *, dtype: str | None = None,
-             kv_dtype: str = "auto", attn: str = "auto", cache: str = "dynamic", device: str = "cuda",
-             runtime: RuntimeProfile | None = None, use_cache: bool = True, exact: bool = True) -> Estimate:
-    """Estimate peak memory per stage for ``model`` (anything ``vramcal estimate`` accepts)."""
-    _check_positive(ctx, batch)
+def _warnings(tc: dict, work: Workload, peak: int, device: str) -> list[str]:
+    out = []
+    limit = tc.get("max_position_embeddings")
+    if isinstance(limit, int) and work.ctx > limit:
+        out.append(f"ctx {work.ctx:,} is beyond the model's max_position_embeddings ({limit:,}): it was not "
+                   "trained for that length (rope scaling may extend it; quality is not guaranteed)")
+    if device_kind(device) == "cuda" and peak > LARGEST_GPU_BYTES:
+        out.append(f"the peak {fmt_gib_gb(peak)} is more than any single GPU holds ({fmt_gib_gb(LARGEST_GPU_BYTES)}): "
+                   "split the model across devices or lower the quantization, context or batch")
+    return out
+
+
+def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = None, batch: int = 1, *,
+             dtype: str | None = None, kv_dtype: str = "auto", attn: str = "auto", cache: str = "dynamic",
+             device: str = "cuda", runtime: RuntimeProfile | None = None, use_cache: bool = True,
+             exact: bool = True, new_tokens: int = NEW_TOKENS, prompt: int | None = None,
+             correction: CorrectionSet | None = None, progress=None) -> Estimate:
+    """Estimate peak memory per stage for ``model`` (anything ``vramcal estimate`` accepts).
+
+    ``ctx`` is prompt + new tokens (default 4096), or give ``prompt`` instead. ``correction`` (a
+    :class:`~vramcal.estimator.correction.CorrectionSet`, e.g. from
+    :func:`vramcal.calibrate.corrections.machine_correction`) returns the corrected estimate.
+    ``progress(step)`` is told each slow step as it starts."""
+    work = workload(ctx, batch, new_tokens, prompt)
+    device = "cpu" if device_kind(str(device)) == "cpu" else str(parse_device(device)).split(":")[0]
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     spec = resolve_quant(quant, source.config, dtype)
-    if spec.pre_quantized and quant not in ("auto",):
-        raise UserError(f"{source.name} is already quantized ({spec.implementation}); use --quant auto")
-    if source.config.get("quantization_config") and quant != "auto":
+    if source.config.get("quantization_config") and (quant or "auto").lower() != "auto":
         qm = source.config["quantization_config"].get("quant_method", "?")
         raise UserError(f"{source.name} is already quantized ({qm}): it loads only as stored, use --quant auto")
-    est = Estimator(source, spec, attn=attn, cache=cache, kv_dtype=kv_dtype, use_cache=use_cache, device=device)
-    return est.estimate(ctx, batch, runtime=runtime, exact=exact)
+    est = Estimator(source, spec, attn=attn, cache=cache, kv_dtype=kv_dtype, use_cache=use_cache, device=device,
+                    progress=progress)
+    out = est.estimate(batch=work.batch, runtime=runtime, exact=exact, new_tokens=work.new_tokens,
+                       prompt=work.prompt)
+    return out.corrected(correction) if correction is not None else out
+
+
+class Progress:
+    """Tells stderr which slow step runs and how long the estimate has taken (the command line's)."""
+
+    def __init__(self, stream):
+        self.stream, self.start = stream, time.monotonic()
+
+    def __call__(self, step: str) -> None:
+        self.stream.write(f"vramcal: {time.monotonic() - self.start:5.1f} s  {step}\n")
+        self.stream.flush()
 
 
 # ------------------------------------------------------------------------------ formulas and comparison
@@ -336,20 +434,18 @@ def _formula_activations(tc: dict, inv: Inventory, batch: int, prompt: int) -> t
     return prefill, decode
 
 
-def _compare_formula(tc: dict, inv: Inventory, quant: QuantSpec, ctx: int, batch: int,
+def _compare_formula(tc: dict, inv: Inventory, quant: QuantSpec, work: Workload,
                      components: dict[str, int]) -> tuple[dict | None, list[str]]:
     layers, kv_heads, hd = _kv_shape(tc)
     bits = quant.bits or DTYPE_BYTES.get(quant.dtype, 2) * 8
     try:
-        q: QuickEstimate = quick_estimate(inv.params / 1e9, bits, ctx, batch, layers or None, kv_heads or None,
-                                          hd or None, DTYPE_BYTES.get(inv.dtype, 2))
+        q: QuickEstimate = quick_estimate(inv.params / 1e9, bits, work.ctx, work.batch, layers or None,
+                                          kv_heads or None, hd or None, DTYPE_BYTES.get(inv.dtype, 2))
     except UserError:
         return None, []
     diffs = []
     dw = components["weights"] - q.weights_bytes
     g = inv.groups
-    from ..units import fmt_gib_gb
-
     diffs.append(f"weights {fmt_gib_gb(components['weights'])} vs formula {fmt_gib_gb(q.weights_bytes)} "
                  f"({dw / max(q.weights_bytes, 1):+.1%})")
     if quant.method in ("bnb4", "bnb8", "gptq", "awq", "fp8"):

@@ -17,6 +17,7 @@ estimate of the same model needs no torch import (:func:`load_cached`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import Counter
@@ -35,7 +36,7 @@ from .quant import (
 )
 from .resolve import ModelSource, checkpoint_tensors, tensor_bytes, text_config
 
-INVENTORY_VERSION = 1
+INVENTORY_VERSION = 2  # 2: payloads wrapped with key and sha256
 GROUPS = ("quantized", "quant_state", "embeddings", "lm_head", "experts", "norms", "dense", "buffers")
 
 
@@ -89,39 +90,75 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def _cache_key(source: ModelSource, quant: QuantSpec, kind: str) -> str:
+    return json.dumps([INVENTORY_VERSION, kind, source.config_hash, quant.key(), software_versions(),
+                       [os.path.basename(f) for f in source.weight_files]], sort_keys=True)
+
+
 def _cache_path(source: ModelSource, quant: QuantSpec, kind: str) -> Path:
     import hashlib
 
-    versions = software_versions()
-    key = json.dumps([INVENTORY_VERSION, kind, source.config_hash, quant.key(), versions,
-                      [os.path.basename(f) for f in source.weight_files]], sort_keys=True)
+    key = _cache_key(source, quant, kind)
     return cache_dir() / kind / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
+def _digest(payload) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+# Problems found in cache files during this process, reported as notes by whoever reads them.
+CACHE_PROBLEMS: list[str] = []
+
+
 def load_cached(source: ModelSource, quant: QuantSpec, kind: str = "inventory") -> dict | None:
+    """The cached payload, or None. A file is trusted only if it parses, names this cache's schema,
+    key and kind, and its payload matches its sha256; anything else is ignored (and recomputed by the
+    caller), and the reason is kept in :data:`CACHE_PROBLEMS`."""
     path = _cache_path(source, quant, kind)
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        raw = path.read_bytes()
+    except FileNotFoundError:
         return None
+    except OSError as exc:
+        CACHE_PROBLEMS.append(f"cache file {path} unreadable ({exc.strerror}); recomputed")
+        return None
+    try:
+        doc = json.loads(raw)
+        ok = (isinstance(doc, dict) and doc.get("schema") == INVENTORY_VERSION and doc.get("kind") == kind
+              and doc.get("key") == _cache_key(source, quant, kind) and doc.get("sha256") == _digest(doc.get("payload")))
+    except (ValueError, UnicodeDecodeError):
+        ok = False
+    if not ok or not isinstance(doc.get("payload"), dict):
+        CACHE_PROBLEMS.append(f"cache file {path} was damaged or altered (checksum or schema mismatch); recomputed")
+        return None
+    return doc["payload"]
 
 
 def store_cached(source: ModelSource, quant: QuantSpec, data: dict, kind: str = "inventory") -> None:
+    """Write a payload with its key and checksum, atomically (temp file + rename)."""
     path = _cache_path(source, quant, kind)
+    doc = {"schema": INVENTORY_VERSION, "kind": kind, "key": _cache_key(source, quant, kind),
+           "sha256": _digest(data), "payload": data}
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
+        tmp.write_text(json.dumps(doc))
         os.replace(tmp, path)
-    except OSError:
-        pass  # a cache that cannot be written only costs time
+    except OSError:  # a cache that cannot be written only costs time
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def inventory(source: ModelSource, quant: QuantSpec, use_cache: bool = True) -> Inventory:
     if use_cache:
         cached = load_cached(source, quant)
         if cached is not None:
-            return Inventory.from_dict(cached)
+            try:
+                return Inventory.from_dict(cached)
+            except (TypeError, KeyError, ValueError, AttributeError):
+                CACHE_PROBLEMS.append("a cached inventory did not have the expected fields; recomputed")
     inv = _compute(source, quant)
     if use_cache:
         store_cached(source, quant, inv.to_dict())
@@ -184,9 +221,27 @@ def import_bitsandbytes():
     return bitsandbytes
 
 
+_META_MODELS: dict[tuple, tuple] = {}  # the last few meta models built in this process
+
+
 def build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None = None, device=None):
     """The installed transformers' model for ``source``, on ``meta`` (or under ``device``, e.g. a fake
-    mode), with the quantizer's module replacement applied. Returns ``(model, hf_quantizer, dtype)``."""
+    mode), with the quantizer's module replacement applied. Returns ``(model, hf_quantizer, dtype)``.
+
+    A meta model holds no memory, so the one the inventory counted is kept and handed to the dry run
+    of the same model, quantization and attention (building it is most of an inventory's cost)."""
+    key = (source.config_hash, quant.key(), attn)
+    if device is None and key in _META_MODELS:
+        return _META_MODELS[key]
+    out = _build_meta_model(source, quant, attn, device)
+    if device is None:
+        while len(_META_MODELS) >= 4:
+            _META_MODELS.pop(next(iter(_META_MODELS)))
+        _META_MODELS[key] = out
+    return out
+
+
+def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, device):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -306,7 +361,7 @@ def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
         largest_source = max((k for k in sizes), default=0)
     warmup = _warmup_bytes(model, hf_quantizer)
     tc = text_config(source.config)
-    notes = []
+    notes = _defaults_used(tc, model.config)
     if untied:
         notes.append(f"the checkpoint stores {', '.join(untied)} beside the tensor the config ties it to: "
                      "transformers keeps both (it ties only equal tensors), so both are counted")
@@ -322,6 +377,18 @@ def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
         unquantized_linear=sorted(unquantized), largest_source_bytes=largest_source, warmup_bytes=warmup,
         method="meta", approximate=quant.method not in ("none", "bnb4", "bnb8"), notes=notes,
         software=software_versions())
+
+
+def _defaults_used(tc: dict, config) -> list[str]:
+    """Name the size-deciding fields the config left out, with the default transformers filled in."""
+    from .resolve import SIZE_FIELDS
+
+    built = config.get_text_config() if hasattr(config, "get_text_config") else config
+    used = {k: getattr(built, k) for k in SIZE_FIELDS if k not in tc and getattr(built, k, None) is not None}
+    if not used:
+        return []
+    return ["the config does not give " + ", ".join(f"{k} (transformers' {type(built).__name__} default {v} used)"
+                                                  for k, v in used.items())]
 
 
 def _untied_in_checkpoint(model, source: ModelSource) -> list[str]:

@@ -34,18 +34,27 @@ class QuickEstimate:
 
 def quick_estimate(params_b: float, bits: float, ctx: int, batch: int = 1, layers: int | None = None,
                    kv_heads: int | None = None, head_dim: int | None = None, kv_bytes: int = 2) -> QuickEstimate:
-    if params_b is None or params_b <= 0:
-        raise UserError("--params-b must be a positive number of billions of parameters, e.g. --params-b 27")
-    if bits is None or bits <= 0:
-        raise UserError("--bits must be positive, e.g. --bits 4 (or 4.5 to include group scales)")
-    if ctx <= 0 or batch <= 0:
-        raise UserError("--ctx and --batch must be positive integers")
+    from ..workload import MAX_BATCH, MAX_TOKENS, count, positive_number
+
+    params_b = positive_number(params_b, "--params-b", "27")
+    bits = positive_number(bits, "--bits", "4")
+    if params_b > 1e6 or bits > 64:
+        raise UserError(f"--params-b {params_b:g} x --bits {bits:g} is beyond any model (at most 1e6 billion "
+                        "parameters and 64 bits)")
+    ctx = count(ctx, "--ctx", 1, MAX_TOKENS)
+    batch = count(batch, "--batch", 1, MAX_BATCH)
+    kv_bytes = count(kv_bytes, "--kv-bytes", 1, 8)
+    given = [v is not None for v in (layers, kv_heads, head_dim)]
+    if any(given) and not all(given):
+        raise UserError("the KV cache needs all three of --layers, --kv-heads and --head-dim")
+    if all(given):
+        layers = count(layers, "--layers", 1, 1 << 20)
+        kv_heads = count(kv_heads, "--kv-heads", 1, 1 << 20)
+        head_dim = count(head_dim, "--head-dim", 1, 1 << 20)
     params = int(round(params_b * 1e9))
     weights = int(params * bits / 8)
     per_token = kv = None
     if layers and kv_heads and head_dim:
-        if min(layers, kv_heads, head_dim) <= 0:
-            raise UserError("--layers, --kv-heads and --head-dim must be positive")
         per_token = 2 * layers * kv_heads * head_dim * kv_bytes
         kv = per_token * ctx * batch
     total = int((weights + (kv or 0)) * (1 + RUNTIME_RATIO))

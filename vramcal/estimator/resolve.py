@@ -30,6 +30,11 @@ class ModelSource:
     def config_hash(self) -> str:
         return config_hash(self.config)
 
+    @property
+    def ref(self) -> str:
+        """How a recorded command names this model so it resolves the same from any directory."""
+        return os.path.abspath(self.name) if self.origin in ("directory", "config") else self.name
+
 
 def config_hash(config: dict) -> str:
     """A stable hash of the architecture: the config minus keys that do not change memory."""
@@ -73,23 +78,81 @@ def _hf_snapshot(repo_id: str) -> Path | None:
 
 def _read_config(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(), parse_constant=_no_constant)
     except FileNotFoundError:
         raise UserError(f"no config at {path}: pass a directory holding config.json, a config.json path, "
                         "a cached Hub id, or a name from `vramcal models`") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path} is not valid JSON ({exc}): fix or re-download the config") from None
+    except IsADirectoryError:
+        raise UserError(f"{path} is a directory, not a config.json") from None
+    except PermissionError:
+        raise UserError(f"cannot read {path}: permission denied") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{path} is not valid JSON ({str(exc).splitlines()[0][:120]}): fix or re-download the config") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise UserError(f"{path} has no model_type: it is not a transformers config.json")
     return data
 
 
+# Fields that decide a model's size. The first four must be given; the others, when given, must be
+# sensible numbers (a missing one takes the architecture's default, which the estimate names).
+REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+SIZE_FIELDS = REQUIRED_FIELDS + (
+    "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size", "max_position_embeddings",
+    "num_local_experts", "num_experts", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "sliding_window",
+    "first_k_dense_replace")
+MAX_FIELD = 1 << 24  # no real model has a width, depth or vocabulary beyond 16.7 M
+
+
+def validate_config(config: dict, where: str) -> None:
+    """Refuse, in one line, a config whose size-deciding fields are missing, of the wrong type, or
+    impossible (negative, zero, nan, a string, absurdly large, heads that do not divide)."""
+    tc = text_config(config)
+    missing = [k for k in REQUIRED_FIELDS if tc.get(k) is None]
+    if missing:
+        raise UserError(f"{where} does not give {', '.join(missing)}: without them any size would be a guess; "
+                        "use the model's full config.json")
+    for key in SIZE_FIELDS:
+        value = tc.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"{where}: {key} must be a whole number, got {value!r}: fix the config.json")
+        floor = 0 if key in ("n_shared_experts", "first_k_dense_replace") else 1
+        if not floor <= value <= MAX_FIELD:
+            raise UserError(f"{where}: {key} = {value} is impossible (expected {floor} to {MAX_FIELD:,}): "
+                            "fix the config.json")
+    heads = tc["num_attention_heads"]
+    kv = tc.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise UserError(f"{where}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv}): "
+                        "fix the config.json")
+    if tc.get("head_dim") is None and tc.get("kv_lora_rank") is None and tc["hidden_size"] % heads:
+        raise UserError(f"{where}: hidden_size ({tc['hidden_size']}) is not divisible by num_attention_heads "
+                        f"({heads}) and no head_dim is given: fix the config.json")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
 def resolve_model(spec: str) -> ModelSource:
-    """Resolve MODEL. Order: existing path, catalog name, Hub id in the local cache."""
-    if not spec:
+    """Resolve MODEL. Order: existing path, catalog name, Hub id in the local cache. The config is
+    validated (:func:`validate_config`) before anything uses it."""
+    source = _resolve(spec)
+    validate_config(source.config, source.name)
+    return source
+
+
+def _resolve(spec) -> ModelSource:
+    if not isinstance(spec, str) or not spec:
         raise UserError("no model given: pass a directory, a config.json, a cached Hub id or a catalog name")
     path = Path(spec).expanduser()
-    if path.exists():
+    try:
+        exists = path.exists()
+    except (OSError, ValueError):  # a name too long, or with a NUL byte
+        exists = False
+    if exists:
         if path.is_dir():
             cfg = _read_config(path / "config.json")
             weights = tuple(sorted(str(p) for p in path.glob("*.safetensors")))

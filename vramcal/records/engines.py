@@ -38,6 +38,10 @@ URL_PREFIXES = ("postgresql://", "postgres://")
 HISTORY_TABLES = ("machines", "runs", "results", "stages", "samples", "memos", "corrections")
 
 
+class NoRecords(UserError):
+    """The database does not exist yet, or holds no vramcal records: a reader has nothing to read."""
+
+
 def is_url(db) -> bool:
     """True when ``--db`` names a PostgreSQL server rather than an SQLite file."""
     return isinstance(db, str) and db.startswith(URL_PREFIXES)
@@ -148,7 +152,7 @@ class SqliteEngine(Engine):
                             f"(e.g. {p / 'vramcal.db'})")
         if not p.exists():
             if not create:
-                raise UserError(f"no records database at {p}: `vramcal check MODEL ...` records the first run "
+                raise NoRecords(f"no records database at {p}: `vramcal check MODEL ...` records the first run "
                                 "(or pass --db / set VRAMCAL_DB)")
             try:
                 p.parent.mkdir(parents=True, exist_ok=True)

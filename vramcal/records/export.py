@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..errors import UserError
-from .files import check_target, protected_paths, write_atomic
+from ..files import atomic_write, check_writable
 from .store import Store
 
 FORMATS = ("csv", "json", "parquet")
@@ -38,24 +38,22 @@ def export(store: Store, fmt: str, out: str | None) -> str | None:
         raise UserError(f"unknown --format {fmt!r}: choose csv, json or parquet")
     if fmt == "parquet" and not out:
         raise UserError("parquet is binary: pass --out FILE.parquet")
-    if out:  # refuse before reading anything
-        check_target(out, protect=protected_paths(store.path), what="export")
+    protect = (store.path,) if store.path else ()
+    if out:
+        check_writable(out, "--out", protect)  # before the query: nothing is computed for a bad target
     frame = runs_frame(store)
     if fmt == "parquet":
+        import io
+
+        buf = io.BytesIO()
         try:
-            import pyarrow  # noqa: F401
+            frame.to_parquet(buf, index=False)
         except ImportError:
             raise UserError("parquet export needs pyarrow: pip install pyarrow") from None
-        write_atomic(out, lambda tmp: frame.to_parquet(tmp, index=False), protect=protected_paths(store.path),
-                     what="export")
+        atomic_write(out, buf.getvalue(), "--out", protect)
         return None
     text = frame.to_csv(index=False) if fmt == "csv" else frame.to_json(orient="records", indent=1)
     if out:
-        def write(tmp: str) -> None:
-            with open(tmp, "w") as fh:
-                fh.write(text)
-
-        write_atomic(out, write, protect=protected_paths(store.path), what="export")
+        atomic_write(out, text, "--out", protect)
         return None
     return text
-

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UserError
-from .engines import APPLICATION_ID, Engine, is_url, open_engine, redact  # noqa: F401 (re-exported)
+from .engines import APPLICATION_ID, Engine, NoRecords, is_url, open_engine, redact  # noqa: F401 (re-exported)
 from .machines import class_key
 
 SCHEMA_VERSION = 3
@@ -166,6 +166,18 @@ def exists(db: str | os.PathLike | None) -> bool:
     return is_url(target) or os.path.exists(target)
 
 
+def open_existing(db: str | os.PathLike | None) -> "Store | None":
+    """The records database opened read-only, or None when there is none yet (nothing is created):
+    for lookups that are fine without records, like an estimate's correction."""
+    target = str(db) if db else default_db()
+    if not is_url(target) and not os.path.exists(target):
+        return None
+    try:
+        return Store(target, create=False, readonly=True)
+    except NoRecords:
+        return None
+
+
 def fingerprint_key(fingerprint: dict) -> str:
     return json.dumps({k: fingerprint.get(k) for k in sorted(fingerprint) if k != "created_at"}, sort_keys=True)
 
@@ -204,6 +216,10 @@ class Store:
         return self.engine.label
 
     @property
+    def display(self) -> str:
+        return self.engine.label
+
+    @property
     def path(self) -> Path | None:
         return getattr(self.engine, "path", None)
 
@@ -221,7 +237,7 @@ class Store:
             return
         target, create, readonly, timeout_s = self._open_args
         if version == 0 and (readonly or (not create and engine.kind == "postgresql")):
-            raise UserError(f"no vramcal records in {engine.label} yet: `vramcal check MODEL ...` (or `vramcal "
+            raise NoRecords(f"no vramcal records in {engine.label} yet: `vramcal check MODEL ...` (or `vramcal "
                             "records push --to URL`) records the first")
         if readonly:
             self._upgrade_then_reopen_readonly(version)

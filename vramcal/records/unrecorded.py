@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ..errors import UserError
-from .files import write_atomic
+from ..files import atomic_write
 from .store import RUN_FIELDS, Store, default_path, new_uuid
 
 FORMAT = "vramcal-unrecorded-run/1"
@@ -52,12 +52,7 @@ def save_unrecorded(payload: dict, folder: str | os.PathLike | None = None) -> P
     for place in candidates:
         try:
             place.mkdir(parents=True, exist_ok=True)
-
-            def write(tmp: str) -> None:
-                with open(tmp, "w") as fh:
-                    fh.write(text)
-
-            return write_atomic(place / name, write, what="unrecorded run")
+            return atomic_write(place / name, text, "unrecorded run")
         except (OSError, UserError) as exc:
             last = exc
     raise UserError(f"could not keep the unrecorded run anywhere ({last}): set VRAMCAL_UNRECORDED to a writable "

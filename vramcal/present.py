@@ -1,11 +1,15 @@
-"""Formatting only: turns the estimator's dataclasses into tables. No arithmetic of memory here."""
+"""Formatting only: turns the library's dataclasses into tables, Markdown and JSON shapes. No
+arithmetic of memory here."""
 
 from __future__ import annotations
 
-from ..units import fmt_gib_gb, gb, gib
+from .files import check_writable  # noqa: F401 -- the command line checks --timeline's target here
+from .units import fmt_gib_gb, gb, gib
+from .workload import STAGE_LABELS, STAGES
 
-_STAGE_LABELS = {"load_peak": "load peak", "post_load": "after load", "first_token": "first token (prefill)",
-                 "end": "end (16 tokens)"}
+
+def _stage_label(stage: str, new_tokens: int) -> str:
+    return f"end ({new_tokens} tokens)" if stage == "end" else STAGE_LABELS[stage]
 
 
 def _row(label: str, n: int | None, width: int = 26) -> str:
@@ -16,14 +20,22 @@ def _row(label: str, n: int | None, width: int = 26) -> str:
 
 def estimate_table(e) -> str:
     lines = [f"{e.model}  [{e.architecture}]  quant={e.quant} ({e.quant_implementation})  dtype={e.dtype}",
-             f"ctx={e.ctx}  batch={e.batch}  attn={e.attn}  cache={e.cache}  kv-dtype={e.kv_dtype}  device={e.device}"
-             + ("   APPROXIMATE" if e.approximate else ""), "", "components"]
+             f"ctx={e.ctx} (prompt {e.prompt} + {e.new_tokens} new)  batch={e.batch}  attn={e.attn}  cache={e.cache}  "
+             f"kv-dtype={e.kv_dtype}  device={e.device}" + ("   APPROXIMATE" if e.approximate else ""), ""]
+    if e.warnings:
+        lines += ["WARNING"] + ["  " + w for w in e.warnings] + [""]
+    lines.append("components (sizes; the peak's own make-up is below)")
     for key in ("weights", "kv_cache", "activations", "runtime"):
         lines.append(_row(key.replace("_", " "), e.components[key]))
-    lines += ["", "stages (device memory in use; allocated in brackets)"]
-    for key in ("load_peak", "post_load", "first_token", "end"):
-        lines.append(_row(_STAGE_LABELS[key], e.stages[key]) + f"   [{gib(e.allocated[key]):.2f} GiB]")
-    lines.append(_row("PEAK", e.peak))
+    corrected = " (corrected)" if e.correction else ""
+    lines += ["", f"stages{corrected} (device memory in use; allocated in brackets)"]
+    for key in STAGES:
+        lines.append(_row(_stage_label(key, e.new_tokens), e.stages[key]) + f"   [{gib(e.allocated[key]):.2f} GiB]")
+    lines.append(_row("PEAK", e.peak) + f"   at {STAGE_LABELS.get(e.peak_stage, e.peak_stage)}")
+    if e.peak_breakdown:
+        lines += ["", "the peak is made of"]
+        for key, value in e.peak_breakdown.items():
+            lines.append(_row(key.replace("_", " "), value))
     lines += ["", "weights by group"]
     for key, value in e.weights_breakdown.items():
         lines.append(_row(key.replace("_", " "), value))
@@ -37,6 +49,8 @@ def estimate_table(e) -> str:
     lines += ["", "how"] + [f"  {k}: {v}" for k, v in e.methods.items()] + [f"  runtime: {e.runtime_source}"]
     if e.notes:
         lines += ["", "notes"] + ["  " + n for n in e.notes]
+    if e.correction:
+        lines += ["", correction_table(e.correction)]
     return "\n".join(lines)
 
 
@@ -85,6 +99,20 @@ def quick_table(q) -> str:
     return "\n".join(lines)
 
 
+def quick_json(q) -> dict:
+    """Quick mode in the shape of a full estimate: the same ``components`` keys, ``peak``, and None with a
+    reason for what the formula does not separate."""
+    kv = q.kv_cache_bytes
+    return {"mode": "quick", "ctx": q.ctx, "batch": q.batch, "peak": q.total_bytes,
+            "components": {"weights": q.weights_bytes, "kv_cache": kv, "activations": None,
+                           "runtime": q.total_bytes - q.weights_bytes - (kv or 0)},
+            "stages": None, "approximate": True,
+            "notes": ["the formula's flat 18 % covers activations and runtime together: shown as runtime, "
+                      "activations None"] + ([] if kv is not None else
+                                             ["kv_cache None: give --layers, --kv-heads and --head-dim"]),
+            "formula": q.to_dict()}
+
+
 def models_table(rows: list[dict]) -> str:
     lines = [f"{'name':<20} {'architecture':<24} {'params':>9}  hub id"]
     for r in rows:
@@ -92,12 +120,9 @@ def models_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["estimate_table", "quick_table", "models_table", "fmt_gib_gb"]
-
-
-def correction_table(est: dict) -> str:
-    c = est["correction"]
-    lines = ["correction for this machine (runs " + ", ".join(map(str, c["source_runs"])) + ")",
+def correction_table(c: dict) -> str:
+    lines = [f"correction ({c.get('scope') or 'this machine'}; runs " + ", ".join(map(str, c["source_runs"]))
+             + (f"; hosts {', '.join(c['hosts'])}" if c.get("hosts") else "") + ")",
              f"  {'stage':<14} {'raw':>22} {'correction':>14} {'corrected':>22}"]
     for k, raw in c["raw"].items():
         lines.append(f"  {k:<14} {fmt_gib_gb(raw):>22} {c['delta'][k] / 1024**3:>+10.3f} GiB {fmt_gib_gb(c['corrected'][k]):>22}")
@@ -141,3 +166,75 @@ def runs_table(runs: list[dict]) -> str:
         lines.append(f"{r['id']:>4} {str(r['model'])[-30:]:<30} {r['quant']:<8} {r['ctx']:>7} {r['batch']:>5} "
                      f"{r['device']:<8} {r['status'] or 'interrupted'}")
     return "\n".join(lines)
+
+
+def fleet_runs_table(runs: list[dict]) -> str:
+    lines = [f"{'id':>6} {'host':<14} {'gpu':<24} {'model':<28} {'quant':<8} {'ctx':>7} {'batch':>5} status"]
+    for r in runs:
+        gpu = r.get("gpu_name") or r["device"]
+        lines.append(f"{r['id']:>6} {str(r.get('hostname'))[:14]:<14} {str(gpu)[:24]:<24} {str(r['model'])[-28:]:<28} "
+                     f"{r['quant']:<8} {r['ctx']:>7} {r['batch']:>5} {r['status'] or 'interrupted'}")
+    return "\n".join(lines)
+
+
+def class_summary_table(rows) -> str:
+    """Per machine class: hosts and runs, then the class's correction per stage with its p95 band."""
+    if not rows:
+        return "no runs recorded"
+    out = []
+    for r in rows:
+        out.append(f"{r.label}")
+        out.append(f"  hosts {len(r.hosts)} ({', '.join(r.hosts)}); runs {r.runs}: {r.ok} ok, {r.ooms} OOM, "
+                   f"{r.failed} failed, {r.interrupted} interrupted")
+        if not r.corrections:
+            out.append("  no finished run to correct from")
+        for stage, c in r.corrections.items():
+            out.append(f"  {stage:<12} {c['intercept_bytes'] / 1024**3:+8.3f} GiB {c['slope_bytes_per_token']:+10.1f} "
+                       f"B/token   p95 band {c['residual_p95_bytes'] / 1024**3:.3f} GiB "
+                       f"(host spread {c['host_spread_bytes'] / 1024**3:.3f} GiB)   {c['n_runs']} runs")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def copy_report_line(r) -> str:
+    if r.nothing_new:
+        return f"{r.destination} already had all {r.runs_in_source} runs of {r.source}: nothing copied"
+    return (f"copied {r.source} -> {r.destination}: {r.runs_added} runs, {r.outcomes_added} outcomes, "
+            f"{r.machines_added} machines, {r.memos_added} memos, {r.corrections_added} corrections "
+            f"({r.runs_in_source} runs in the source)")
+
+
+def fleet_init_lines(f) -> str:
+    return "\n".join([
+        f"{f.database}: schema {f.schema_version} in schema 'vramcal', owned by {f.owner}",
+        f"roles created: {', '.join(f.roles_created) or 'none (they existed)'}; {f.writer} may insert and read, "
+        "not update or delete",
+        f"hosts record with: --db {f.writer_url} (password in ~/.pgpass or PGPASSWORD, not in the URL)",
+    ])
+
+
+def recheck_line(out: dict) -> str:
+    return (f"run {out['memo_run']} rechecked as run {out['recheck_run']}: "
+            + ("CONSISTENT" if out["consistent"] else "CHANGED")
+            + f"  old peak {fmt_gib_gb(out['old_peak_bytes'])}, new {fmt_gib_gb(out['new_peak_bytes'])}, "
+            f"tolerance {fmt_gib_gb(out['tolerance_bytes'])}")
+
+
+def memo_markdown(m: dict) -> str:
+    return "\n".join([
+        f"# Known-good configuration: {m['model']}",
+        "",
+        f"- **Quantization**: {m['quantization']} ({m['implementation']})",
+        f"- **Context length**: {m['context_length']}"
+        + (f" ({m['new_tokens']} generated)" if m.get("new_tokens") else ""),
+        f"- **Batch size**: {m['batch_size']}",
+        f"- **Peak memory**: {fmt_gib_gb(m['peak_bytes'])} — read from {m['peak_read_from']}"
+        + (f"; torch allocator reserved {fmt_gib_gb(m['torch_allocator_peak_reserved_bytes'])}"
+           if m.get("torch_allocator_peak_reserved_bytes") else ""),
+        f"- **Peak stage**: {m['peak_stage']}",
+        f"- **Device**: {m['gpu_model'] or m['device']}, {fmt_gib_gb(m['total_memory_bytes'])} total",
+        f"- **Command**: `{m['command']}`",
+        f"- Recorded {m['recorded_at']} on {m['host']}, run {m['run_id']}",
+        "",
+        "Recheck after a change: `vramcal memo --recheck` re-runs the command and compares the peak.",
+    ]) + "\n"

@@ -1,0 +1,513 @@
+"""The ``vramcal`` command. ``main() -> int``: parse, call the library, format with :mod:`vramcal.present`.
+
+Exit codes: 0 done (and fits, for ``check``); 1 the run did not fit or did not finish; 2 bad input or
+an environment that cannot serve the command (one line on stderr, nothing written); 130 Ctrl-C and
+143 SIGTERM (the run is recorded with its last stage first); 70 a bug in vramcal (one line; ``--debug``
+shows the traceback).
+
+Start-up stays light: this module imports only the workload rules; each command imports what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+from .errors import UserError
+from .workload import ATTNS, CACHES, KV_DTYPES, NEW_TOKENS, QUANTS, Configuration, parse_dtype, workload
+
+EX_SOFTWARE = 70
+POLICIES = ("quality", "context", "throughput")  # vramcal.calibrate.proposals.POLICIES (a test keeps them equal)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like every other bad input
+        raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
+def _add_model_args(p, *, ctx_help: str) -> None:
+    p.add_argument("--quant", default="auto", help=" | ".join(QUANTS))
+    p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32: the tensors that stay unquantized "
+                                                 "(default: the config's)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--ctx", type=int, default=None, help=ctx_help)
+    w.add_argument("--prompt", type=int, default=None, help="prompt tokens, instead of --ctx (ctx = prompt + new tokens)")
+    w.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help=f"tokens generated (default {NEW_TOKENS})")
+    w.add_argument("--batch", type=int, default=1)
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="auto (model dtype) | fp8 "
+                                                                        "(transformers' QuantizedCache)")
+    p.add_argument("--attn", default="auto", choices=ATTNS)
+    p.add_argument("--cache", default="dynamic", choices=CACHES, help="dynamic | static (pre-allocated to --ctx)")
+
+
+def _work(args, default_ctx: int):
+    ctx = args.ctx if (args.ctx is not None or args.prompt is not None) else default_ctx
+    return workload(ctx, args.batch, args.new_tokens, args.prompt)
+
+
+def _add_estimate(sub) -> None:
+    p = sub.add_parser("estimate", help="predict peak memory per stage from a model's config alone",
+                       description="Predict device memory per stage (load, after load, first token, end) "
+                                   "as the installed transformers + quantizer will lay the model out. "
+                                   "Without MODEL, --params-b and --bits give the source documents' formula.")
+    p.add_argument("model", nargs="?", help="directory with config.json, a config.json, a Hub id in the local cache, "
+                                            "or a catalog name (`vramcal models`)")
+    _add_model_args(p, ctx_help="whole context: prompt + new tokens (default 4096)")
+    p.add_argument("--device", default="cuda", help="cuda (NVML view, the default) or cpu (process memory)")
+    p.add_argument("--fast", action="store_true", help="use the fitted activation model instead of tracing this point")
+    p.add_argument("--no-disk-cache", action="store_true", help="recompute the inventory instead of reading the cache")
+    p.add_argument("--json", action="store_true", help="one JSON object, integer bytes")
+    p.add_argument("--db", help="records database (default $VRAMCAL_DB or ~/.local/share/vramcal/vramcal.db)")
+    p.add_argument("--no-correction", action="store_true",
+                   help="do not apply this machine's correction from the records database")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    q = p.add_argument_group("quick mode (no config needed)")
+    q.add_argument("--params-b", type=float, help="parameters, in billions")
+    q.add_argument("--bits", type=float, help="bits per parameter")
+    q.add_argument("--layers", type=int)
+    q.add_argument("--kv-heads", type=int)
+    q.add_argument("--head-dim", type=int)
+    q.add_argument("--kv-bytes", type=int, default=2, help="bytes per cached value (2 = bf16/fp16, 1 = fp8)")
+    p.set_defaults(func=cmd_estimate)
+
+
+def _progress(args):
+    """Progress lines on stderr while the first estimate of a model works, when a person is watching."""
+    if getattr(args, "quiet", False):
+        return None
+    if sys.stderr.isatty() or os.environ.get("VRAMCAL_PROGRESS") == "1":
+        from .estimator.estimate import Progress
+
+        return Progress(sys.stderr)
+    return None
+
+
+def cmd_estimate(args) -> int:
+    from . import present
+
+    quick = args.params_b is not None or args.bits is not None
+    if args.model is None and not quick:
+        raise UserError("give a MODEL (directory, config.json, cached Hub id or catalog name) "
+                        "or quick-mode figures: --params-b 27 --bits 4 [--layers --kv-heads --head-dim]")
+    work = _work(args, 4096)
+    q = None
+    if quick:
+        from .estimator.quick import quick_estimate
+
+        q = quick_estimate(args.params_b, args.bits, work.ctx, work.batch, args.layers, args.kv_heads,
+                           args.head_dim, args.kv_bytes)
+        if args.model is None:
+            _out(json.dumps(present.quick_json(q)) if args.json else present.quick_table(q))
+            return 0
+    from .estimator.estimate import estimate
+
+    e = estimate(args.model, args.quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
+                 dtype=parse_dtype(args.dtype), kv_dtype=args.kv_dtype, attn=args.attn, cache=args.cache,
+                 device=args.device, use_cache=not args.no_disk_cache, exact=not args.fast, progress=_progress(args))
+    if not args.no_correction:
+        from .calibrate.corrections import machine_correction
+
+        e = e.corrected(machine_correction(e.device, e.quant, e.config_hash, args.db))
+    if args.json:
+        out = e.to_dict()
+        if q is not None:
+            out["quick"] = present.quick_json(q)
+        _out(json.dumps(out))
+    else:
+        _out(present.estimate_table(e) + ("\n\n" + present.quick_table(q) if q is not None else ""))
+    return 0
+
+
+def _add_probe(sub) -> None:
+    p = sub.add_parser("probe", help="load the real model, generate tokens, measure memory at every stage",
+                       description="Load MODEL through from_pretrained in a child process, generate --new-tokens "
+                                   "tokens after a prompt of ctx - new tokens per batch row, and sample device "
+                                   "memory (NVML memory.used, or the process's resident set with --device cpu) "
+                                   "every few milliseconds. Exit code 0 when the run finished, 1 when it "
+                                   "ran out of memory or died, 2 for bad input, 130/143 when interrupted.")
+    p.add_argument("model")
+    _add_model_args(p, ctx_help="whole context: prompt + new tokens (default 512)")
+    p.add_argument("--device", default="cuda:0", help="cuda, cuda:N or cpu")
+    p.add_argument("--synthetic", action="store_true",
+                   help="random weights at the config's real widths, saved and loaded like a checkpoint")
+    p.add_argument("--interval-ms", type=float, default=5.0, help="sampling interval (default 5 ms)")
+    p.add_argument("--timeline", metavar="FILE.png", help="write a plot of memory over time")
+    p.add_argument("--samples", action="store_true", help="include every sample in --json (default: the count)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_probe)
+
+
+def cmd_probe(args) -> int:
+    from . import present
+    from .probes.probe import run_probe
+
+    if args.timeline and not args.timeline.lower().endswith(".png"):
+        raise UserError(f"--timeline writes a PNG: give a file name ending in .png, not {args.timeline!r}")
+    work = _work(args, 512)
+    config = _config(args, work)
+    if args.timeline:
+        from .present import check_writable
+
+        check_writable(args.timeline, "--timeline")
+    r = run_probe(args.model, args.quant, work.ctx, work.batch, device=args.device, synthetic=args.synthetic,
+                  interval_ms=args.interval_ms, dtype=config.dtype, attn=args.attn, new_tokens=work.new_tokens,
+                  kv_dtype=args.kv_dtype, cache=args.cache, command=config.command("probe"))
+    if args.timeline:
+        from .probes.timeline import write_timeline
+
+        write_timeline(r, args.timeline)
+    if args.json:
+        out = r.to_dict()
+        if not args.samples:
+            out.pop("samples")
+        _out(json.dumps(out))
+    else:
+        _out(present.probe_table(r))
+    return 0 if r.status == "ok" else 1
+
+
+def _config(args, work) -> Configuration:
+    model = args.model
+    try:  # a path is recorded absolute, so the command runs again from anywhere
+        if os.path.exists(model):
+            model = os.path.abspath(model)
+    except (OSError, ValueError):
+        pass
+    return Configuration(model, work, quant=args.quant, device=args.device, dtype=parse_dtype(args.dtype),
+                         kv_dtype=args.kv_dtype, attn=args.attn, cache=args.cache,
+                         synthetic=getattr(args, "synthetic", False))
+
+
+def _size(text: str | None, flag: str) -> int | None:
+    if text is None:
+        return None
+    from .units import parse_size
+
+    try:
+        n = parse_size(text)
+    except ValueError as exc:
+        raise UserError(f"{flag}: {exc}") from None
+    if n < 0:
+        raise UserError(f"{flag} must not be negative")
+    return n
+
+
+def cmd_check(args) -> int:
+    from . import present
+    from .calibrate.check import DEFAULT_BUFFER, check
+
+    work = _work(args, 4096)
+    budget = None if args.budget in (None, "auto") else _size(args.budget, "--budget")
+    if budget == 0:
+        raise UserError("--budget must be above zero, e.g. --budget 24GiB")
+    buffer = DEFAULT_BUFFER if args.buffer is None else _size(args.buffer, "--buffer")
+    r = check(args.model, args.quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
+              device=args.device, db=args.db, budget=budget, buffer=buffer, prefer=args.prefer,
+              synthetic=args.synthetic, attn=args.attn, dtype=args.dtype, kv_dtype=args.kv_dtype, cache=args.cache)
+    _out(json.dumps(r.to_dict()) if args.json else present.check_table(r))
+    return 0 if r.verdict.fits else 1
+
+
+def cmd_memo(args) -> int:
+    from . import present
+    from .records.store import Store
+
+    with Store(args.db, create=False, readonly=True) as store:
+        memos = store.memos()
+    if not memos:
+        raise UserError("no memo recorded yet: run `vramcal check MODEL ...` once; a run that fits leaves one")
+    if args.run is not None:
+        chosen = [m for m in memos if m["run_id"] == args.run]
+        if not chosen:
+            raise UserError(f"no memo for run {args.run}: `vramcal records list` shows the runs")
+        memo = chosen[-1]["memo"]
+    else:
+        memo = memos[-1]["memo"]
+    if args.recheck:
+        from .calibrate.memo import recheck
+
+        out = recheck(memo, config_of_command(memo["command"]), args.db)
+        _out(json.dumps(out) if args.json else present.recheck_line(out))
+        return 0 if out["consistent"] else 1
+    _out(json.dumps(memo) if args.json else present.memo_markdown(memo).rstrip("\n"))
+    return 0
+
+
+def config_of_command(command: str) -> Configuration:
+    """The configuration a recorded ``vramcal check``/``probe`` command describes, read by this parser."""
+    try:
+        words = shlex.split(command.split("  #", 1)[0])
+    except ValueError as exc:
+        raise UserError(f"the recorded command cannot be read ({exc}): {command!r}") from None
+    if len(words) < 3 or words[0] != "vramcal" or words[1] not in ("check", "probe"):
+        raise UserError(f"the recorded command is not a vramcal check or probe: {command!r}")
+    args = build_parser().parse_args(words[1:])
+    return _config(args, _work(args, 4096 if words[1] == "check" else 512))
+
+
+def cmd_fit(args) -> int:
+    from . import present
+    from .calibrate.check import DEFAULT_BUFFER
+    from .calibrate.fit import fit_contexts
+    from .workload import count, parse_device
+
+    device = str(parse_device(args.device))
+    new_tokens = count(args.new_tokens, "--new-tokens")
+    if args.budget == "auto":
+        from .calibrate.runs import budget_for
+        from .probes.machine import machine_fingerprint
+
+        budget = budget_for(device, machine_fingerprint(device), None)
+    else:
+        budget = _size(args.budget, "--budget")
+    buffer = DEFAULT_BUFFER if args.buffer is None else _size(args.buffer, "--buffer")
+    if buffer >= budget:
+        raise UserError(f"--buffer ({buffer:,} B) must be below --budget ({budget:,} B)")
+    rows = fit_contexts(args.model, budget, device=device, db=args.db, buffer=buffer, new_tokens=new_tokens)
+    _out(json.dumps({"budget_bytes": budget, "buffer_bytes": buffer, "new_tokens": new_tokens, "rows": rows})
+         if args.json else present.fit_table(args.model, budget, buffer, rows))
+    return 0
+
+
+RECORDS_ACTIONS = ("list", "show", "export", "summary", "push", "pull", "import", "init-fleet")
+RUN_STATUSES = ("ok", "oom", "crashed", "error", "killed", "interrupted")
+
+
+def cmd_records(args) -> int:
+    from . import present
+
+    action = args.action
+    if action != "export" and (args.out or args.format != "csv"):
+        raise UserError("--out and --format belong to `vramcal records export`")
+    filters = {"model": args.model, "quant": args.quant, "gpu": args.gpu, "status": args.status, "host": args.host}
+    if action != "list" and (args.all_machines or any(v is not None for v in filters.values())):
+        raise UserError("--all-machines, --model, --quant, --gpu, --status and --host filter `vramcal records list`")
+    if action not in ("push", "pull") and (args.to or args.source):
+        raise UserError("--to belongs to `vramcal records push`, --from to `vramcal records pull`")
+    if action not in ("show", "import") and args.target:
+        raise UserError(f"`vramcal records {action}` takes no positional argument ({args.target[0]!r})")
+    if action in ("push", "pull", "import", "init-fleet"):
+        return _records_copy(args, present)
+
+    from .records.export import export
+    from .records.store import Store
+
+    with Store(args.db, create=False, readonly=True) as store:
+        if action == "list":
+            if store.kind == "postgresql" and not args.all_machines and args.host is None:
+                import socket
+
+                filters["host"] = socket.gethostname()  # a fleet store: this host's runs unless asked
+            runs = store.runs(**filters)
+            many = args.all_machines or store.kind == "postgresql"
+            _out(json.dumps(runs, default=str) if args.json else
+                 present.fleet_runs_table(runs) if many else present.runs_table(runs))
+        elif action == "show":
+            if len(args.target) != 1 or not args.target[0].isdigit():
+                raise UserError("records show needs one run id: `vramcal records show 3`")
+            run = store.run(int(args.target[0]))
+            if run is None:
+                raise UserError(f"no run {args.target[0]}: `vramcal records list` shows the runs")
+            _out(json.dumps(run, default=str, indent=1))
+        elif action == "summary":
+            from .calibrate.fleet import class_summary
+
+            rows = class_summary(store)
+            _out(json.dumps([r.to_dict() for r in rows]) if args.json else present.class_summary_table(rows))
+        else:
+            text = export(store, args.format, args.out)
+            if text is not None:
+                _out(text.rstrip("\n"))
+    return 0
+
+
+def _records_copy(args, present) -> int:
+    """push, pull, import, init-fleet: the commands that write into a (possibly shared) store."""
+    from .records.engines import redact
+
+    if args.action == "push":
+        from .records.sync import push
+
+        if not args.to:
+            raise UserError("records push needs --to: `vramcal records push --to postgresql://USER@HOST/DB`")
+        report = push(args.db, args.to)
+    elif args.action == "pull":
+        from .records.sync import pull
+
+        if not args.source:
+            raise UserError("records pull needs --from: `vramcal records pull --from postgresql://USER@HOST/DB`")
+        report = pull(args.source, args.db)
+    elif args.action == "import":
+        from .records.store import Store
+        from .records.unrecorded import record_saved
+
+        if not args.target:
+            raise UserError("records import needs the saved run files: `vramcal records import run-*.json`")
+        done = []
+        with Store(args.db) as store:
+            for path in args.target:
+                done.append({"file": path, "run_id": record_saved(store, path)})
+                os.unlink(path)
+        _out(json.dumps(done) if args.json else "\n".join(f"recorded {d['file']} as run {d['run_id']} in "
+                                                          f"{redact(str(store.display))} (file removed)"
+                                                          for d in done))
+        return 0
+    else:  # init-fleet
+        from .records.engines import is_url
+        from .records.fleet import init_fleet
+
+        if not args.db or not is_url(args.db):
+            raise UserError("records init-fleet needs --db postgresql://ADMIN@HOST/DATABASE (an administrator)")
+        made = init_fleet(args.db, writer_password=os.environ.get("VRAMCAL_WRITER_PASSWORD"))
+        _out(json.dumps(made.to_dict()) if args.json else present.fleet_init_lines(made))
+        return 0
+    _out(json.dumps(report.to_dict()) if args.json else present.copy_report_line(report))
+    return 0
+
+
+def cmd_models(args) -> int:
+    from . import present
+    from .estimator.catalog import catalog_rows
+
+    rows = catalog_rows()
+    _out(json.dumps(rows) if args.json else present.models_table(rows))
+    return 0
+
+
+def _add_calibration(sub) -> None:
+    c = sub.add_parser("check", help="estimate, probe, record, verdict: does it fit, and if not what to change",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="The one-shot job: estimate -> probe (load + generate) -> reconcile -> record "
+                                   "-> verdict. Fits when the measured peak plus --buffer stays within the budget "
+                                   "(the device's total memory, or --budget). When it does not, proposes next "
+                                   "configurations with this machine's corrected estimates, in the order of "
+                                   "--prefer:\n\n"
+                                   "  quality     keep the weights' precision: smaller batch, then shorter context, "
+                                   "then an fp8 KV cache;\n              lower the weight quantization only when "
+                                   "the weights alone are over the budget\n"
+                                   "  context     keep the context: lower quantization, then fp8 KV, then batch, "
+                                   "the context last\n"
+                                   "  throughput  keep the batch: lower quantization, then context, the batch last\n"
+                                   "\nExit code 0 when it fits, 1 when it does not, 2 for bad input, 130/143 when "
+                                   "interrupted (the run is recorded with its last stage).")
+    c.add_argument("model")
+    _add_model_args(c, ctx_help="whole context: prompt + new tokens (default 4096)")
+    c.add_argument("--device", default="cuda:0")
+    c.add_argument("--synthetic", action="store_true")
+    c.add_argument("--budget", default=None, help="memory to fit in (24GiB, 80GB, auto = the device's total)")
+    c.add_argument("--buffer", default=None, help="headroom to keep free (default 2GiB, as the documents advise)")
+    c.add_argument("--prefer", default="quality", choices=POLICIES, help="order of adjustments (see above)")
+    c.add_argument("--db")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_check)
+
+    m = sub.add_parser("memo", help="the known-good memo of the last run that fit (Markdown or JSON)")
+    m.add_argument("--run", type=int, help="the memo of this run id (default: the latest)")
+    m.add_argument("--recheck", action="store_true", help="re-run the memo's command and compare the peak")
+    m.add_argument("--db")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_memo)
+
+    f = sub.add_parser("fit", help="the largest context per quant and batch that fits a budget")
+    f.add_argument("model")
+    f.add_argument("--budget", required=True, help="24GiB, 80GB, or auto (the device's total memory)")
+    f.add_argument("--buffer", default=None, help="headroom to keep free (default 2GiB)")
+    f.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
+                   help=f"tokens each answer generates (default {NEW_TOKENS}); max ctx includes them")
+    f.add_argument("--device", default="cuda:0")
+    f.add_argument("--db")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=cmd_fit)
+
+    r = sub.add_parser("records", help="list, show, export, summarise or copy the recorded runs",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="The records database: --db PATH (SQLite), or --db postgresql://USER@HOST/DB "
+                                   "for a fleet's shared store (TLS settings go in the URL, e.g. ?sslmode=verify-full)."
+                                   "\n\n"
+                                   "  list        runs (a fleet store: this host's unless --all-machines); filters\n"
+                                   "  show ID     one run with its stages\n"
+                                   "  export      one table of runs and stages (--format, --out)\n"
+                                   "  summary     per machine class: hosts, runs, OOMs, correction and band per stage\n"
+                                   "  push        copy these records --to another store, without duplicates\n"
+                                   "  pull        copy the records of another store (--from) into --db\n"
+                                   "  import F..  record runs saved while the database could not be written\n"
+                                   "  init-fleet  create the schema, an owner and a writer role (--db as an admin;\n"
+                                   "              the writer's password from $VRAMCAL_WRITER_PASSWORD)")
+    r.add_argument("action", choices=RECORDS_ACTIONS)
+    r.add_argument("target", nargs="*", help="a run id (show), saved run files (import)")
+    r.add_argument("--format", default="csv", help="csv | json | parquet (export)")
+    r.add_argument("--out", help="file to write (export); never the records database itself")
+    r.add_argument("--to", help="the store to copy into (push): a postgresql:// URL or a path")
+    r.add_argument("--from", dest="source", help="the store to copy from (pull): a postgresql:// URL or a path")
+    r.add_argument("--all-machines", action="store_true", help="list the runs of every machine (list)")
+    r.add_argument("--model", help="only this model (list)")
+    r.add_argument("--quant", help="only this quantization (list)")
+    r.add_argument("--gpu", help="only GPUs whose name contains this, e.g. H100 (list)")
+    r.add_argument("--status", choices=RUN_STATUSES, help="only runs that ended so (list)")
+    r.add_argument("--host", help="only this host's runs (list)")
+    r.add_argument("--db")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=cmd_records)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="vramcal", description="Predict, measure and calibrate GPU memory for quantized LLMs.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    _add_estimate(sub)
+    _add_probe(sub)
+    _add_calibration(sub)
+    m = sub.add_parser("models", help="list the built-in catalog of model configs")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_models)
+    return parser
+
+
+def _out(text: str) -> None:
+    print(text, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        return args.func(args)
+    except BrokenPipeError:  # `vramcal ... | head`: the reader left; end quietly
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except OSError:
+            pass
+        return 0
+    except UserError as exc:
+        if debug:
+            raise
+        print(f"vramcal: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("vramcal: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 -- the last line of defence: one line, a distinct exit code
+        if debug:
+            raise
+        from .probes.probe import ProbeInterrupted
+
+        if isinstance(exc, ProbeInterrupted):
+            print(f"vramcal: {exc}", file=sys.stderr)
+            return 128 + exc.signum
+        first = str(exc).splitlines()[0][:300] if str(exc) else ""
+        print(f"vramcal: internal error, {type(exc).__name__}: {first} (run with --debug for the traceback "
+              "and report it)", file=sys.stderr)
+        return EX_SOFTWARE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Writing a user's files: atomically (a temp file beside the target, then a rename), never onto the
+records database, and with one-line errors when the place cannot be written."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import UserError
+
+
+def check_writable(path: str | os.PathLike, flag: str, protect: tuple[str | os.PathLike, ...] = ()) -> Path:
+    """Refuse, before any work, a target that is a directory, sits in a folder that does not exist or
+    cannot be written, or is one of the ``protect`` files (the records database and its WAL files)."""
+    p = Path(path).expanduser()
+    for guarded in protect:
+        g = Path(guarded).expanduser()
+        for candidate in (g, Path(str(g) + "-wal"), Path(str(g) + "-shm"), Path(str(g) + "-journal")):
+            with contextlib.suppress(OSError):
+                if p.resolve() == candidate.resolve():
+                    raise UserError(f"{flag} {p} is the records database: writing there would destroy it; "
+                                    "choose another file")
+    if p.is_dir():
+        raise UserError(f"{flag} {p} is a directory: give a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"{flag}: the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{flag}: cannot write in {parent} (permission denied)")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise UserError(f"{flag}: {p} is not writable")
+    return p
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str, flag: str = "--out",
+                 protect: tuple[str | os.PathLike, ...] = ()) -> Path:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one, never half."""
+    p = check_writable(path, flag, protect)
+    mode = "wb" if isinstance(data, bytes) else "w"
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent if str(p.parent) else ".")
+    except OSError as exc:
+        raise UserError(f"{flag}: cannot write in {p.parent} ({exc.strerror})") from None
+    try:
+        with os.fdopen(fd, mode) as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if p.exists():
+            with contextlib.suppress(OSError):
+                os.chmod(tmp, p.stat().st_mode & 0o777)
+        else:
+            os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, p)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise UserError(f"{flag}: could not write {p} ({exc.strerror}); nothing was changed") from None
+    return p
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

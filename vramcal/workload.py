@@ -1,0 +1,197 @@
+"""The workload a user describes, and the rules every command shares about it.
+
+One home for: the default number of generated tokens, the stage names, dtype and device spellings,
+the validation of counts and sizes, and the command line that reproduces a configuration -- so an
+estimate, a probe, a proposal, a memo and a recheck all mean the same thing by ``--ctx`` and can only
+print commands the parser accepts.
+
+Context arithmetic (docs/accounting.md): ``ctx`` is the whole context, prompt + new tokens. The
+prefill runs over the prompt; each of the ``new_tokens`` generated tokens but the last is fed back, so
+a dynamic cache at the end holds ``prompt + new_tokens - 1`` positions. ``--prompt P`` may be given
+instead of ``--ctx``: "8k prompt, 1k answer" is ``--prompt 8192 --new-tokens 1024``.
+
+This module imports nothing heavy; the command line's start-up depends on it.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass
+
+from .errors import UserError
+
+NEW_TOKENS = 16  # the probe's shortest run, and the default of --new-tokens
+DEFAULT_CTX = 4096
+
+# What an estimate predicts and a probe measures, in order. A probe also reads ``baseline`` (imports
+# done, device untouched) and, on a GPU, ``context`` (CUDA initialised).
+STAGES = ("load_peak", "post_load", "first_token", "end")
+PROBE_STAGES = ("baseline", "context") + STAGES
+STAGE_LABELS = {"load_peak": "load peak", "post_load": "after load", "first_token": "first token (prefill)",
+                "end": "end"}
+
+QUANTS = ("auto", "bf16", "fp16", "fp32", "int8", "nf4", "nf4-dq", "fp4", "fp4-dq")
+ATTNS = ("auto", "sdpa", "eager", "flash_attention_2")
+CACHES = ("dynamic", "static")
+KV_DTYPES = ("auto", "fp8")
+
+# Every spelling of a dtype a user may type, to the torch name. ``--quant fp16`` and ``--dtype fp16``
+# mean the same dtype.
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16",
+          "fp32": "float32", "float32": "float32", "float": "float32"}
+DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+# Beyond these a figure is not a workload anyone runs; refused rather than computed.
+MAX_TOKENS = 1 << 24  # 16.7 M positions
+MAX_BATCH = 1 << 16
+
+
+def parse_dtype(text: str | None, flag: str = "--dtype") -> str | None:
+    """``bf16``/``bfloat16``/... -> the torch name; None stays None (the config's own dtype)."""
+    if text is None:
+        return None
+    name = DTYPES.get(str(text).lower().removeprefix("torch."))
+    if name is None:
+        raise UserError(f"unknown {flag} {text!r}: choose bf16, fp16 or fp32 (or bfloat16, float16, float32)")
+    return name
+
+
+def parse_quant(text: str | None) -> str:
+    name = (text or "auto").lower()
+    if name not in QUANTS:
+        raise UserError(f"unknown quant {text!r}: choose one of {', '.join(QUANTS)}")
+    return name
+
+
+def choice(value: str, choices: tuple[str, ...], flag: str) -> str:
+    if value not in choices:
+        raise UserError(f"unknown {flag} {value!r}: choose one of {', '.join(choices)}")
+    return value
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device as vramcal means it: ``cpu`` or ``cuda:N``."""
+
+    kind: str  # cpu | cuda
+    index: int | None = None
+
+    def __str__(self) -> str:
+        return self.kind if self.index is None else f"{self.kind}:{self.index}"
+
+
+def parse_device(text: str | None, default: str = "cuda:0") -> Device:
+    """``cpu``, ``cuda`` (= ``cuda:0``) or ``cuda:N``; anything else is refused in one line."""
+    text = (default if text is None else str(text)).strip().lower()
+    if text == "cpu":
+        return Device("cpu")
+    if text == "cuda":
+        return Device("cuda", 0)
+    if text.startswith("cuda:"):
+        idx = text[5:]
+        if idx.isdigit() and len(idx) <= 3:
+            return Device("cuda", int(idx))
+    raise UserError(f"unknown device {text!r}: use cpu, cuda or cuda:N (e.g. cuda:1)")
+
+
+def count(value, flag: str, minimum: int = 1, maximum: int | None = None) -> int:
+    """A whole number of tokens, rows, layers... from the command line or a library call."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise UserError(f"{flag} must be a whole number, got {value!r}")
+    if value < minimum:
+        raise UserError(f"{flag} must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise UserError(f"{flag} {value:,} is beyond anything vramcal can plan for (at most {maximum:,})")
+    return value
+
+
+def positive_number(value, flag: str, example: str) -> float:
+    """A finite positive real (``--params-b``, ``--bits``); nan and inf are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise UserError(f"{flag} must be a finite positive number, e.g. {flag} {example}; got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What runs: ``batch`` rows of a ``prompt``-token prompt, then ``new_tokens`` generated tokens."""
+
+    prompt: int
+    new_tokens: int = NEW_TOKENS
+    batch: int = 1
+
+    @property
+    def ctx(self) -> int:
+        return self.prompt + self.new_tokens
+
+    @property
+    def end_positions(self) -> int:
+        """Positions a dynamic cache holds at the end: the last generated token is never fed back."""
+        return self.prompt + self.new_tokens - 1
+
+    @property
+    def tokens(self) -> int:
+        """ctx x batch: what per-token corrections scale with."""
+        return self.ctx * self.batch
+
+    def args(self) -> list[str]:
+        """The flags that reproduce this workload (``--ctx`` as the whole context)."""
+        out = ["--ctx", str(self.ctx), "--batch", str(self.batch)]
+        if self.new_tokens != NEW_TOKENS:
+            out += ["--new-tokens", str(self.new_tokens)]
+        return out
+
+
+def workload(ctx=None, batch=1, new_tokens=NEW_TOKENS, prompt=None) -> Workload:
+    """Validate and build a :class:`Workload` from ``ctx`` (prompt + new) or ``prompt``."""
+    new_tokens = count(new_tokens, "--new-tokens", 1, MAX_TOKENS)
+    batch = count(batch, "--batch", 1, MAX_BATCH)
+    if prompt is not None and ctx is not None:
+        raise UserError("give --ctx (prompt + new tokens) or --prompt, not both")
+    if prompt is None:
+        ctx = DEFAULT_CTX if ctx is None else ctx
+        if isinstance(ctx, int) and not isinstance(ctx, bool) and 0 < ctx <= new_tokens:
+            raise UserError(f"--ctx {ctx} leaves no prompt: it counts the prompt and the {new_tokens} new tokens, "
+                            f"so it must be above {new_tokens} (or give --prompt)")
+        ctx = count(ctx, "--ctx", new_tokens + 1, MAX_TOKENS)
+        prompt = ctx - new_tokens
+    prompt = count(prompt, "--prompt", 1, MAX_TOKENS)
+    if prompt + new_tokens > MAX_TOKENS:
+        raise UserError(f"prompt + new tokens = {prompt + new_tokens:,} is beyond {MAX_TOKENS:,} positions")
+    return Workload(prompt=prompt, new_tokens=new_tokens, batch=batch)
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One run as a user would type it: the model, its quantization, the workload and the device. Its
+    :meth:`command` is the ``vramcal`` command line that runs it again; every value goes through the
+    spellings the parser accepts (a test feeds every proposal and memo command back through it)."""
+
+    model: str
+    work: Workload
+    quant: str = "auto"
+    device: str = "cuda:0"
+    dtype: str | None = None
+    kv_dtype: str = "auto"
+    attn: str = "auto"
+    cache: str = "dynamic"
+    synthetic: bool = False
+
+    def command(self, verb: str, extra: list[str] | None = None) -> str:
+        parts = ["vramcal", verb, self.model, "--quant", parse_quant(self.quant), *self.work.args(),
+                 "--device", str(parse_device(self.device))]
+        if self.dtype is not None:
+            parts += ["--dtype", DTYPE_SHORT[parse_dtype(self.dtype)]]
+        if self.kv_dtype != "auto":
+            parts += ["--kv-dtype", choice(self.kv_dtype, KV_DTYPES, "--kv-dtype")]
+        if self.attn != "auto":
+            parts += ["--attn", choice(self.attn, ATTNS, "--attn")]
+        if self.cache != "dynamic":
+            parts += ["--cache", choice(self.cache, CACHES, "--cache")]
+        if self.synthetic:
+            parts.append("--synthetic")
+        return shlex.join(parts + list(extra or []))
