@@ -136,7 +136,7 @@ def test_sixteen_writers_and_two_refitters(pg_url, capsys):
         fp = _fp(HOSTS[0])
         mid = s.find_machine(fp)
         last = refit(s, mid, stack_key(fp), "nf4", "cfg-m")
-        assert last["end"].source_runs == sorted(r["id"] for r in s.runs(machine_id=mid))
+        assert last.stages["end"].source_runs == sorted(r["id"] for r in s.runs(machine_id=mid))
         _check_corrections(s)
     with capsys.disabled():
         print(f"\nfleet load: {writers} writers x {per_writer} runs = {total} runs in {wall:.1f} s = "
