@@ -531,3 +531,40 @@ def test_records_import_saved_runs(tmp_path):
     assert not any(p.exists() for p in paths)
     with Store(db, create=False, readonly=True) as s:
         assert s.count("runs") == 2 and s.count("stages") == 8
+
+
+def test_a_probe_that_could_not_be_recorded_is_kept_whole(tmp_path):
+    """What check keeps when the database fails after the probe: imported later, it is the same record
+    record_probe would have written, completing the run whose context was written first."""
+    from vramcal.calibrate.fleet import save_probe_unrecorded
+    from vramcal.calibrate.runs import record_probe
+    from vramcal.probes.probe import ProbeResult
+    from vramcal.records.store import new_uuid
+    from vramcal.records.unrecorded import record_saved
+
+    stages = {"baseline": {"used_bytes": 100 * MIB, "peak_bytes": 100 * MIB},
+              "post_load": {"used_bytes": 400 * MIB, "peak_bytes": 450 * MIB},
+              "end": {"used_bytes": 420 * MIB, "peak_bytes": 500 * MIB}}
+    result = ProbeResult("ok", "cpu", "tiny", "bf16", "bf16", "bfloat16", 256, 1, "sdpa", "rss", stages, "end",
+                         None, None, 3, [{"t": 0.0, "rss": 1}, {"t": 0.1, "rss": 2}, {"t": 0.2, "rss": 3}], 5.0,
+                         0.01, 1.5, "vramcal check tiny", estimate={"stages": {"post_load": 300 * MIB,
+                                                                               "end": 380 * MIB}})
+    fp = _fp("h")
+    with Store(tmp_path / "a.db") as a:
+        rid = record_probe(a, a.machine_id(fp), result, result.estimate)
+        want = a.run(rid)
+    run_uuid = new_uuid()
+    with Store(tmp_path / "b.db") as b:  # the context was written, then the database failed
+        mid = b.machine_id(fp)
+        first = b.begin_run(mid, model="tiny", config_hash=None, quant="bf16", quant_impl="bf16", dtype="bfloat16",
+                            ctx=256, batch=1, kv_dtype=None, attn="sdpa", device="cpu", command="vramcal check tiny",
+                            estimate=result.estimate, uuid=run_uuid)
+    path = save_probe_unrecorded(fp, result, result.estimate, run_uuid=run_uuid, command="vramcal check tiny",
+                                 error="lost the connection", folder=tmp_path / "kept")
+    with Store(tmp_path / "b.db") as b:
+        assert record_saved(b, path) == first and b.count("runs") == 1
+        got = b.run(first)
+    for key in ("status", "last_stage", "sample_count"):
+        assert got[key] == want[key], key
+    strip = lambda st: {k: {c: v for c, v in row.items() if c != "run_id"} for k, row in st.items()}  # noqa: E731
+    assert strip(got["stages"]) == strip(want["stages"])

@@ -169,3 +169,22 @@ def class_summary(store: Store) -> list[ClassSummary]:
                      "residual_p95_bytes": c.residual_p95_bytes, "host_spread_bytes": spread[stage]}
              for stage, c in corr.items()}))
     return out
+
+
+def save_probe_unrecorded(fingerprint: dict, result, estimate: dict | None, *, run_uuid: str, command: str,
+                          error: str, config_hash: str | None = None, kv_dtype: str | None = None,
+                          folder=None):
+    """Keep a probe whose record could not be written (the server went away, the file is locked or
+    read-only) as one JSON file, with the same rows :func:`vramcal.calibrate.runs.record_probe` would
+    have written; returns its path. ``run_uuid`` is the one the run's context was (or was to be)
+    recorded with, so ``vramcal records import`` completes that run rather than adding another."""
+    from ..records.unrecorded import run_payload, save_unrecorded
+
+    d = result.to_dict()
+    samples = [(s["t"], result.series, s.get(result.series)) for s in d.pop("samples") if result.series]
+    run = {"model": result.model, "config_hash": config_hash or (estimate or {}).get("config_hash"),
+           "quant": result.quant, "quant_impl": result.quant_implementation, "dtype": result.dtype,
+           "ctx": result.ctx, "batch": result.batch, "kv_dtype": kv_dtype or (estimate or {}).get("kv_dtype"),
+           "attn": result.attn, "device": result.device, "command": command, "estimate": estimate}
+    payload = run_payload(fingerprint, run, d, reconcile.stage_rows(result), samples, uuid=run_uuid, error=error)
+    return save_unrecorded(payload, folder)
