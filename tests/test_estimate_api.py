@@ -100,6 +100,11 @@ def test_already_quantized_checkpoint_refuses_other_quant(tmp_path):
         estimate(str(d), "nf4", ctx=64)
     e = estimate(str(d), "auto", ctx=64)
     assert e.quant == "gptq-4bit" and e.approximate
+    # the load stage is the packed weights, not the 16-bit size of a model built without the GPTQ library
+    # (transformers' pre-load reservation was once sized from it: 2.7x too high on Qwen2.5-7B-GPTQ)
+    from vramcal.estimator.runtime import CUDA_DEFAULT
+
+    assert e.stages["load_peak"] - CUDA_DEFAULT.context_bytes <= CUDA_DEFAULT.reserve(e.allocated["load_peak"])
     # qweight of q_proj: in 256 * 4 bits / 32 -> 32 int32 rows x 256 columns
     assert e.weights_breakdown["quantized"] > 0
 

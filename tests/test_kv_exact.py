@@ -10,15 +10,15 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 from vramcal.estimator.estimate import NEW_TOKENS, estimate
 
 
-def _generate_cache(path: str, prompt: int, batch: int, quant: str = "auto", **gen):
+def _generate_cache(path: str, prompt: int, batch: int, quant: str = "auto", new_tokens: int = NEW_TOKENS, **gen):
     qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                             bnb_4bit_compute_dtype=torch.bfloat16) if quant == "nf4" else None
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=qc, device_map="cpu", dtype=torch.bfloat16)
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt))
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                         min_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
                          pad_token_id=0, **gen)
-    assert out.sequences.shape == (batch, prompt + NEW_TOKENS)
+    assert out.sequences.shape == (batch, prompt + new_tokens)
     return out.past_key_values
 
 
@@ -27,6 +27,17 @@ def _generate_cache(path: str, prompt: int, batch: int, quant: str = "auto", **g
 def test_kv_cache_equals_generate(tiny_models, arch, ctx, batch):
     cache = _generate_cache(tiny_models[arch], ctx - NEW_TOKENS, batch)
     e = estimate(tiny_models[arch], "auto", ctx=ctx, batch=batch, device="cpu")
+    assert e.components["kv_cache"] == cache_bytes(cache)
+
+
+@pytest.mark.parametrize("arch", ["dense-gqa", "sliding", "mla"])
+@pytest.mark.parametrize("prompt,new_tokens", [(40, 1), (40, 57), (8, 100)])
+def test_kv_cache_equals_generate_with_new_tokens(tiny_models, arch, prompt, new_tokens):
+    """--new-tokens N: the cache at the end holds prompt + N - 1 positions, to the byte (the sliding
+    window of 24 is crossed by the longer answers)."""
+    cache = _generate_cache(tiny_models[arch], prompt, 2, new_tokens=new_tokens)
+    e = estimate(tiny_models[arch], "auto", prompt=prompt, new_tokens=new_tokens, batch=2, device="cpu")
+    assert (e.ctx, e.prompt, e.new_tokens) == (prompt + new_tokens, prompt, new_tokens)
     assert e.components["kv_cache"] == cache_bytes(cache)
 
 

@@ -13,6 +13,7 @@ import pytest
 from conftest import save_tiny
 
 from vramcal.errors import UserError
+from vramcal.probes import child
 from vramcal.probes.child import requested_bytes
 from vramcal.probes.probe import run_probe
 
@@ -34,7 +35,7 @@ def test_probe_nf4_end_to_end(mid_model):
     assert times == sorted(times)
     assert r.sample_count > 20 and all(st["used_bytes"] for st in r.stages.values())
     weights = r.estimate["components"]["weights"]
-    assert r.above_baseline("post_load") >= weights  # the quantized weights really arrived
+    assert r.measured()["post_load"].used_bytes >= weights  # the quantized weights really arrived
     assert r.stages["end"]["generated"] == 16
     # the child counts what it really holds: the estimate's weights and KV cache, to the byte
     assert r.stages["load_peak"]["weights_bytes"] == weights
@@ -64,7 +65,7 @@ def test_synthetic_weights_from_config_alone(tmp_path):
         run_probe(str(d), "nf4", ctx=64, device="cpu")
     r = run_probe(str(d), "nf4-dq", ctx=64, device="cpu", synthetic=True)
     assert r.status == "ok", r.error
-    assert r.above_baseline("post_load") >= r.estimate["components"]["weights"]
+    assert r.measured()["post_load"].used_bytes >= r.estimate["components"]["weights"]
 
 
 def test_sigkill_mid_generation_leaves_a_crashed_result(mid_model):
@@ -89,6 +90,26 @@ def test_a_child_that_fails_reports_error_and_stage(tmp_path, mid_model):
     r = run_probe(str(broken), "auto", ctx=64, device="cpu", with_estimate=False)
     assert r.status in ("error", "crashed")
     assert r.last_stage == "baseline" and r.error
+
+
+def test_an_unexpected_preimport_failure_is_an_error_at_baseline(mid_model, monkeypatch):
+    """Only an unknown architecture is let through by the pre-import; anything else is reported."""
+    import transformers.models.auto.auto_factory as auto_factory
+
+    def broken(config, mapping):
+        raise RuntimeError("the model's module is broken")
+
+    monkeypatch.setattr(auto_factory, "_get_model_class", broken)
+    read_fd, write_fd = os.pipe()
+    emit = child.Emitter(write_fd)
+    spec = {"model_dir": mid_model, "device": "cpu", "dtype": "bfloat16", "ctx": 32, "batch": 1, "bnb": None,
+            "attn": "auto", "new_tokens": 4}
+    assert child.run(spec, emit) == 4
+    emit.out.close()
+    with os.fdopen(read_fd) as fh:
+        events = [json.loads(line) for line in fh]
+    assert [e["event"] for e in events] == ["error"]
+    assert events[0]["stage"] == "baseline" and "module is broken" in events[0]["message"]
 
 
 def test_oom_message_parsing():

@@ -117,9 +117,7 @@ class Estimator:
         self._progress = progress or (lambda step: None)
         self._problems: list[str] = []
         start = len(CACHE_PROBLEMS)
-        if not (use_cache and load_cached(source, quant) is not None):
-            self._progress("building the model on the meta device (imports torch and transformers)")
-        self.inv: Inventory = inventory(source, quant, use_cache=use_cache)
+        self.inv: Inventory = inventory(source, quant, use_cache=use_cache, progress=self._progress)
         self._w_alloc = sum(round_alloc(size) * n for size, n in self.inv.alloc_sizes.items())
         self.device = device
         self._act_key = _act_cache_key(quant, attn, cache, kv_dtype, device_kind(device))
@@ -228,8 +226,8 @@ class Estimator:
         if self._kv is not None:
             kv_end = self._kv_end(work)
             kv_by_kind: dict[str, int] = {}
-            for layer in self._kv:
-                kv_by_kind[layer.kind] = kv_by_kind.get(layer.kind, 0) + layer.bytes_at(self._end_tokens(work), batch)
+            for layer, b in zip(self._kv, self._kv_end_layers(work)):
+                kv_by_kind[layer.kind] = kv_by_kind.get(layer.kind, 0) + b
             methods["kv_cache"] = "cache layers of the installed transformers, measured on meta tensors"
             kv_prompt = self._kv_prompt(work)
         else:
@@ -346,8 +344,15 @@ class Estimator:
         static cache holds its whole max_cache_len (= ctx) from the start."""
         return work.ctx if self.cache == "static" else work.end_positions
 
+    def _kv_end_layers(self, work: Workload) -> list[int]:
+        """Each cache layer's bytes at the end. With one new token nothing is fed back after the
+        prefill, so a dynamic sliding-window layer still holds the whole prompt's storage."""
+        if self.cache == "dynamic" and work.new_tokens == 1:
+            return [work.batch * (layer.fixed_bytes + layer.bytes_per_token * work.prompt) for layer in self._kv]
+        return [layer.bytes_at(self._end_tokens(work), work.batch) for layer in self._kv]
+
     def _kv_end(self, work: Workload) -> int:
-        return sum(layer.bytes_at(self._end_tokens(work), work.batch) for layer in self._kv)
+        return sum(self._kv_end_layers(work))
 
     def _kv_prompt(self, work: Workload) -> int:
         """The cache right after the prefill: as traced where this point was traced; otherwise from the

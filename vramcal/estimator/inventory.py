@@ -151,7 +151,7 @@ def store_cached(source: ModelSource, quant: QuantSpec, data: dict, kind: str = 
             tmp.unlink()
 
 
-def inventory(source: ModelSource, quant: QuantSpec, use_cache: bool = True) -> Inventory:
+def inventory(source: ModelSource, quant: QuantSpec, use_cache: bool = True, progress=None) -> Inventory:
     if use_cache:
         cached = load_cached(source, quant)
         if cached is not None:
@@ -159,6 +159,8 @@ def inventory(source: ModelSource, quant: QuantSpec, use_cache: bool = True) -> 
                 return Inventory.from_dict(cached)
             except (TypeError, KeyError, ValueError, AttributeError):
                 CACHE_PROBLEMS.append("a cached inventory did not have the expected fields; recomputed")
+    if progress is not None:
+        progress("building the model on the meta device (imports torch and transformers)")
     inv = _compute(source, quant)
     if use_cache:
         store_cached(source, quant, inv.to_dict())
@@ -224,24 +226,30 @@ def import_bitsandbytes():
 _META_MODELS: dict[tuple, tuple] = {}  # the last few meta models built in this process
 
 
-def build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None = None, device=None):
+def build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None = None, device=None, *,
+                     device_map=None, bnb_extra: dict | None = None):
     """The installed transformers' model for ``source``, on ``meta`` (or under ``device``, e.g. a fake
     mode), with the quantizer's module replacement applied. Returns ``(model, hf_quantizer, dtype)``.
 
-    A meta model holds no memory, so the one the inventory counted is kept and handed to the dry run
-    of the same model, quantization and attention (building it is most of an inventory's cost)."""
+    ``device_map`` is what ``from_pretrained`` hands the quantizer's ``preprocess_model`` (a custom map
+    changes which modules bitsandbytes converts); ``bnb_extra`` adds ``BitsAndBytesConfig`` arguments
+    (``llm_int8_enable_fp32_cpu_offload``).
+
+    A meta model holds no memory, so the plain one the inventory counted is kept and handed to the dry
+    run of the same model, quantization and attention (building it is most of an inventory's cost)."""
+    plain = device is None and device_map is None and not bnb_extra
     key = (source.config_hash, quant.key(), attn)
-    if device is None and key in _META_MODELS:
+    if plain and key in _META_MODELS:
         return _META_MODELS[key]
-    out = _build_meta_model(source, quant, attn, device)
-    if device is None:
+    out = _build_meta_model(source, quant, attn, device, device_map, bnb_extra)
+    if plain:
         while len(_META_MODELS) >= 4:
             _META_MODELS.pop(next(iter(_META_MODELS)))
         _META_MODELS[key] = out
     return out
 
 
-def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, device):
+def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, device, device_map, bnb_extra):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -262,7 +270,7 @@ def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, d
         from transformers import BitsAndBytesConfig
         from transformers.quantizers.auto import AutoHfQuantizer
 
-        kwargs = quant.bnb_config_kwargs()
+        kwargs = {**quant.bnb_config_kwargs(), **(bnb_extra or {})}
         if "bnb_4bit_compute_dtype" in kwargs:
             kwargs["bnb_4bit_compute_dtype"] = dtype
         hf_quantizer = AutoHfQuantizer.from_config(BitsAndBytesConfig(**kwargs), pre_quantized=quant.pre_quantized)
@@ -274,9 +282,17 @@ def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, d
     except ValueError as exc:
         raise _UnknownArchitecture(str(exc).splitlines()[0]) from None
     if hf_quantizer is not None:
-        with torch.device("meta"):
-            hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, checkpoint_files=None,
-                                          use_kernels=False)
+        # from_pretrained runs the module replacement inside ``local_torch_dtype``: the new Linear layers
+        # create their bias in the load dtype, not float32 (device maps size them so)
+        before = torch.get_default_dtype()
+        try:
+            if dtype.is_floating_point:
+                torch.set_default_dtype(dtype)
+            with torch.device("meta"):
+                hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map=device_map, checkpoint_files=None,
+                                              use_kernels=False)
+        finally:
+            torch.set_default_dtype(before)
     return model, hf_quantizer, dtype
 
 
@@ -293,9 +309,21 @@ def _group(name: str, module, param, output_embeddings, input_embeddings) -> str
 
 
 def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
+    model, hf_quantizer, dtype = build_meta_model(source, quant)
+    return count_meta_model(source, quant, model, hf_quantizer, dtype)
+
+
+def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer, dtype,
+                     per_tensor: list[tuple[str, int]] | None = None) -> Inventory:
+    """The inventory of a model :func:`build_meta_model` made. With ``per_tensor``, every counted tensor is
+    also appended to it as ``(name, bytes)`` (quantization state under its weight's name plus a suffix),
+    so placement can sum the same bytes per device."""
     import torch
 
-    model, hf_quantizer, dtype = build_meta_model(source, quant)
+    def note(name: str, b: int) -> None:
+        if per_tensor is not None:
+            per_tensor.append((name, b))
+
     bnb = None
     if quant.method in ("bnb4", "bnb8"):
         bnb = import_bitsandbytes()
@@ -333,6 +361,7 @@ def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
                 # keep-in-fp32 plan says otherwise (bitsandbytes modules create their bias in float32)
                 target = _planned_dtype(full, dtype_plan) or (dtype if p.is_floating_point() else p.dtype)
                 b = p.numel() * target.itemsize
+                note(full, b)
                 sizes[b] += 1
                 groups[_group(full, module, p, out_emb, in_emb)] += b
                 if quant.method in ("bnb4", "bnb8") and pname == "weight" and (
@@ -342,6 +371,7 @@ def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
             quantized_params += n
             largest_source = max(largest_source, n * torch.tensor([], dtype=dtype).element_size())
             for suffix, b in parts:
+                note(full if suffix in ("weight", "qweight") else f"{full}.{suffix}", b)
                 sizes[b] += 1
                 groups["quantized" if suffix in ("weight", "qweight") else "quant_state"] += b
         for bname, buf in module.named_buffers(recurse=False):
@@ -349,17 +379,21 @@ def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
                 continue
             seen.add(id(buf))
             b = buf.numel() * buf.element_size()
+            note(f"{mod_name}.{bname}" if mod_name else bname, b)
             sizes[b] += 1
             groups["buffers"] += b
     for name in untied:  # the checkpoint stores both tied tensors: from_pretrained keeps them apart
         p = model.get_parameter(name)
         b = p.numel() * dtype.itemsize
+        note(name, b)
         sizes[b] += 1
         groups["lm_head"] += b
         params += p.numel()
     if not largest_source:
         largest_source = max((k for k in sizes), default=0)
-    warmup = _warmup_bytes(model, hf_quantizer)
+    # transformers pre-reserves the checkpoint's bytes on the device before loading; for a format whose
+    # quantizer is not installed the meta model holds 16-bit Linear layers, so their size is not it
+    warmup = _warmup_bytes(model, hf_quantizer) if quant.method in ("none", "bnb4", "bnb8") else None
     tc = text_config(source.config)
     notes = _defaults_used(tc, model.config)
     if untied:

@@ -1,8 +1,17 @@
-"""The child process of a probe: load the model through ``from_pretrained``, generate 16 tokens,
-and stream stage markers to the parent as they happen, one JSON object per line on a pipe.
+"""The child process of a probe: load the model through ``from_pretrained``, generate the asked
+number of new tokens (16 by default), and stream stage markers to the parent as they happen, one JSON
+object per line on a pipe.
 
 Run as ``python -m vramcal.probes.child SPEC_JSON FD``. The parent samples memory from outside, so if
 this process dies (CUDA OOM, a CUDA error, SIGKILL) the timeline and the last stage survive.
+``python -m vramcal.probes.child write-synthetic CONFIG_JSON OUT_DIR PARENT_PID TEMP_DIR`` writes a
+``--synthetic`` checkpoint (:mod:`vramcal.probes.synthetic`) under the same lifeline.
+
+The lifeline (:func:`die_with_parent`): both kinds of process end when the parent does. The parent
+starts them in their own session (a Ctrl-C at the terminal reaches the parent only, which decides),
+and kills their process group on every way out; if the parent itself is killed (SIGKILL, where it
+cannot clean up), Linux sends this process SIGTERM (``PR_SET_PDEATHSIG``), and it removes the parent's
+temporary folder (the synthetic checkpoint) before it exits.
 """
 
 from __future__ import annotations
@@ -10,7 +19,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
 
 _OOM_SIZE = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
@@ -25,6 +36,54 @@ class Emitter:
         fields.update(event=event, t=time.monotonic())
         self.out.write(json.dumps(fields) + "\n")
         self.out.flush()
+
+
+TEMP_PREFIX = "vramcal-probe-"  # the parent's temporary folders: vramcal-probe-PID-START-random
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def remove_temp_folder(path: str | None) -> None:
+    """Remove a probe's temporary folder; refuses anything not named like one."""
+    import shutil
+
+    if path and os.path.basename(os.path.normpath(path)).startswith(TEMP_PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def die_with_parent(parent_pid: int, temp_dir: str | None) -> None:
+    """End this process, after removing ``temp_dir``, on SIGTERM, and ask Linux for a SIGTERM when
+    the parent dies. SIGTERM is taken by a thread in ``sigwait`` rather than a Python handler, so it is
+    served even while the main thread is inside a long C call (loading, a CUDA synchronize).
+
+    Linux sends the parent-death signal when the *thread* that started this process ends; the probe
+    keeps that thread waiting until this process is gone, so in practice that is the parent's end."""
+    code = 128 + signal.SIGTERM
+
+    def leave() -> None:
+        remove_temp_folder(temp_dir)
+        os._exit(code)
+
+    if hasattr(signal, "pthread_sigmask") and hasattr(signal, "sigwait"):
+        # blocked here, before any other thread exists: every thread torch starts inherits the mask (so
+        # would a program it ran; the parent's SIGKILL to the group reaches those all the same)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+        def watch() -> None:
+            signal.sigwait({signal.SIGTERM})
+            leave()
+
+        threading.Thread(target=watch, name="vramcal-lifeline", daemon=True).start()
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: leave())
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl in this libc: the parent's sweep still removes the folder
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the request above took effect
+        leave()
 
 
 def _rss() -> int | None:
@@ -93,8 +152,8 @@ def _preimport(spec: dict) -> None:
     config = AutoConfig.from_pretrained(spec["model_dir"])
     try:
         _get_model_class(config, AutoModelForCausalLM._model_mapping)
-    except Exception:
-        pass
+    except (KeyError, ValueError):
+        pass  # a config class the auto mapping does not know: from_pretrained says so in its own words
     if spec.get("bnb"):
         import bitsandbytes  # noqa: F401
     import gc
@@ -201,7 +260,7 @@ def run(spec: dict, emit: Emitter) -> int:
                                  pad_token_id=0, return_dict_in_generate=True)
         if cuda:
             torch.cuda.synchronize(device)
-        emit("stage", name="end", generated=int(out.sequences.shape[1] - prompt),
+        emit("stage", name="end", prompt_tokens=prompt, generated=int(out.sequences.shape[1] - prompt),
              kv_bytes=cache_bytes(getattr(out, "past_key_values", None)), **torch_stats())
         emit("done")
         return 0
@@ -218,7 +277,15 @@ def run(spec: dict, emit: Emitter) -> int:
 
 
 def main(argv: list[str]) -> int:
+    if argv[0] == "write-synthetic":
+        config_path, out_dir, parent_pid, temp_dir = argv[1:5]
+        die_with_parent(int(parent_pid), temp_dir)
+        from .synthetic import main as write
+
+        return write([config_path, out_dir])
     spec = json.loads(argv[0])
+    if spec.get("parent_pid") is not None:
+        die_with_parent(int(spec["parent_pid"]), spec.get("temp_dir"))
     emit = Emitter(int(argv[1]))
     emit("hello", pid=os.getpid())
     return run(spec, emit)

@@ -1,0 +1,540 @@
+"""Placement: which module goes to which device when a model is split across GPUs, CPU and disk, and
+what each device then holds at every stage (docs/placement.md).
+
+The module -> device map is the installed transformers' own: :func:`plan_placement` builds the same meta
+model the inventory builds (:func:`~vramcal.estimator.inventory.build_meta_model`) and hands it to
+``transformers.integrations.accelerate._get_device_map`` -- the very function ``from_pretrained`` calls
+with ``device_map="auto"|"balanced"|"balanced_low_0"|"sequential"`` and ``max_memory`` -- so balancing,
+the quantizer's ``adjust_max_memory`` (bitsandbytes keeps 10 % back), no-split module classes, tied
+parameters and the quantizer's 0.5 / 1 byte per quantized element are this version's.
+
+Why this runs for GPUs the machine does not have: with an explicit ``max_memory``, accelerate's
+``get_max_memory`` keeps the integer (GPU) keys it was given and only logs "Device N is not available";
+transformers' ``get_max_memory`` adds the caching allocator's reserved-but-unused memory of each GPU,
+which is 0 before the process has allocated anything (and 0 where CUDA is absent). Nothing else in the
+computation asks the hardware. So the function is called as is, with the devices the user named; only
+the "not available" log line is silenced.
+
+Weights per device are the inventory's own tensor bytes
+(:func:`~vramcal.estimator.inventory.count_meta_model` with ``per_tensor``), each tensor sent to a
+device by transformers' ``expand_device_map``, the function the loader uses.
+
+Nothing here imports torch at import time; a plan is JSON and is cached on disk like the inventory.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+
+from ..errors import UserError
+from ..units import fmt_gib_gb, parse_size
+from .dryrun import round_alloc
+from .inventory import build_meta_model, load_cached, software_versions, store_cached
+from .quant import QuantSpec
+from .resolve import ModelSource
+from .runtime import RuntimeProfile, default_profile
+
+PLACEMENT_VERSION = 1
+DEVICE_MAP_CHOICES = ("auto", "balanced", "balanced_low_0", "sequential")
+OFFLOAD_FLAG = "llm_int8_enable_fp32_cpu_offload"
+REFUSAL_START = "Some modules are dispatched on the CPU or the disk"
+_DEVICE_RE = re.compile(r"^(?:cuda:(\d+)|(\d+)|(cpu)|(disk))$")
+
+
+# ----------------------------------------------------------------------------------------- devices
+
+def _fmt(n: int) -> str:
+    return fmt_gib_gb(n) if n >= 10 * 1024**2 else f"{n:,} bytes"
+
+
+def device_key(name: str) -> int | str:
+    """``cuda:0`` / ``0`` -> 0, ``cpu`` -> "cpu", ``disk`` -> "disk" (accelerate's keys); UserError otherwise."""
+    m = _DEVICE_RE.match(name.strip().lower())
+    if not m:
+        raise UserError(f"unknown device {name!r} in --max-memory: use cuda:N, cpu or disk")
+    gpu = m.group(1) or m.group(2)
+    return int(gpu) if gpu is not None else (m.group(3) or m.group(4))
+
+
+def device_name(key: int | str) -> str:
+    """accelerate's key -> the name vramcal prints and writes to JSON (``cuda:0``, ``cpu``, ``disk``)."""
+    if isinstance(key, int):
+        return f"cuda:{key}"
+    s = str(key)
+    return f"cuda:{s}" if s.isdigit() else s
+
+
+def _device_order(name: str) -> tuple[int, int]:
+    k = device_key(name)
+    return (0, k) if isinstance(k, int) else ((1, 0) if k == "cpu" else (2, 0))
+
+
+def parse_max_memory(text: str) -> dict[str, int]:
+    """``cuda:0=24GiB,cuda:1=24GiB,cpu=64GiB,disk=200GiB`` -> ``{"cuda:0": bytes, ...}``, GPUs first by
+    index, then cpu, then disk (accelerate's order). One-line UserError for anything else."""
+    if not isinstance(text, str) or not text.strip():
+        raise UserError("--max-memory is empty: write it like cuda:0=24GiB,cuda:1=24GiB,cpu=64GiB")
+    out: dict[str, int] = {}
+    for item in text.split(","):
+        name, sep, size = item.partition("=")
+        if not item.strip() or not sep or not name.strip() or not size.strip():
+            raise UserError(f"cannot read {item.strip()!r} in --max-memory: write DEVICE=SIZE, e.g. cuda:0=24GiB")
+        dev = device_name(device_key(name))
+        if dev in out:
+            raise UserError(f"--max-memory names {dev} twice: give each device once")
+        try:
+            out[dev] = parse_size(size)
+        except ValueError as exc:
+            raise UserError(f"--max-memory {dev}: {exc}") from None
+    return dict(sorted(out.items(), key=lambda kv: _device_order(kv[0])))
+
+
+def _normalise(max_memory: dict | str) -> dict[str, int]:
+    if isinstance(max_memory, str):
+        return parse_max_memory(max_memory)
+    out: dict[str, int] = {}
+    for k, v in max_memory.items():
+        dev = device_name(device_key(str(k)) if not isinstance(k, int) else k)
+        if dev in out:
+            raise UserError(f"max_memory names {dev} twice: give each device once")
+        if isinstance(v, str):
+            try:
+                v = parse_size(v)
+            except ValueError as exc:
+                raise UserError(f"max_memory {dev}: {exc}") from None
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise UserError(f"max_memory {dev}: {v!r} is not a byte count")
+        out[dev] = v
+    return dict(sorted(out.items(), key=lambda kv: _device_order(kv[0])))
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+@dataclass
+class Placement:
+    model: str
+    quant: str
+    strategy: str  # auto | balanced | balanced_low_0 | sequential
+    max_memory: dict[str, int]  # as asked
+    effective_max_memory: dict[str, int]  # what infer_auto_device_map was given: balanced, minus the quantizer's share
+    device_map: dict[str, str]  # module -> cuda:N | cpu | disk, as the installed transformers computes it
+    weights: dict[str, int]  # tensor bytes per device
+    alloc_sizes: dict[str, dict[int, int]]  # per device {tensor bytes: how many}, for allocator rounding
+    warmup: dict[str, int] | None  # caching_allocator_warmup's per-GPU block; None if not known
+    largest_source: dict[str, int]  # largest weight read in 16-bit before bnb quantizes it, per device
+    main_device: str  # where cpu / disk modules run (accelerate's main device)
+    layers: list[str]  # decoder layers; index = cache layer index
+    layer_devices: list[str]  # where each layer's weights are stored
+    layer_exec: list[str]  # where each layer runs (cpu / disk layers run on main_device)
+    embed_device: str  # execution device of the input embeddings
+    lm_head_device: str  # execution device of lm_head (the logits)
+    offloaded: dict[str, int]  # map entries on cpu / disk -> tensor bytes, copied to main_device while they run
+    offloaded_alloc: dict[str, int]  # the same, each tensor rounded as the caching allocator rounds it
+    pcie_bytes_per_token: int  # cpu-held weights copied host -> GPU at every forward (each generated token)
+    disk_bytes_per_token: int  # disk-held weights read and copied at every forward
+    refused: str | None  # the installed stack's refusal, if from_pretrained would not load this
+    load_kwargs: dict  # from_pretrained arguments that give this plan
+    alternative: Placement | None = None  # what loads instead of a refused plan
+    notes: list[str] = field(default_factory=list)
+    software: dict[str, str | None] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def devices(self) -> list[str]:
+        """Every device that holds weights or runs something, GPUs first."""
+        names = set(self.weights) | set(self.layer_exec) | {self.main_device, self.lm_head_device, self.embed_device}
+        return sorted(names, key=_device_order)
+
+    @property
+    def gpus(self) -> list[str]:
+        return [d for d in self.devices if d.startswith("cuda")]
+
+    def grouped(self) -> list[str]:
+        """The map as lines: ``embed_tokens, layers 0–17 → cuda:0``, one line per device."""
+        items: dict[str, list[str]] = {}
+        for name, dev in self.device_map.items():
+            items.setdefault(dev, []).append(name)
+        lines = []
+        for dev in sorted(items, key=_device_order):
+            lines.append(f"{_compress(items[dev], self.layers)} → {dev}")
+        return lines
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["alloc_sizes"] = {dev: {str(k): v for k, v in s.items()} for dev, s in self.alloc_sizes.items()}
+        if self.alternative is not None:
+            d["alternative"] = self.alternative.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Placement:
+        d = dict(d)
+        d["alloc_sizes"] = {dev: {int(k): v for k, v in s.items()} for dev, s in d["alloc_sizes"].items()}
+        if d.get("alternative") is not None:
+            d["alternative"] = cls.from_dict(d["alternative"])
+        return cls(**d)
+
+
+def _compress(names: list[str], layers: list[str]) -> str:
+    """``model.layers.0 … model.layers.17, model.norm`` -> ``layers 0–17, norm``."""
+    index = {n: i for i, n in enumerate(layers)}
+    parts: list[str] = []
+    run: list[int] = []
+
+    def flush():
+        if run:
+            parts.append(f"layer {run[0]}" if len(run) == 1 else f"layers {run[0]}–{run[-1]}")
+            run.clear()
+
+    for name in names:
+        i = index.get(name)
+        if i is not None and (not run or i == run[-1] + 1):
+            run.append(i)
+            continue
+        flush()
+        if i is not None:
+            run.append(i)
+            continue
+        parent = next((j for n, j in index.items() if name.startswith(n + ".")), None)
+        label = f"layer {parent} {name.split('.', len(layers[parent].split('.')))[-1]}" if parent is not None \
+            else _short(name)
+        parts.append(label)
+    flush()
+    return ", ".join(parts)
+
+
+def _short(name: str) -> str:
+    if name == "":
+        return "everything"
+    for prefix in ("model.language_model.", "model.", "transformer."):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def plan_placement(source: ModelSource, quant: QuantSpec, max_memory: dict | str, device_map: str = "auto", *,
+                   use_cache: bool = True) -> Placement:
+    """The placement ``from_pretrained(source, device_map=device_map, max_memory=max_memory,
+    quantization_config=quant)`` computes with the installed transformers, with per-device weights.
+
+    ``max_memory``: ``{"cuda:0": bytes, "cpu": bytes, "disk": bytes}`` (or the ``--max-memory`` text).
+    UserError: unknown strategy, a quantization placement cannot model, no GPU named, a budget in which
+    no decoder layer fits on any GPU, or modules that would spill to a disk the user did not name."""
+    if device_map not in DEVICE_MAP_CHOICES:
+        raise UserError(f"unknown --device-map {device_map!r}: choose one of {', '.join(DEVICE_MAP_CHOICES)}")
+    mm = _normalise(max_memory)
+    if not any(d.startswith("cuda") for d in mm):
+        raise UserError("--max-memory names no GPU: give at least one cuda:N=SIZE (the CPU path runs unplaced)")
+    if quant.method not in ("none", "bnb4", "bnb8"):
+        raise UserError(f"placement of {quant.implementation} checkpoints is not modelled: its quantizer library is "
+                        "not part of the installed stack; use bf16/fp16/fp32 or a bitsandbytes quant")
+    key = replace(quant, name=f"{quant.name}|placement|{device_map}|"
+                              + ",".join(f"{k}={v}" for k, v in mm.items()))
+    if use_cache:
+        cached = load_cached(source, key, kind="placement")
+        if cached is not None and cached.get("version") == PLACEMENT_VERSION:
+            return Placement.from_dict(cached["placement"])
+    plan = _compute(source, quant, mm, device_map)
+    if use_cache:
+        store_cached(source, key, {"version": PLACEMENT_VERSION, "placement": plan.to_dict()}, kind="placement")
+    return plan
+
+
+def _compute(source: ModelSource, quant: QuantSpec, mm: dict[str, int], strategy: str) -> Placement:
+    import logging
+
+    import transformers.integrations.accelerate as hf_acc
+
+    model, hf_quantizer, dtype = build_meta_model(source, quant)
+    accel_mm = {device_key(k): v for k, v in mm.items()}
+    seen: dict = {}
+    real_infer = hf_acc.infer_auto_device_map
+
+    def recording_infer(*args, **kwargs):  # records the budgets _get_device_map settled on, changes nothing
+        seen["max_memory"] = dict(kwargs.get("max_memory") or {})
+        seen["map"] = real_infer(*args, **kwargs)
+        return seen["map"]
+
+    quiet = logging.getLogger("accelerate.utils.modeling")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # "Device N is not available": the point of planning for absent GPUs
+    hf_acc.infer_auto_device_map = recording_infer
+    refused = None
+    try:
+        try:
+            hf_acc._get_device_map(model, strategy, dict(accel_mm), hf_quantizer)
+        except ValueError as exc:
+            if not str(exc).startswith(REFUSAL_START) or "map" not in seen:
+                raise UserError(f"transformers cannot place {source.name}: {str(exc).splitlines()[0]}") from None
+            refused = " ".join(str(exc).split(" Check ")[0].split())
+    finally:
+        hf_acc.infer_auto_device_map = real_infer
+        quiet.setLevel(level)
+    accel_map = dict(seen["map"])
+    edge_map = {name: device_name(dev) for name, dev in accel_map.items()}
+    _check_budget(source, mm, edge_map, model, hf_quantizer)
+
+    plan = _describe(source, quant, model, hf_quantizer, dtype, strategy, mm, seen["max_memory"], accel_map, edge_map)
+    plan.load_kwargs = {"device_map": strategy, "max_memory": dict(mm)}
+    if quant.method in ("bnb4", "bnb8"):
+        plan.load_kwargs["quantization_config"] = quant.bnb_config_kwargs()
+    if refused is not None:
+        plan.refused = refused
+        plan.alternative = _alternative(source, quant, strategy, mm, seen["max_memory"], accel_map, edge_map)
+    return plan
+
+
+def _check_budget(source: ModelSource, mm: dict[str, int], edge_map: dict[str, str], model, hf_quantizer) -> None:
+    layers = decoder_layers(model)
+    values = set(edge_map.values())
+    gpu_layers = [n for n in layers if _entry_device(n, edge_map).startswith("cuda")]
+    if layers and not gpu_layers:
+        from transformers.integrations.accelerate import compute_module_sizes
+
+        sizes, _ = compute_module_sizes(model, hf_quantizer)
+        one = int(max(sizes.get(n, 0) for n in layers))
+        raise UserError(f"{source.name}: no decoder layer fits on {', '.join(d for d in mm if d.startswith('cuda'))} "
+                        f"({', '.join(f'{d}={_fmt(v)}' for d, v in mm.items() if d.startswith('cuda'))}); "
+                        f"one layer counts {_fmt(one)} to transformers, and accelerate keeps room for the largest "
+                        "layer free on the first GPU" + (", after bitsandbytes keeps 10 % back" if hf_quantizer else "")
+                        + ": give the GPUs more memory")
+    if "disk" in values and "disk" not in mm:
+        spilled = [n for n, d in edge_map.items() if d == "disk"]
+        raise UserError(f"{source.name}: {len(spilled)} module(s) ({_compress(spilled, layers)}) fit in none of "
+                        f"{', '.join(mm)}: raise cpu=, or add disk=SIZE to offload them to disk")
+
+
+def _entry_device(name: str, edge_map: dict[str, str]) -> str:
+    """Device of module ``name``: the map entry that is it or its closest parent."""
+    probe = name
+    while True:
+        if probe in edge_map:
+            return edge_map[probe]
+        if not probe:
+            return "cpu"
+        probe = probe.rsplit(".", 1)[0] if "." in probe else ""
+
+
+def decoder_layers(model) -> list[str]:
+    """Names of the decoder layers, in order: the ModuleList of no-split blocks with the most entries."""
+    import torch
+
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    best: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > len(best):
+            kids = list(module)
+            if not no_split or any(type(k).__name__ in no_split for k in kids):
+                best = [f"{name}.{i}" for i in range(len(kids))]
+    return best
+
+
+def _describe(source, quant, model, hf_quantizer, dtype, strategy, mm, effective, accel_map, edge_map) -> Placement:
+    from transformers.integrations.accelerate import expand_device_map
+
+    from .inventory import count_meta_model
+
+    per_tensor: list[tuple[str, int]] = []
+    inv = count_meta_model(source, quant, model, hf_quantizer, dtype, per_tensor=per_tensor)
+    names = [n for n, _ in per_tensor]
+    where = expand_device_map(edge_map, names)  # the loader's own rule: tensor -> device
+    entry = expand_device_map({k: k for k in edge_map}, names)  # and the map entry it belongs to
+    gpus = [k for k in dict.fromkeys(accel_map.values()) if k not in ("cpu", "disk")]
+    # accelerate's dispatch_model: main_device = list(set(map values) - {"cpu", "disk"})[0]
+    main = device_name(list(set(accel_map.values()) - {"cpu", "disk"})[0]) if gpus else "cpu"
+    # dispatch_model(offload_buffers=False), as transformers calls it: an offloaded module's buffers are
+    # moved to its execution device for good; only parameters stay on cpu / disk
+    buffers = {n for n, _ in model.named_buffers()} if len(set(accel_map.values())) > 1 else set()
+    weights: Counter[str] = Counter()
+    sizes: dict[str, Counter[int]] = {}
+    block: Counter[str] = Counter()
+    block_alloc: Counter[str] = Counter()
+    for name, b in per_tensor:
+        dev = str(where[name])
+        if dev in ("cpu", "disk") and name in buffers:
+            dev = main
+        weights[dev] += b
+        sizes.setdefault(dev, Counter())[b] += 1
+        if dev in ("cpu", "disk"):
+            block[entry[name]] += b
+            block_alloc[entry[name]] += round_alloc(b)
+
+    def exec_dev(dev: str) -> str:
+        return main if dev in ("cpu", "disk") else dev
+
+    layers = decoder_layers(model)
+    layer_devices = [_layer_device(n, names, where) for n in layers]
+    module_name = {id(m): n for n, m in model.named_modules()}
+    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+    lm_head = module_name.get(id(out_emb), "lm_head") if out_emb is not None else ""
+    embed = module_name.get(id(in_emb), "") if in_emb is not None else ""
+
+    notes = list(inv.notes)
+    for dev, b in weights.items():
+        if dev in mm and dev.startswith("cuda") and b > mm[dev]:
+            notes.append(f"{dev} holds {fmt_gib_gb(b)} of weights, more than its max_memory {fmt_gib_gb(mm[dev])}: "
+                         "transformers sizes quantized weights at 0.5 / 1 byte per element and leaves out their "
+                         "quantization state")
+    if block:
+        notes.append(f"{len(block)} module(s) offloaded: accelerate copies each to {main} while it runs and drops "
+                     "the copy after, at every forward pass")
+    return Placement(
+        model=source.name, quant=quant.name, strategy=strategy, max_memory=dict(mm),
+        effective_max_memory={device_name(k): int(v) for k, v in effective.items()},
+        device_map=edge_map, weights=dict(weights), alloc_sizes={d: dict(s) for d, s in sizes.items()},
+        warmup=_warmup(model, hf_quantizer, edge_map),
+        largest_source=_largest_source(model, quant, dtype, edge_map),
+        main_device=main, layers=layers, layer_devices=layer_devices,
+        layer_exec=[exec_dev(d) for d in layer_devices],
+        embed_device=exec_dev(_entry_device(embed, edge_map)), lm_head_device=exec_dev(_entry_device(lm_head, edge_map)),
+        offloaded=dict(block), offloaded_alloc=dict(block_alloc),
+        pcie_bytes_per_token=sum(b for e, b in block.items() if edge_map[e] == "cpu"),
+        disk_bytes_per_token=sum(b for e, b in block.items() if edge_map[e] == "disk"),
+        refused=None, load_kwargs={}, notes=notes, software=software_versions())
+
+
+def _layer_device(layer: str, names: list[str], where: dict) -> str:
+    """Where a layer's weights are; for a layer split across devices, where its attention's key
+    projection is (the cache is written on the device that computes the keys)."""
+    own = [n for n in names if n.startswith(layer + ".")]
+    devs = {str(where[n]) for n in own}
+    if len(devs) == 1:
+        return devs.pop()
+    for n in own:
+        if re.search(r"\.(k_proj|kv_a_proj\w*|qkv_proj|key)\.", n + "."):
+            return str(where[n])
+    return str(where[own[0]]) if own else "cpu"
+
+
+def _warmup(model, hf_quantizer, edge_map) -> dict[str, int] | None:
+    """``caching_allocator_warmup``'s block per GPU: ``get_total_byte_count`` over the expanded map."""
+    try:
+        import torch
+        from transformers.integrations.accelerate import expand_device_map
+        from transformers.modeling_utils import get_total_byte_count
+
+        expanded = expand_device_map(edge_map, list(model.state_dict().keys()))
+        accel = {n: torch.device(d) for n, d in expanded.items() if str(d).startswith("cuda")}
+        return {str(dev): int(b) for dev, b in get_total_byte_count(model, accel, hf_quantizer).items()}
+    except Exception:  # private API of transformers: its absence only loses this figure
+        return None
+
+
+def _largest_source(model, quant: QuantSpec, dtype, edge_map) -> dict[str, int]:
+    """The largest weight bitsandbytes reads in 16-bit before quantizing it, per device (0 without bnb)."""
+    out: dict[str, int] = {}
+    if quant.method not in ("bnb4", "bnb8") or quant.pre_quantized:
+        return out
+    from .inventory import import_bitsandbytes
+
+    bnb = import_bitsandbytes()
+    for name, module in model.named_modules():
+        if isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
+            dev = _entry_device(name, edge_map)
+            out[dev] = max(out.get(dev, 0), module.in_features * module.out_features * dtype.itemsize)
+    return out
+
+
+def _alternative(source, quant, strategy, mm, effective, accel_map, edge_map) -> Placement:
+    """What loads instead: the same map passed as a custom ``device_map`` with
+    ``llm_int8_enable_fp32_cpu_offload=True``. bitsandbytes then leaves every module on cpu / disk
+    unconverted (the quantizer adds the map's cpu / disk entries to ``modules_to_not_convert``), so
+    they hold the load dtype -- not float32 unless the load dtype is float32."""
+    model, hf_quantizer, dtype = build_meta_model(source, quant, device_map=dict(accel_map),
+                                                       bnb_extra={OFFLOAD_FLAG: True})
+    hf_quantizer.validate_environment(device_map=dict(accel_map))  # as get_hf_quantizer does: must pass now
+    plan = _describe(source, quant, model, hf_quantizer, dtype, strategy, mm, effective, accel_map, edge_map)
+    plan.strategy = "custom"
+    plan.load_kwargs = {"device_map": dict(edge_map),
+                        "quantization_config": {**quant.bnb_config_kwargs(), OFFLOAD_FLAG: True}}
+    plan.notes.append(f"modules on cpu / disk stay unquantized in {str(dtype).removeprefix('torch.')} "
+                      f"({OFFLOAD_FLAG} keeps them out of bitsandbytes' conversion)")
+    cpu = plan.weights.get("cpu", 0)
+    if "cpu" in mm and cpu > mm["cpu"]:
+        plan.notes.append(f"cpu holds {fmt_gib_gb(cpu)} unquantized, more than cpu={fmt_gib_gb(mm['cpu'])}")
+    return plan
+
+
+# ----------------------------------------------------------------------------------- device stages
+
+@dataclass
+class DeviceStages:
+    device: str
+    stages: dict[str, int]  # load_peak, post_load, first_token, end (memory in use, as the probe sees it)
+    allocated: dict[str, int]  # live tensor bytes at the same moments
+    components: dict[str, int]  # weights, kv_cache, activations, offload_transient, runtime
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def kv_by_device(plan: Placement, per_layer: list[int]) -> dict[str, int]:
+    """Cache bytes per device: layer i's cache lives where layer i runs. A cache whose layer count differs
+    from the decoder's is put on the device of lm_head's input (stated in the docs)."""
+    out: dict[str, int] = {}
+    if len(per_layer) != len(plan.layer_exec):
+        out[plan.lm_head_device] = sum(per_layer)
+        return out
+    for dev, b in zip(plan.layer_exec, per_layer):
+        out[dev] = out.get(dev, 0) + b
+    return out
+
+
+def device_stages(plan: Placement, *, kv_prompt: list[int], kv_end: list[int], prefill_extra: int,
+                  decode_extra: int, on_the_fly: bool, runtime=default_profile) -> dict[str, DeviceStages]:
+    """Per-device stages of a placement, by the rules of docs/accounting.md applied per device.
+
+    Inputs the Estimator already has: ``kv_prompt`` / ``kv_end`` are each cache layer's bytes after the
+    prefill and at the end (``KVLayer`` list index = decoder layer index); ``prefill_extra`` /
+    ``decode_extra`` the dry run's activation peaks above weights and cache; ``on_the_fly`` whether
+    bitsandbytes quantizes while loading (``quant.method in ("bnb4", "bnb8") and not pre_quantized``);
+    ``runtime(device) -> RuntimeProfile`` (context, workspace, segment rounding) per device.
+
+    On a GPU: weights stored there; the cache of the layers that run there; the activation peak where a
+    decoder layer or lm_head runs (the dry run's peak is reached inside one layer, so each such GPU can
+    see it); on ``main_device`` the largest offloaded block while it runs; context and workspace on every
+    GPU touched. On the CPU: the offloaded weights (accelerate keeps them resident and copies them).
+    On disk: the offloaded weights' bytes, all stages."""
+    out: dict[str, DeviceStages] = {}
+    kvp = kv_by_device(plan, kv_prompt)
+    kve = kv_by_device(plan, kv_end)
+    transient = max(plan.offloaded_alloc.values(), default=0)
+    runs = set(plan.layer_exec) | {plan.lm_head_device}
+    for dev in plan.devices:
+        sizes = plan.alloc_sizes.get(dev, {})
+        w_alloc = sum(round_alloc(s) * n for s, n in sizes.items())
+        w = plan.weights.get(dev, 0)
+        if dev in ("cpu", "disk"):
+            allocated = dict.fromkeys(("load_peak", "post_load", "first_token", "end"), w)
+            out[dev] = DeviceStages(dev, dict(allocated), allocated,
+                                    {"weights": w, "kv_cache": 0, "activations": 0, "offload_transient": 0,
+                                     "runtime": 0})
+            continue
+        rt: RuntimeProfile = runtime(dev)
+        src = plan.largest_source.get(dev, 0) if on_the_fly else 0
+        warm = (plan.warmup or {}).get(dev, 0) if rt.device_kind == "cuda" else 0
+        busy = dev in runs
+        ws = rt.workspace_bytes if busy else 0
+        act_p = prefill_extra if busy else 0
+        act_d = decode_extra if busy else 0
+        tr = transient if dev == plan.main_device else 0
+        load_alloc = w_alloc + src
+        allocated = {"load_peak": load_alloc, "post_load": w_alloc,
+                     "first_token": w_alloc + ws + kvp.get(dev, 0) + act_p + tr,
+                     "end": w_alloc + ws + kve.get(dev, 0) + act_d + tr}
+        if rt.keeps_freed:
+            load_res = rt.reserve(max(load_alloc, warm))
+            stages = {"load_peak": rt.context_bytes + load_res, "post_load": rt.context_bytes + load_res}
+            stages["first_token"] = rt.context_bytes + max(load_res, rt.reserve(allocated["first_token"]))
+            stages["end"] = max(stages["first_token"], rt.context_bytes + rt.reserve(allocated["end"]))
+        else:
+            stages = {k: rt.context_bytes + v for k, v in allocated.items()}
+        peak = max(stages.values())
+        act = max(act_p, act_d)
+        kv = kve.get(dev, 0)
+        out[dev] = DeviceStages(dev, stages, allocated,
+                                {"weights": w, "kv_cache": kv, "activations": act, "offload_transient": tr,
+                                 "runtime": peak - w - kv - act - tr})
+    return out
