@@ -295,3 +295,17 @@ def test_pg_foreign_schema_is_refused_untouched(pg_url):
 def test_pg_empty_database_read_only_says_so(pg_url):
     with pytest.raises(UserError, match="no vramcal records"):
         Store(pg_url, create=False, readonly=True)
+
+
+def test_a_reading_command_upgrades_an_older_file_first(tmp_path):
+    p = tmp_path / "old.db"
+    _schema_v2(p)
+    _sql(p, "INSERT INTO machines (fingerprint, kind, created_at) VALUES ('{}', 'cpu', 0)",
+         "INSERT INTO runs (machine_id, created_at, model, quant, ctx, batch, device, command) "
+         "VALUES (1, 0, 'old-model', 'nf4', 512, 1, 'cpu', 'c')")
+    r = subprocess.run([sys.executable, "-m", "vramcal", "records", "list", "--db", str(p), "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert [run["model"] for run in json.loads(r.stdout)] == ["old-model"]
+    with Store(p, create=False, readonly=True) as s:
+        assert s.query("PRAGMA user_version")[0]["user_version"] == SCHEMA_VERSION
