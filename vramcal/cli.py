@@ -283,28 +283,99 @@ def cmd_fit(args) -> int:
     return 0
 
 
+RECORDS_ACTIONS = ("list", "show", "export", "summary", "push", "pull", "import", "init-fleet")
+RUN_STATUSES = ("ok", "oom", "crashed", "error", "killed", "interrupted")
+
+
 def cmd_records(args) -> int:
     from . import present
+
+    action = args.action
+    if action != "export" and (args.out or args.format != "csv"):
+        raise UserError("--out and --format belong to `vramcal records export`")
+    filters = {"model": args.model, "quant": args.quant, "gpu": args.gpu, "status": args.status, "host": args.host}
+    if action != "list" and (args.all_machines or any(v is not None for v in filters.values())):
+        raise UserError("--all-machines, --model, --quant, --gpu, --status and --host filter `vramcal records list`")
+    if action not in ("push", "pull") and (args.to or args.source):
+        raise UserError("--to belongs to `vramcal records push`, --from to `vramcal records pull`")
+    if action not in ("show", "import") and args.target:
+        raise UserError(f"`vramcal records {action}` takes no positional argument ({args.target[0]!r})")
+    if action in ("push", "pull", "import", "init-fleet"):
+        return _records_copy(args, present)
+
     from .records.export import export
     from .records.store import Store
 
-    if args.action != "export" and (args.out or args.format != "csv"):
-        raise UserError("--out and --format belong to `vramcal records export`")
     with Store(args.db, create=False, readonly=True) as store:
-        if args.action == "list":
-            runs = store.runs()
-            _out(json.dumps(runs, default=str) if args.json else present.runs_table(runs))
-        elif args.action == "show":
-            if args.id is None:
-                raise UserError("records show needs a run id: `vramcal records show 3`")
-            run = store.run(args.id)
+        if action == "list":
+            if store.kind == "postgresql" and not args.all_machines and args.host is None:
+                import socket
+
+                filters["host"] = socket.gethostname()  # a fleet store: this host's runs unless asked
+            runs = store.runs(**filters)
+            many = args.all_machines or store.kind == "postgresql"
+            _out(json.dumps(runs, default=str) if args.json else
+                 present.fleet_runs_table(runs) if many else present.runs_table(runs))
+        elif action == "show":
+            if len(args.target) != 1 or not args.target[0].isdigit():
+                raise UserError("records show needs one run id: `vramcal records show 3`")
+            run = store.run(int(args.target[0]))
             if run is None:
-                raise UserError(f"no run {args.id}: `vramcal records list` shows the runs")
+                raise UserError(f"no run {args.target[0]}: `vramcal records list` shows the runs")
             _out(json.dumps(run, default=str, indent=1))
+        elif action == "summary":
+            from .calibrate.fleet import class_summary
+
+            rows = class_summary(store)
+            _out(json.dumps([r.to_dict() for r in rows]) if args.json else present.class_summary_table(rows))
         else:
             text = export(store, args.format, args.out)
             if text is not None:
                 _out(text.rstrip("\n"))
+    return 0
+
+
+def _records_copy(args, present) -> int:
+    """push, pull, import, init-fleet: the commands that write into a (possibly shared) store."""
+    from .records.engines import redact
+
+    if args.action == "push":
+        from .records.sync import push
+
+        if not args.to:
+            raise UserError("records push needs --to: `vramcal records push --to postgresql://USER@HOST/DB`")
+        report = push(args.db, args.to)
+    elif args.action == "pull":
+        from .records.sync import pull
+
+        if not args.source:
+            raise UserError("records pull needs --from: `vramcal records pull --from postgresql://USER@HOST/DB`")
+        report = pull(args.source, args.db)
+    elif args.action == "import":
+        from .records.store import Store
+        from .records.unrecorded import record_saved
+
+        if not args.target:
+            raise UserError("records import needs the saved run files: `vramcal records import run-*.json`")
+        done = []
+        with Store(args.db) as store:
+            for path in args.target:
+                done.append({"file": path, "run_id": record_saved(store, path)})
+                os.unlink(path)
+        _out(json.dumps(done) if args.json else "\n".join(f"recorded {d['file']} as run {d['run_id']} in "
+                                                          f"{redact(str(store.display))} (file removed)"
+                                                          for d in done))
+        return 0
+    else:  # init-fleet
+        from .records.engines import is_url
+        from .records.fleet import init_fleet
+
+        if not args.db or not is_url(args.db):
+            raise UserError("records init-fleet needs --db postgresql://ADMIN@HOST/DATABASE (an administrator)")
+        made = init_fleet(args.db, writer_password=os.environ.get("VRAMCAL_WRITER_PASSWORD"))
+        _out(json.dumps(made.to_dict()) if args.json else present.fleet_init_lines(made))
+        return 0
+    _out(json.dumps(report.to_dict()) if args.json else present.copy_report_line(report))
     return 0
 
 
@@ -362,11 +433,32 @@ def _add_calibration(sub) -> None:
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_fit)
 
-    r = sub.add_parser("records", help="list, show or export the recorded runs")
-    r.add_argument("action", choices=("list", "show", "export"))
-    r.add_argument("id", nargs="?", type=int)
+    r = sub.add_parser("records", help="list, show, export, summarise or copy the recorded runs",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="The records database: --db PATH (SQLite), or --db postgresql://USER@HOST/DB "
+                                   "for a fleet's shared store (TLS settings go in the URL, e.g. ?sslmode=verify-full)."
+                                   "\n\n"
+                                   "  list        runs (a fleet store: this host's unless --all-machines); filters\n"
+                                   "  show ID     one run with its stages\n"
+                                   "  export      one table of runs and stages (--format, --out)\n"
+                                   "  summary     per machine class: hosts, runs, OOMs, correction and band per stage\n"
+                                   "  push        copy these records --to another store, without duplicates\n"
+                                   "  pull        copy the records of another store (--from) into --db\n"
+                                   "  import F..  record runs saved while the database could not be written\n"
+                                   "  init-fleet  create the schema, an owner and a writer role (--db as an admin;\n"
+                                   "              the writer's password from $VRAMCAL_WRITER_PASSWORD)")
+    r.add_argument("action", choices=RECORDS_ACTIONS)
+    r.add_argument("target", nargs="*", help="a run id (show), saved run files (import)")
     r.add_argument("--format", default="csv", help="csv | json | parquet (export)")
     r.add_argument("--out", help="file to write (export); never the records database itself")
+    r.add_argument("--to", help="the store to copy into (push): a postgresql:// URL or a path")
+    r.add_argument("--from", dest="source", help="the store to copy from (pull): a postgresql:// URL or a path")
+    r.add_argument("--all-machines", action="store_true", help="list the runs of every machine (list)")
+    r.add_argument("--model", help="only this model (list)")
+    r.add_argument("--quant", help="only this quantization (list)")
+    r.add_argument("--gpu", help="only GPUs whose name contains this, e.g. H100 (list)")
+    r.add_argument("--status", choices=RUN_STATUSES, help="only runs that ended so (list)")
+    r.add_argument("--host", help="only this host's runs (list)")
     r.add_argument("--db")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=cmd_records)

@@ -166,6 +166,51 @@ def runs_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def fleet_runs_table(runs: list[dict]) -> str:
+    lines = [f"{'id':>6} {'host':<14} {'gpu':<24} {'model':<28} {'quant':<8} {'ctx':>7} {'batch':>5} status"]
+    for r in runs:
+        gpu = r.get("gpu_name") or r["device"]
+        lines.append(f"{r['id']:>6} {str(r.get('hostname'))[:14]:<14} {str(gpu)[:24]:<24} {str(r['model'])[-28:]:<28} "
+                     f"{r['quant']:<8} {r['ctx']:>7} {r['batch']:>5} {r['status'] or 'interrupted'}")
+    return "\n".join(lines)
+
+
+def class_summary_table(rows) -> str:
+    """Per machine class: hosts and runs, then the class's correction per stage with its p95 band."""
+    if not rows:
+        return "no runs recorded"
+    out = []
+    for r in rows:
+        out.append(f"{r.label}")
+        out.append(f"  hosts {len(r.hosts)} ({', '.join(r.hosts)}); runs {r.runs}: {r.ok} ok, {r.ooms} OOM, "
+                   f"{r.failed} failed, {r.interrupted} interrupted")
+        if not r.corrections:
+            out.append("  no finished run to correct from")
+        for stage, c in r.corrections.items():
+            out.append(f"  {stage:<12} {c['intercept_bytes'] / 1024**3:+8.3f} GiB {c['slope_bytes_per_token']:+10.1f} "
+                       f"B/token   p95 band {c['residual_p95_bytes'] / 1024**3:.3f} GiB "
+                       f"(host spread {c['host_spread_bytes'] / 1024**3:.3f} GiB)   {c['n_runs']} runs")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def copy_report_line(r) -> str:
+    if r.nothing_new:
+        return f"{r.destination} already had all {r.runs_in_source} runs of {r.source}: nothing copied"
+    return (f"copied {r.source} -> {r.destination}: {r.runs_added} runs, {r.outcomes_added} outcomes, "
+            f"{r.machines_added} machines, {r.memos_added} memos, {r.corrections_added} corrections "
+            f"({r.runs_in_source} runs in the source)")
+
+
+def fleet_init_lines(f) -> str:
+    return "\n".join([
+        f"{f.database}: schema {f.schema_version} in schema 'vramcal', owned by {f.owner}",
+        f"roles created: {', '.join(f.roles_created) or 'none (they existed)'}; {f.writer} may insert and read, "
+        "not update or delete",
+        f"hosts record with: --db {f.writer_url} (password in ~/.pgpass or PGPASSWORD, not in the URL)",
+    ])
+
+
 def recheck_line(out: dict) -> str:
     return (f"run {out['memo_run']} rechecked as run {out['recheck_run']}: "
             + ("CONSISTENT" if out["consistent"] else "CHANGED")

@@ -133,6 +133,6 @@ def check(model: str, quant: str = "auto", ctx: int | None = None, batch: int = 
             out.memo_id = store.add_memo(run_id, memo_for(store.run(run_id)))
         else:
             out.proposals = propose(source, "auto" if spec.pre_quantized else spec.name, work, total - buffer,
-                                    lambda q: lookup(store, machine_id, stack, q, source.config_hash), prefer, dev,
+                                    lambda q: lookup(store, fp, q, source.config_hash), prefer, dev,
                                     attn=attn, synthetic=synthetic, requantize=not spec.pre_quantized)
     return out

@@ -18,7 +18,7 @@ def fit_contexts(model: str, budget: int, *, device: str, db: str | None, buffer
     """The largest ctx (prompt + ``new_tokens``) per quant and batch whose corrected estimate, at the p95
     of this machine's residuals, stays within ``budget - buffer``; searched up to the model's
     ``max_position_embeddings``."""
-    from ..probes.machine import machine_fingerprint, stack_key
+    from ..probes.machine import machine_fingerprint
 
     source = resolve_model(model)
     fp = machine_fingerprint(device)
@@ -26,8 +26,7 @@ def fit_contexts(model: str, budget: int, *, device: str, db: str | None, buffer
     store = existing_store(db)
     if store is not None:
         with store:
-            mid = store.find_machine(fp)
-            corr_by_quant = {q: lookup(store, mid, stack_key(fp), q, source.config_hash).stages for q in quants}
+            corr_by_quant = {q: lookup(store, fp, q, source.config_hash).stages for q in quants}
     usable = budget - buffer
     max_ctx = min(int(text_config(source.config).get("max_position_embeddings") or 131072), MAX_TOKENS)
     kind = "cpu" if device.startswith("cpu") else "cuda"

@@ -7,35 +7,42 @@ from ..files import atomic_write, check_writable
 from .store import Store
 
 FORMATS = ("csv", "json", "parquet")
+_COLUMNS = ("run_id", "run_uuid", "created_at", "machine_kind", "gpu_name", "device_total_bytes", "hostname", "torch",
+            "transformers", "bitsandbytes", "model", "config_hash", "quant", "quant_impl", "dtype", "ctx", "batch",
+            "kv_dtype", "attn", "device", "status", "last_stage", "error", "stage", "estimated_bytes",
+            "measured_peak_bytes", "measured_used_bytes", "torch_max_allocated", "torch_max_reserved", "command")
+_BYTES = ("estimated_bytes", "measured_peak_bytes", "measured_used_bytes", "torch_max_allocated",
+          "torch_max_reserved", "device_total_bytes")
 
 
 def runs_frame(store: Store):
     import pandas as pd
 
-    q = ("SELECT r.id AS run_id, r.created_at, m.kind AS machine_kind, m.gpu_name, m.total_bytes AS device_total_bytes, "
-         "m.hostname, m.torch, m.transformers, m.bitsandbytes, r.model, r.config_hash, r.quant, r.quant_impl, r.dtype, "
-         "r.ctx, r.batch, r.kv_dtype, r.attn, r.device, COALESCE(s.status, 'interrupted') AS status, "
-         "s.last_stage, s.error, st.stage, st.estimated_bytes, st.measured_peak_bytes, st.measured_used_bytes, "
-         "st.torch_max_allocated, st.torch_max_reserved, r.command "
-         "FROM runs r JOIN machines m ON m.id = r.machine_id LEFT JOIN results s ON s.run_id = r.id "
-         "LEFT JOIN stages st ON st.run_id = r.id ORDER BY r.id, st.rowid")
-    frame = pd.read_sql_query(q, store.conn)
-    for col in ("estimated_bytes", "measured_peak_bytes", "measured_used_bytes", "torch_max_allocated",
-                "torch_max_reserved", "device_total_bytes"):
+    rows = store.query(
+        "SELECT r.id AS run_id, r.uuid AS run_uuid, r.created_at, m.kind AS machine_kind, m.gpu_name, "
+        "m.total_bytes AS device_total_bytes, m.hostname, m.torch, m.transformers, m.bitsandbytes, r.model, "
+        "r.config_hash, r.quant, r.quant_impl, r.dtype, r.ctx, r.batch, r.kv_dtype, r.attn, r.device, "
+        "COALESCE(s.status, 'interrupted') AS status, s.last_stage, s.error, st.stage, st.estimated_bytes, "
+        "st.measured_peak_bytes, st.measured_used_bytes, st.torch_max_allocated, st.torch_max_reserved, r.command "
+        "FROM runs r JOIN machines m ON m.id = r.machine_id LEFT JOIN results s ON s.run_id = r.id "
+        "LEFT JOIN stages st ON st.run_id = r.id ORDER BY r.id, st.seq")
+    frame = pd.DataFrame.from_records(rows, columns=list(_COLUMNS))
+    for col in _BYTES:
         frame[col] = frame[col].astype("Int64")  # integers with NULL as <NA>, never 0
     return frame
 
 
 def export(store: Store, fmt: str, out: str | None) -> str | None:
+    """The table as text (``out=None``), or written to ``out`` atomically; never onto the database."""
     if fmt not in FORMATS:
         raise UserError(f"unknown --format {fmt!r}: choose csv, json or parquet")
-    protect = (store.path,)
+    if fmt == "parquet" and not out:
+        raise UserError("parquet is binary: pass --out FILE.parquet")
+    protect = (store.path,) if store.path else ()
     if out:
         check_writable(out, "--out", protect)  # before the query: nothing is computed for a bad target
     frame = runs_frame(store)
     if fmt == "parquet":
-        if not out:
-            raise UserError("parquet is binary: pass --out FILE.parquet")
         import io
 
         buf = io.BytesIO()

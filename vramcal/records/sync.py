@@ -1,0 +1,140 @@
+"""Copy records from one store to another without duplicates: ``vramcal records push --to URL`` (this
+machine's SQLite history into the fleet's PostgreSQL) and ``pull --from URL`` (the other way).
+
+Identity travels with the rows: a machine is its fingerprint, a run its ``uuid``, a memo and a
+correction theirs. The integer ids are each database's own, so references are translated on the way
+(a memo's ``run_id``, a correction's machine and source runs). Each run is copied in one transaction of
+the destination with its outcome, stages and samples; a run that was copied while it was still
+running gets its outcome on a later copy. Copying again adds nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from .store import (RESULT_FIELDS, RUN_FIELDS, STAGE_FIELDS, Store, _insert_corrections, _insert_machine, _insert_memo,
+                    _insert_outcome, _insert_run)
+
+CHUNK = 500
+
+
+@dataclass
+class CopyReport:
+    source: str
+    destination: str
+    runs_in_source: int
+    machines_added: int = 0
+    runs_added: int = 0
+    outcomes_added: int = 0  # results (with their stages and samples) of runs added now or copied before unfinished
+    memos_added: int = 0
+    corrections_added: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def nothing_new(self) -> bool:
+        return not (self.machines_added or self.runs_added or self.outcomes_added or self.memos_added
+                    or self.corrections_added)
+
+
+def _chunks(items: list, n: int = CHUNK):
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
+def _by_uuid(store: Store, table: str, uuids: list[str], extra: str = "") -> dict[str, dict]:
+    out = {}
+    for part in _chunks(uuids):
+        rows = store.query(f"SELECT t.uuid, t.id{extra} FROM {table} t "
+                           + ("LEFT JOIN results s ON s.run_id = t.id " if table == "runs" else "")
+                           + f"WHERE t.uuid IN ({', '.join('?' * len(part))})", part)
+        out.update({r["uuid"]: r for r in rows})
+    return out
+
+
+def copy_records(src: Store, dst: Store) -> CopyReport:
+    """Copy every machine, run (with outcome, stages, samples), memo and correction of ``src`` that
+    ``dst`` lacks. Safe to repeat and to interrupt: what was copied stays, the rest comes next time."""
+    report = CopyReport(src.label, dst.label, runs_in_source=src.count("runs"))
+
+    # machines, by fingerprint
+    machine_map: dict[int, int] = {}
+    for m in src.machines():
+        fp = json.loads(m["fingerprint"])
+        known = dst.find_machine(fp)
+        if known is None:
+            known = dst._write(lambda tx, fp=fp, at=m["created_at"]: _insert_machine(tx, fp, at))
+            report.machines_added += 1
+        machine_map[m["id"]] = known
+
+    # runs, by uuid; an outcome where the destination has none
+    runs = src.query("SELECT r.*, s.run_id AS has_outcome FROM runs r LEFT JOIN results s ON s.run_id = r.id "
+                     "ORDER BY r.id")
+    there = _by_uuid(dst, "runs", [r["uuid"] for r in runs], ", s.run_id AS has_outcome")
+    run_map: dict[int, int] = {}
+    for run in runs:
+        have = there.get(run["uuid"])
+        if have is not None:
+            run_map[run["id"]] = have["id"]
+            if have["has_outcome"] is not None or run["has_outcome"] is None:
+                continue
+        outcome = _read_outcome(src, run["id"]) if run["has_outcome"] is not None else None
+        fields = {k: run[k] for k in (*RUN_FIELDS, "estimate_json")}
+
+        def fn(tx, run=run, fields=fields, outcome=outcome):
+            run_id, new = _insert_run(tx, machine_map[run["machine_id"]], fields, run["uuid"], run["created_at"])
+            added = False
+            if outcome is not None:
+                added = _insert_outcome(tx, run_id, *outcome)
+            return run_id, new, added
+
+        run_id, new, added = dst._write(fn)
+        run_map[run["id"]] = run_id
+        report.runs_added += new
+        report.outcomes_added += added
+
+    # memos: their JSON names the run by its id, which is the destination's now
+    memos = src.query("SELECT * FROM memos ORDER BY id")
+    known_memos = _by_uuid(dst, "memos", [m["uuid"] for m in memos])
+    for memo in memos:
+        if memo["uuid"] in known_memos:
+            continue
+        body = json.loads(memo["memo_json"])
+        if body.get("run_id") == memo["run_id"]:
+            body["run_id"] = run_map[memo["run_id"]]
+        dst._write(lambda tx, memo=memo, body=body: _insert_memo(tx, run_map[memo["run_id"]], json.dumps(body),
+                                                                   memo["uuid"], memo["created_at"]))
+        report.memos_added += 1
+
+    # corrections: machine and source runs translated
+    corrections = src.corrections()
+    known_corr = _by_uuid(dst, "corrections", [c["uuid"] for c in corrections])
+    todo = [c for c in corrections if c["uuid"] not in known_corr]
+    for c in todo:
+        c["source_runs"] = [run_map[r] for r in c["source_runs"] if r in run_map]
+    for part in _chunks(todo, 100):
+        report.corrections_added += dst._write(lambda tx, part=part: sum(
+            _insert_corrections(tx, machine_map[c["machine_id"]], c["stack"], [c], c["created_at"]) for c in part))
+    return report
+
+
+def _read_outcome(src: Store, run_id: int) -> tuple[dict, list[dict], list[tuple]]:
+    result = src.query(f"SELECT {', '.join(RESULT_FIELDS)} FROM results WHERE run_id = ?", (run_id,))[0]
+    stages = src.query(f"SELECT {', '.join(STAGE_FIELDS)} FROM stages WHERE run_id = ? ORDER BY seq", (run_id,))
+    samples = [(s["t"], s["series"], s["bytes"]) for s in
+               src.query("SELECT t, series, bytes FROM samples WHERE run_id = ? ORDER BY t", (run_id,))]
+    return result, stages, samples
+
+
+def push(local_db, url: str) -> CopyReport:
+    """This machine's records (``local_db``, read-only) into the store at ``url``."""
+    with Store(local_db, create=False, readonly=True) as src, Store(url) as dst:
+        return copy_records(src, dst)
+
+
+def pull(url: str, local_db) -> CopyReport:
+    """The records of the store at ``url`` (read-only) into ``local_db``."""
+    with Store(url, create=False, readonly=True) as src, Store(local_db) as dst:
+        return copy_records(src, dst)
