@@ -15,11 +15,12 @@ from ..errors import UserError
 from ..estimator.estimate import estimate as _estimate
 from ..estimator.quant import resolve_quant
 from ..estimator.resolve import resolve_model
-from ..records.store import Store
+from ..records.store import Store, new_uuid
 from ..units import GIB, fmt_gib_gb
 from ..workload import NEW_TOKENS, Configuration, choice, parse_device, parse_dtype, workload
 from . import reconcile
 from .corrections import lookup, refit
+from .fleet import save_probe_unrecorded
 from .memo import memo_for
 from .proposals import POLICIES, propose
 from .runs import Journal, begin_run, budget_for, measured_peak, record_failure, record_probe, recover_journals
@@ -100,28 +101,39 @@ def check(model: str, quant: str = "auto", ctx: int | None = None, batch: int = 
     with Store(db) as store:
         recover_journals(store)
         machine_id = store.machine_id(fp)
+        run_uuid = new_uuid()
         run_id = begin_run(store, machine_id, {"model": source.name, "config_hash": source.config_hash,
                                                "quant": spec.name, "quant_implementation": spec.implementation,
                                                "dtype": spec.dtype, "ctx": work.ctx, "batch": work.batch,
-                                               "attn": attn, "device": dev, "kv_dtype": kv_dtype}, est, cmd)
+                                               "attn": attn, "device": dev, "kv_dtype": kv_dtype}, est, cmd,
+                           uuid=run_uuid)
         journal = Journal(store, run_id)
+
+        def keep(result) -> None:
+            """Record the result; if the store cannot take it, keep it in a file and say where."""
+            result.estimate = est  # estimated once, above, and recorded with the run before the probe started
+            try:
+                record_probe(store, machine_id, result, est, run_id=run_id)
+            except UserError as exc:
+                path = save_probe_unrecorded(fp, result, est, run_uuid=run_uuid, command=cmd, error=str(exc),
+                                             config_hash=source.config_hash, kv_dtype=kv_dtype)
+                raise UserError(f"{exc}; the measurement is kept in {path}: `vramcal records import {path}` "
+                                "records it once the database is back") from None
+            journal.close()
+
         try:
             result = run_probe(source, quant, work.ctx, work.batch, device=dev, synthetic=synthetic,
                                interval_ms=interval_ms, dtype=dtype, attn=attn, command=cmd, with_estimate=False,
                                new_tokens=work.new_tokens, kv_dtype=kv_dtype, cache=cache, journal=journal,
                                on_event=on_event)
         except ProbeInterrupted as exc:  # Ctrl-C or SIGTERM: the record keeps what was measured
-            exc.result.estimate = est
-            record_probe(store, machine_id, exc.result, est, run_id=run_id)
-            journal.close()
+            keep(exc.result)
             raise
         except UserError as exc:
             record_failure(store, run_id, "error", str(exc))
             journal.close()
             raise
-        result.estimate = est  # estimated once, above, and recorded with the run before the probe started
-        record_probe(store, machine_id, result, est, run_id=run_id)
-        journal.close()
+        keep(result)
         stack = stack_key(fp)
         corr = refit(store, machine_id, stack, spec.name, source.config_hash)
         verdict = verdict_for(result, total, buffer)

@@ -40,9 +40,11 @@ def measured_peak(result) -> tuple[int | None, str | None]:
     return (None, None) if best is None else (best.peak_bytes, best.stage)
 
 
-def begin_run(store: Store, machine_id: int, result_like: dict, estimate: dict | None, command: str) -> int:
-    """The run's context, written before the probe starts."""
-    return store.begin_run(machine_id, model=result_like["model"],
+def begin_run(store: Store, machine_id: int, result_like: dict, estimate: dict | None, command: str,
+              uuid: str | None = None) -> int:
+    """The run's context, written before the probe starts (``uuid``: the client's id of the run, so a
+    retry records it once)."""
+    return store.begin_run(machine_id, uuid=uuid, model=result_like["model"],
                            config_hash=(estimate or {}).get("config_hash") or result_like.get("config_hash"),
                            quant=result_like["quant"], quant_impl=result_like.get("quant_implementation"),
                            dtype=result_like.get("dtype"), ctx=result_like["ctx"], batch=result_like["batch"],
