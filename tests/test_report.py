@@ -65,4 +65,4 @@ def test_report_without_data(tmp_path):
     out = tmp_path / "v.md"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--dir", str(tmp_path / "v"),
                         "--out", str(out)], capture_output=True, text=True)
-    assert r.returncode == 0 and "No validation data yet." in out.read_text()
+    assert r.returncode == 0 and "No probe validation data yet." in out.read_text()

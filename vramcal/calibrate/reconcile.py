@@ -102,6 +102,21 @@ def fit_scoped(rows: list[dict], stack: str, quant: str, config_hash: str | None
     return None, {}
 
 
+def fit_line(stage: str, points: list[tuple[int, int, int]]) -> Correction:
+    """``measured - estimated = intercept + slope x tokens`` by least squares over ``(tokens, delta,
+    run id)`` points; one point, or points at one token count, give an intercept only."""
+    xs = [p[0] for p in points]
+    ys = [p[1] for p in points]
+    n = len(points)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    intercept = my - slope * mx
+    res = [abs(y - (intercept + slope * x)) for x, y in zip(xs, ys)]
+    return Correction(stage, int(round(intercept)), slope, n, int(_percentile(res, 0.5)), int(_percentile(res, 0.95)),
+                      sorted({p[2] for p in points}))
+
+
 def fit_corrections(rows: list[dict], exclude_run: int | None = None) -> dict[str, Correction]:
     """Fit one correction per stage from ``stages`` rows of finished runs (``status == 'ok'``)."""
     out = {}
@@ -109,18 +124,8 @@ def fit_corrections(rows: list[dict], exclude_run: int | None = None) -> dict[st
         pts = [(r["ctx"] * r["batch"], r["measured_peak_bytes"] - r["estimated_bytes"], r["run_id"]) for r in rows
                if r["stage"] == stage and r.get("status") == "ok" and r["run_id"] != exclude_run
                and r["measured_peak_bytes"] is not None and r["estimated_bytes"] is not None]
-        if not pts:
-            continue
-        xs = [p[0] for p in pts]
-        ys = [p[1] for p in pts]
-        n = len(pts)
-        mx, my = sum(xs) / n, sum(ys) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
-        intercept = my - slope * mx
-        res = [abs(y - (intercept + slope * x)) for x, y in zip(xs, ys)]
-        out[stage] = Correction(stage, int(round(intercept)), slope, n, int(_percentile(res, 0.5)),
-                                int(_percentile(res, 0.95)), sorted({p[2] for p in pts}))
+        if pts:
+            out[stage] = fit_line(stage, pts)
     return out
 
 
