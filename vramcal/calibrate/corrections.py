@@ -18,9 +18,22 @@ def _labels(config_hash: str | None) -> tuple[str, ...]:
     return SCOPE_LABELS if config_hash else SCOPE_LABELS[1:]
 
 
-def refit(store: Store, machine_id: int, stack: str, quant: str, config_hash: str | None) -> CorrectionSet:
-    """Refit every scope this run belongs to and record them; return the most specific one."""
-    rows = store.stage_rows(machine_id)
+def placed(device: str | None) -> bool:
+    """A run split across devices records its devices joined (``cuda:0,cuda:1,cpu``) as its device."""
+    return "," in (device or "")
+
+
+def device_stack(stack: str, position: str) -> str:
+    """The stack key of one device position of a split: corrections of ``cuda:1`` of a split are its own."""
+    return f"{stack}|device={position}"
+
+
+def refit(store: Store, machine_id: int, stack: str, quant: str, config_hash: str | None,
+          rows: list[dict] | None = None) -> CorrectionSet:
+    """Refit every scope this run belongs to and record them; return the most specific one. Runs split
+    across devices are left out (their corrections are per device position: :func:`refit_devices`)."""
+    if rows is None:
+        rows = [r for r in store.stage_rows(machine_id) if not placed(r.get("device"))]
     best = CorrectionSet({})
     for (key, where), label in zip(reconcile.scopes(stack, quant, config_hash), _labels(config_hash)):
         corr = reconcile.fit_corrections(reconcile.rows_in(rows, where))
@@ -28,6 +41,14 @@ def refit(store: Store, machine_id: int, stack: str, quant: str, config_hash: st
             store.add_corrections(machine_id, key, [asdict(c) for c in corr.values()])
             best = best or CorrectionSet(corr, scope=label)
     return best
+
+
+def refit_devices(store: Store, machine_id: int, stack: str, quant: str, config_hash: str | None,
+                  devices: list[str]) -> dict[str, CorrectionSet]:
+    """Per device position of a split run: refit from the placed runs' per-device rows, record, return."""
+    rows = store.device_stage_rows(machine_id)
+    return {d: refit(store, machine_id, device_stack(stack, d), quant, config_hash,
+                     [r for r in rows if r["device"] == d]) for d in devices}
 
 
 def lookup(store: Store, machine_id: int | None, stack: str, quant: str, config_hash: str | None) -> CorrectionSet:
@@ -69,3 +90,17 @@ def corrected_estimate(model, quant: str = "auto", ctx: int | None = None, batch
 
     raw = estimate(model, quant, ctx, batch, device=device, **kwargs)
     return raw.corrected(machine_correction(device, raw.quant, raw.config_hash, db))
+
+
+def machine_device_corrections(e, db: str | None = None) -> dict[str, CorrectionSet]:
+    """This machine's per-device-position corrections for a placed estimate (empty sets when none)."""
+    from ..probes.machine import machine_fingerprint, stack_key
+
+    store = existing_store(db)
+    gpus = [d for d in (e.devices or {}) if d.startswith("cuda")]
+    if store is None or not gpus:
+        return {}
+    fp = machine_fingerprint((e.placement or {}).get("main_device") or gpus[0])
+    with store:
+        mid = store.find_machine(fp)
+        return {d: lookup(store, mid, device_stack(stack_key(fp), d), e.quant, e.config_hash) for d in gpus}

@@ -27,6 +27,9 @@ def stage_rows(result) -> list[dict]:
     cpu = result.series == "rss"
     base = result.stages.get("baseline", {}).get("used_bytes") if cpu else 0
     est = (result.estimate or {}).get("stages", {})
+    placed = ((result.estimate or {}).get("devices") or {}).get(result.device)
+    if placed:  # a split run: the main device's series beside the main device's estimate, not the GPU sum
+        est = placed["stages"]
     rows = []
     for name, st in result.stages.items():
         peak, used = st.get("peak_bytes"), st.get("used_bytes")
@@ -36,6 +39,19 @@ def stage_rows(result) -> list[dict]:
         rows.append({"stage": name, "estimated_bytes": est.get(name), "measured_peak_bytes": peak,
                      "measured_used_bytes": used, "torch_max_allocated": st.get("torch_max_allocated"),
                      "torch_max_reserved": st.get("torch_max_reserved")})
+    return rows
+
+
+def device_stage_rows(result) -> list[dict]:
+    """Rows for the ``device_stages`` table of a split run: per device and stage, the estimate beside
+    the measurement (GPUs: NVML; ``cpu``: the child's resident set above its baseline)."""
+    est = (result.estimate or {}).get("devices") or {}
+    rows = []
+    for dev, stages in (getattr(result, "devices", None) or {}).items():
+        e = est.get(dev, {}).get("stages", {})
+        for name, st in stages.items():
+            rows.append({"device": dev, "stage": name, "estimated_bytes": e.get(name),
+                         "measured_peak_bytes": st.get("peak_bytes"), "measured_used_bytes": st.get("used_bytes")})
     return rows
 
 

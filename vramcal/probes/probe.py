@@ -57,6 +57,10 @@ class ProbeResult:
     notes: list[str] = field(default_factory=list)
     exit_code: int | None = None
     unfinished: dict | None = None  # a run that stopped: the stage it was in and what was sampled there
+    # placement (--max-memory / --device-map): per device {stage: {used_bytes, peak_bytes, samples}},
+    # GPUs from NVML, "cpu" from the child's resident set above its baseline; and the plan it loaded
+    devices: dict[str, dict] | None = None
+    placement: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,9 +105,12 @@ def _check_device(device: str) -> tuple[str, list[str]]:
 def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, batch: int = 1, *,
               device: str = "cpu", synthetic: bool = False, interval_ms: float = 5.0, dtype: str | None = None,
               attn: str = "auto", with_estimate: bool = True, keep_samples: bool = True,
-              command: str | None = None, timeout_s: float | None = None, on_event=None) -> ProbeResult:
+              command: str | None = None, timeout_s: float | None = None, on_event=None,
+              max_memory: dict | str | None = None, device_map: str | None = None) -> ProbeResult:
     """Probe ``model`` (anything ``vramcal estimate`` accepts). ``on_event(event_dict, child_pid)`` is
-    called for each event the child streams (progress display; tests use it to kill the child)."""
+    called for each event the child streams (progress display; tests use it to kill the child).
+    ``max_memory`` / ``device_map``: load split across devices as ``from_pretrained`` would (see
+    :func:`_placed_load`); every GPU of the map is sampled, and the child's resident set for the CPU."""
     if not isinstance(ctx, int) or ctx <= 16:
         raise UserError(f"--ctx must be an integer above 16 (prompt + 16 generated tokens), got {ctx}")
     if not isinstance(batch, int) or batch <= 0:
@@ -114,6 +121,14 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
     spec = resolve_quant(quant, source.config, dtype)
     if spec.method not in ("none", "bnb4", "bnb8") and not spec.pre_quantized:
         raise UserError(f"cannot probe quant {spec.name}")
+    # ---- placement (begin)
+    placed = None
+    if max_memory is not None or device_map is not None:
+        placed = _placed_load(source, spec, max_memory, device_map, device)
+        device = placed["main_device"]
+        for gpu in placed["gpus"][1:]:
+            _check_device(gpu)
+    # ---- placement (end)
     series, notes = _check_device(device)
     if not source.weight_files and not synthetic:
         raise UserError(f"{source.name} has no *.safetensors weights here: add --synthetic to probe random "
@@ -125,7 +140,8 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
 
         try:
             estimate = _estimate(source, quant, ctx, batch, dtype=dtype, attn=attn,
-                                 device="cpu" if device == "cpu" else "cuda").to_dict()
+                                 device="cpu" if device == "cpu" else "cuda", max_memory=max_memory,
+                                 device_map=device_map).to_dict()
         except UserError:
             raise
         except Exception as exc:  # the measurement is still worth having
@@ -146,7 +162,12 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
         child_spec = {"model_dir": model_dir, "device": device, "dtype": spec.dtype, "ctx": ctx, "batch": batch,
                       "bnb": None if spec.pre_quantized else spec.bnb_config_kwargs(), "attn": attn,
                       "new_tokens": 16}
-        result = _run_child(child_spec, series, interval_ms / 1000.0, device, timeout_s, on_event)
+        if placed is not None:
+            child_spec.update(load=placed["load"], gpus=placed["gpus"], offload_folder=os.path.join(tmp, "offload"))
+        result = _run_child(child_spec, series, interval_ms / 1000.0, device, timeout_s, on_event,
+                            gpus=[_cuda_index(g) for g in placed["gpus"]] if placed else None)
+    if placed is not None:
+        result["placement"] = placed["plan"]
     result.update(model=source.name, quant=spec.name, quant_implementation=spec.implementation, dtype=spec.dtype,
                   ctx=ctx, batch=batch, attn=attn, estimate=estimate,
                   command=command or _command(source.name, quant, ctx, batch, device, synthetic, interval_ms))
@@ -154,6 +175,25 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
     if not keep_samples:
         result["samples"] = []
     return ProbeResult(**result)
+
+
+def _placed_load(source, spec, max_memory, device_map, device: str) -> dict:
+    """The placement a probe loads with: the plan of :func:`~vramcal.estimator.placement.plan_placement`;
+    when the installed transformers refuses it (bitsandbytes with modules on cpu / disk), the
+    alternative it suggests: the same map as a custom ``device_map`` with ``llm_int8_enable_fp32_cpu_offload``.
+    Returns the child's ``load`` arguments, the GPUs to sample (main device first) and the plan's dict."""
+    from ..estimator.estimate import placement_request
+    from ..estimator.placement import OFFLOAD_FLAG, plan_placement
+
+    mm, strategy = placement_request(max_memory, device_map, device)
+    plan = plan_placement(source, spec, mm, strategy)
+    loads = plan.alternative if plan.refused and plan.alternative is not None else plan
+    if loads is plan:
+        load = {"device_map": plan.strategy, "max_memory": dict(mm)}
+    else:
+        load = {"device_map": dict(loads.device_map), "bnb_extra": {OFFLOAD_FLAG: True}}
+    gpus = [loads.main_device] + [g for g in loads.gpus if g != loads.main_device]
+    return {"load": load, "gpus": gpus, "main_device": loads.main_device, "plan": plan.to_dict()}
 
 
 def _command(name, quant, ctx, batch, device, synthetic, interval_ms) -> str:
@@ -166,7 +206,7 @@ def _command(name, quant, ctx, batch, device, synthetic, interval_ms) -> str:
 
 
 def _run_child(child_spec: dict, series: str | None, interval_s: float, device: str,
-               timeout_s: float | None, on_event=None) -> dict:
+               timeout_s: float | None, on_event=None, gpus: list[int] | None = None) -> dict:
     read_fd, write_fd = os.pipe()
     log = tempfile.TemporaryFile(mode="w+")
     start = time.monotonic()
@@ -175,6 +215,11 @@ def _run_child(child_spec: dict, series: str | None, interval_s: float, device: 
     os.close(write_fd)
     if series == "rss":
         reader = rss_reader(child.pid)
+    elif series is not None and gpus:  # placement: every GPU of the map, and the child's RAM for the CPU share
+        gpu_read, ram_read = nvml_reader(gpus, child.pid), rss_reader(child.pid)
+
+        def reader():
+            return {**gpu_read(), **ram_read()}
     elif series is not None:
         reader = nvml_reader([_cuda_index(device)], child.pid)
     else:
@@ -239,6 +284,7 @@ def _run_child(child_spec: dict, series: str | None, interval_s: float, device: 
             st["used_bytes"] = info["mem_get_info_used"]
             st["peak_bytes"] = None
     unfinished = stages.pop("_unfinished", None)
+    devices = _device_stages(samples, markers, reported, gpus) if gpus and series else None
     oom = None
     if status == "oom":
         oom = {"stage": final.get("stage"), "requested_bytes": final.get("requested_bytes"),
@@ -263,7 +309,32 @@ def _run_child(child_spec: dict, series: str | None, interval_s: float, device: 
                     for s in samples],
         "interval_ms": interval_s * 1000, "sampler_overhead": sampler.overhead if sampler else None,
         "wall_s": round(end_t - start, 3), "notes": notes, "exit_code": rc, "unfinished": in_flight,
+        "devices": devices,
     }
+
+
+def _device_stages(samples, markers, reported: dict, gpus: list[int]) -> dict[str, dict]:
+    """Stages per device of a placed run: each GPU's NVML series, and for ``cpu`` the child's resident
+    set minus its baseline (what loading put in RAM: the offloaded weights), read at the markers."""
+    out = {}
+    for i in gpus:
+        st = attribute(samples, markers, f"gpu{i}")
+        out[f"cuda:{i}"] = {k: st[k] for k in STAGE_ORDER if k in st}
+    st = attribute(samples, markers, "rss")
+    for name, info in reported.items():  # the child's own reading at the marker is exact
+        if name in st and info.get("rss") is not None:
+            st[name]["used_bytes"] = info["rss"]
+            st[name]["peak_bytes"] = max(v for v in (st[name].get("peak_bytes"), info["rss"]) if v is not None)
+    base = st.get("baseline", {}).get("used_bytes")
+    cpu = {}
+    for k in STAGE_ORDER:
+        if k in st:
+            used, peak = st[k].get("used_bytes"), st[k].get("peak_bytes")
+            cpu[k] = {"used_bytes": None if used is None or base is None else used - base,
+                      "peak_bytes": None if peak is None or base is None else peak - base,
+                      "samples": st[k].get("samples")}
+    out["cpu"] = cpu
+    return out
 
 
 def _next_stage(markers) -> str | None:

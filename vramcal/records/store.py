@@ -25,7 +25,7 @@ from pathlib import Path
 from ..errors import UserError
 
 APPLICATION_ID = 0x5652_4D43  # "VRMC"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Each entry upgrades the schema from version i to i + 1 (index i). Never edit a shipped migration.
 MIGRATIONS: list[str] = [
@@ -94,6 +94,17 @@ MIGRATIONS: list[str] = [
         source_runs_json TEXT NOT NULL
     );
     CREATE INDEX corrections_lookup ON corrections(machine_id, stack, stage, id);
+    """,
+    # 2 -> 3: stage readings per device of a run split across devices (--max-memory / --device-map). A
+    # single-device run has none: its rows stay in ``stages``, read as before.
+    """
+    CREATE TABLE device_stages (
+        run_id INTEGER NOT NULL REFERENCES runs(id),
+        device TEXT NOT NULL,
+        stage TEXT NOT NULL,
+        estimated_bytes INTEGER, measured_peak_bytes INTEGER, measured_used_bytes INTEGER,
+        PRIMARY KEY (run_id, device, stage)
+    );
     """,
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
@@ -264,6 +275,17 @@ class Store:
 
         self._write(fn)
 
+    def add_device_stages(self, run_id: int, rows: list[dict]) -> None:
+        """Per-device stage rows of a placed run: {device, stage, estimated_bytes, measured_peak_bytes,
+        measured_used_bytes}."""
+        if not rows:
+            return
+        self._write(lambda conn: conn.executemany(
+            "INSERT INTO device_stages (run_id, device, stage, estimated_bytes, measured_peak_bytes, "
+            "measured_used_bytes) VALUES (?,?,?,?,?,?)",
+            [(run_id, r["device"], r["stage"], r.get("estimated_bytes"), r.get("measured_peak_bytes"),
+              r.get("measured_used_bytes")) for r in rows]))
+
     def add_memo(self, run_id: int, memo: dict) -> int:
         return self._write(lambda conn: conn.execute(
             "INSERT INTO memos (run_id, created_at, memo_json) VALUES (?,?,?)",
@@ -306,6 +328,8 @@ class Store:
         out = dict(row)
         out["stages"] = {s["stage"]: dict(s) for s in self.conn.execute(
             "SELECT * FROM stages WHERE run_id = ? ORDER BY rowid", (run_id,))}
+        out["device_stages"] = [dict(s) for s in self.conn.execute(
+            "SELECT * FROM device_stages WHERE run_id = ? ORDER BY rowid", (run_id,))]
         out["sample_count"] = self.conn.execute("SELECT count(*) FROM samples WHERE run_id = ?",
                                                 (run_id,)).fetchone()[0]
         return out
@@ -313,6 +337,13 @@ class Store:
     def stage_rows(self, machine_id: int) -> list[dict]:
         return [dict(r) for r in self.conn.execute(
             "SELECT st.*, r.ctx, r.batch, r.model, r.config_hash, r.quant, r.device, s.status FROM stages st "
+            "JOIN runs r ON r.id = st.run_id JOIN results s ON s.run_id = r.id WHERE r.machine_id = ? "
+            "ORDER BY st.run_id", (machine_id,))]
+
+    def device_stage_rows(self, machine_id: int) -> list[dict]:
+        """:meth:`stage_rows` of placed runs, one row per device and stage (``device`` says which)."""
+        return [dict(r) for r in self.conn.execute(
+            "SELECT st.*, r.ctx, r.batch, r.model, r.config_hash, r.quant, s.status FROM device_stages st "
             "JOIN runs r ON r.id = st.run_id JOIN results s ON s.run_id = r.id WHERE r.machine_id = ? "
             "ORDER BY st.run_id", (machine_id,))]
 
