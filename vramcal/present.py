@@ -123,6 +123,16 @@ def probe_table(r) -> str:
         diff = f"{gib(peak - e):+8.3f} GiB" if (e is not None and peak is not None) else ""
         lines.append(f"  {name:<12} {_g(used):>26} {_g(peak):>26} {_g(e):>26} {diff:>10}")
     lines.append("  (estimate is the stage's peak; diff = measured peak - estimate)")
+    if getattr(r, "devices", None):
+        est_dev = (r.estimate or {}).get("devices") or {}
+        lines += ["", "  per device (GPU: NVML memory.used peak; cpu: the child's resident set above its baseline)",
+                  f"  {'stage':<12}" + "".join(f"{d + ' meas.':>18}{'est.':>12}" for d in r.devices)]
+        for name in ("load_peak", "post_load", "first_token", "end"):
+            row = f"  {name:<12}"
+            for d, st in r.devices.items():
+                e = est_dev.get(d, {}).get("stages", {}).get(name)
+                row += f"{_cell(st.get(name, {}).get('peak_bytes'), 18)}{_cell(e, 12)}"
+            lines.append(row)
     for n in r.notes:
         lines.append("  note: " + n)
     lines.append(f"  reproduce: {r.command}")
@@ -182,6 +192,13 @@ def check_table(r) -> str:
              f"  budget {fmt_gib_gb(v.budget_bytes)}, buffer {fmt_gib_gb(v.buffer_bytes)}, "
              f"measured peak {fmt_gib_gb(v.peak_bytes)} at {v.peak_stage}",
              f"  recorded as run {r.run_id} (machine {r.machine_id})" + (f", memo {r.memo_id}" if r.memo_id else "")]
+    if v.others:
+        lines += ["  budget read from free memory: " + line for line in v.others]
+        if v.held_by_others_bytes:
+            lines.append(f"  the measured peak above excludes the {fmt_gib_gb(v.held_by_others_bytes)} others held")
+    for dev, d in (v.devices or {}).items():
+        lines.append(f"  {dev}: peak {fmt_gib_gb(d['peak_bytes'])} at {d['peak_stage']}, budget "
+                     f"{fmt_gib_gb(d['budget_bytes'])}: " + ("fits" if d["fits"] else "DOES NOT FIT"))
     deltas = {k: v for k, v in (r.component_deltas or {}).items() if v is not None}
     if deltas:
         lines.append("  measured - estimated: " + ", ".join(f"{k} {v / 1024**3:+.3f} GiB" for k, v in deltas.items()))
@@ -193,6 +210,10 @@ def check_table(r) -> str:
         lines.append("next configurations to try (corrected estimate, p95 margin):")
         for p in r.proposals:
             lines.append(f"  {p['change']:<40} peak {fmt_gib_gb(p['corrected_peak_bytes'])}   {p['command']}")
+            if p.get("grouped"):
+                lines += [f"  {'':<40}   {g}" for g in p["grouped"]]
+            if p.get("warning"):
+                lines.append(f"  {'':<40}   WARNING {p['warning']}")
     elif not v.fits:
         lines.append("  no configuration within reach fits: a smaller model, or a larger device")
     return "\n".join(lines)

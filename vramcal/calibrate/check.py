@@ -130,7 +130,7 @@ def check(model: str, quant: str = "auto", ctx: int | None = None, batch: int = 
     verdict). ``max_memory`` / ``device_map`` split the model (docs/placement.md): every GPU of the map
     is measured and must fit its own budget; corrections are refitted per device position."""
     from ..estimator.estimate import placement_request
-    from ..probes.machine import machine_fingerprint, stack_key
+    from ..probes.machine import free_memory, machine_fingerprint, stack_key
     from ..probes.probe import ProbeInterrupted, preflight, run_probe
 
     # ---- validate everything first: nothing is written for bad input
@@ -209,5 +209,6 @@ def check(model: str, quant: str = "auto", ctx: int | None = None, batch: int = 
         elif placed is None:
             out.proposals = propose(source, "auto" if spec.pre_quantized else spec.name, work, total - buffer,
                                     lambda q: lookup(store, machine_id, stack, q, source.config_hash), prefer, dev,
-                                    attn=attn, synthetic=synthetic, requantize=not spec.pre_quantized)
+                                    attn=attn, synthetic=synthetic, requantize=not spec.pre_quantized,
+                                    cpu_bytes=None if dev == "cpu" else free_memory("cpu").free_bytes)
     return out
