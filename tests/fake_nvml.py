@@ -23,13 +23,16 @@ class NVMLError_GpuIsLost(NVMLError):
 class FakeNVML:
     """``script`` maps a GPU index to a list of memory.used values returned in turn (the last repeats);
     a value that is an exception instance is raised instead. ``procs`` maps index to {pid: bytes}, and a
-    pid's bytes of None means the driver does not report per-process usage."""
+    pid's bytes of None means the driver does not report per-process usage. ``names`` maps pid to the
+    process name NVML reports (a pid not in it: NVML says "Not Found"). Free memory is total - used."""
 
-    def __init__(self, script: dict[int, list], total: int = 80 * 1024**3, procs=None, fail_init: bool = False):
+    def __init__(self, script: dict[int, list], total: int = 80 * 1024**3, procs=None, fail_init: bool = False,
+                 names: dict[int, str] | None = None):
         self.script = {k: list(v) for k, v in script.items()}
         self.calls = {k: 0 for k in script}
         self.total = total
         self.procs = procs or {}
+        self.names = names or {}
         self.fail_init = fail_init
         self.inits = 0
         self.shutdowns = 0
@@ -65,6 +68,11 @@ class FakeNVML:
         if h not in self.procs:
             raise NVMLError_NotSupported()
         return [SimpleNamespace(pid=pid, usedGpuMemory=b) for pid, b in self.procs[h].items()]
+
+    def nvmlSystemGetProcessName(self, pid):
+        if pid not in self.names:
+            raise NVMLError("Not Found")
+        return self.names[pid].encode()
 
     def nvmlDeviceGetName(self, h):
         return b"NVIDIA H200"

@@ -41,6 +41,37 @@ def _add_model_args(p, *, ctx_help: str) -> None:
                                                                         "(transformers' QuantizedCache)")
     p.add_argument("--attn", default="auto", choices=ATTNS)
     p.add_argument("--cache", default="dynamic", choices=CACHES, help="dynamic | static (pre-allocated to --ctx)")
+    _add_placement_args(p)
+
+
+def _add_placement_args(p) -> None:
+    """``--max-memory`` and ``--device-map``, as ``from_pretrained`` means them (docs/placement.md)."""
+    g = p.add_argument_group("placement: split across GPUs, offload to CPU or disk (docs/placement.md)")
+    g.add_argument("--max-memory", default=None, metavar="DEV=SIZE,...",
+                   help="memory per device for the weights, e.g. cuda:0=24GiB,cuda:1=24GiB,cpu=64GiB[,disk=200GiB]; "
+                        "the GPUs need not be in this machine")
+    g.add_argument("--device-map", default=None, metavar="STRATEGY",
+                   help="auto | balanced | balanced_low_0 | sequential (auto when --max-memory is given; without "
+                        "--max-memory, this machine's free memory per device is the budget)")
+
+
+def _placement(args, device: str) -> tuple[str | dict | None, str | None]:
+    """(max_memory, device_map) from the flags; ``--device-map`` alone reads this machine's free memory
+    (NVML per GPU, available RAM for the CPU), as accelerate would. Validated by the library."""
+    mm, dm = getattr(args, "max_memory", None), getattr(args, "device_map", None)
+    if mm is None and dm is None:
+        return None, None
+    from .estimator.estimate import placement_request
+
+    if mm is None and not str(device).startswith("cpu"):
+        from .estimator.placement import DEVICE_MAP_CHOICES
+        from .probes.machine import machine_max_memory
+        from .workload import choice
+
+        choice(dm, DEVICE_MAP_CHOICES, "--device-map")
+        mm = machine_max_memory()
+    placement_request(mm, dm, device)
+    return mm, dm
 
 
 def _work(args, default_ctx: int):
@@ -104,13 +135,18 @@ def cmd_estimate(args) -> int:
             return 0
     from .estimator.estimate import estimate
 
+    max_memory, device_map = _placement(args, args.device)
     e = estimate(args.model, args.quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
                  dtype=parse_dtype(args.dtype), kv_dtype=args.kv_dtype, attn=args.attn, cache=args.cache,
-                 device=args.device, use_cache=not args.no_disk_cache, exact=not args.fast, progress=_progress(args))
+                 device=args.device, use_cache=not args.no_disk_cache, exact=not args.fast, progress=_progress(args),
+                 max_memory=max_memory, device_map=device_map)
     if not args.no_correction:
-        from .calibrate.corrections import machine_correction
+        from .calibrate.corrections import machine_correction, machine_device_corrections
 
-        e = e.corrected(machine_correction(e.device, e.quant, e.config_hash, args.db))
+        if e.devices:
+            e = e.corrected_devices(machine_device_corrections(e, args.db))
+        else:
+            e = e.corrected(machine_correction(e.device, e.quant, e.config_hash, args.db))
     if args.json:
         out = e.to_dict()
         if q is not None:
@@ -153,10 +189,12 @@ def cmd_probe(args) -> int:
         check_writable(args.timeline, "--timeline")
     from .probes.probe import ProbeInterrupted
 
+    max_memory, device_map = _placement(args, args.device)
     try:
         r = run_probe(args.model, args.quant, work.ctx, work.batch, device=args.device, synthetic=args.synthetic,
                       interval_ms=args.interval_ms, dtype=config.dtype, attn=args.attn, new_tokens=work.new_tokens,
-                      kv_dtype=args.kv_dtype, cache=args.cache, command=config.command("probe"))
+                      kv_dtype=args.kv_dtype, cache=args.cache, command=config.command("probe"),
+                      max_memory=max_memory, device_map=device_map)
     except ProbeInterrupted as exc:  # show what was measured before the signal, then exit 130 / 143
         _show_probe(exc.result, args)
         raise
@@ -189,7 +227,8 @@ def _config(args, work) -> Configuration:
         pass
     return Configuration(model, work, quant=args.quant, device=args.device, dtype=parse_dtype(args.dtype),
                          kv_dtype=args.kv_dtype, attn=args.attn, cache=args.cache,
-                         synthetic=getattr(args, "synthetic", False))
+                         synthetic=getattr(args, "synthetic", False), max_memory=getattr(args, "max_memory", None),
+                         device_map=getattr(args, "device_map", None))
 
 
 def _size(text: str | None, flag: str) -> int | None:
@@ -215,9 +254,11 @@ def cmd_check(args) -> int:
     if budget == 0:
         raise UserError("--budget must be above zero, e.g. --budget 24GiB")
     buffer = DEFAULT_BUFFER if args.buffer is None else _size(args.buffer, "--buffer")
+    max_memory, device_map = _placement(args, args.device)
     r = check(args.model, args.quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
               device=args.device, db=args.db, budget=budget, buffer=buffer, prefer=args.prefer,
-              synthetic=args.synthetic, attn=args.attn, dtype=args.dtype, kv_dtype=args.kv_dtype, cache=args.cache)
+              synthetic=args.synthetic, attn=args.attn, dtype=args.dtype, kv_dtype=args.kv_dtype, cache=args.cache,
+              max_memory=max_memory, device_map=device_map)
     _out(json.dumps(r.to_dict()) if args.json else present.check_table(r))
     return 0 if r.verdict.fits else 1
 
@@ -267,19 +308,38 @@ def cmd_fit(args) -> int:
 
     device = str(parse_device(args.device))
     new_tokens = count(args.new_tokens, "--new-tokens")
-    if args.budget == "auto":
+    buffer = DEFAULT_BUFFER if args.buffer is None else _size(args.buffer, "--buffer")
+    max_memory, device_map = _placement(args, device)
+    others: list[str] = []
+    if args.budget == "auto" and device == "cpu":
         from .calibrate.runs import budget_for
         from .probes.machine import machine_fingerprint
 
         budget = budget_for(device, machine_fingerprint(device), None)
+    elif args.budget == "auto":  # what is free now, on each GPU the run would use
+        from .estimator.estimate import placement_request
+        from .probes.machine import budget_from_free
+
+        placed = placement_request(max_memory, device_map, device)
+        gpus = [d for d in placed[0] if d.startswith("cuda")] if placed else [device]
+        budget = {}
+        for d in gpus:
+            budget[d], fm = budget_from_free(d, buffer)
+            others.append(fm.describe())
+        if placed is None:
+            budget = budget[device]
     else:
         budget = _size(args.budget, "--budget")
-    buffer = DEFAULT_BUFFER if args.buffer is None else _size(args.buffer, "--buffer")
-    if buffer >= budget:
-        raise UserError(f"--buffer ({buffer:,} B) must be below --budget ({budget:,} B)")
-    rows = fit_contexts(args.model, budget, device=device, db=args.db, buffer=buffer, new_tokens=new_tokens)
-    _out(json.dumps({"budget_bytes": budget, "buffer_bytes": buffer, "new_tokens": new_tokens, "rows": rows})
-         if args.json else present.fit_table(args.model, budget, buffer, rows))
+        if budget == 0:
+            raise UserError("--budget must be above zero, e.g. --budget 24GiB")
+    smallest = min(budget.values()) if isinstance(budget, dict) else budget
+    if buffer >= smallest:
+        raise UserError(f"--buffer ({buffer:,} B) must be below --budget ({smallest:,} B)")
+    rows = fit_contexts(args.model, budget, device=device, db=args.db, buffer=buffer, new_tokens=new_tokens,
+                        max_memory=max_memory, device_map=device_map)
+    _out(json.dumps({"budget_bytes": budget, "buffer_bytes": buffer, "new_tokens": new_tokens, "free": others,
+                     "rows": rows})
+         if args.json else present.fit_table(args.model, budget, buffer, rows, others))
     return 0
 
 
@@ -393,22 +453,29 @@ def _add_calibration(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="The one-shot job: estimate -> probe (load + generate) -> reconcile -> record "
                                    "-> verdict. Fits when the measured peak plus --buffer stays within the budget "
-                                   "(the device's total memory, or --budget). When it does not, proposes next "
-                                   "configurations with this machine's corrected estimates, in the order of "
-                                   "--prefer:\n\n"
+                                   "(what is free on the device when the check starts -- other processes are "
+                                   "named --, or --budget; with --max-memory, each GPU of the split on its own). "
+                                   "When it does not, proposes next configurations with this machine's corrected "
+                                   "estimates, in the order of --prefer:\n\n"
                                    "  quality     keep the weights' precision: smaller batch, then shorter context, "
-                                   "then an fp8 KV cache;\n              lower the weight quantization only when "
-                                   "the weights alone are over the budget\n"
-                                   "  context     keep the context: lower quantization, then fp8 KV, then batch, "
-                                   "the context last\n"
-                                   "  throughput  keep the batch: lower quantization, then context, the batch last\n"
+                                   "then an fp8 KV cache,\n              then offload layers to CPU; lower the "
+                                   "weight quantization only when nothing else fits\n"
+                                   "  context     keep the context: lower quantization, then fp8 KV, then offload to "
+                                   "CPU, then batch,\n              the context last\n"
+                                   "  throughput  keep the batch: lower quantization, then context, then batch; "
+                                   "offload to CPU last\n"
+                                   "\nOffload (\"offload N layers to CPU\") keeps the configuration and moves what "
+                                   "does not fit to RAM: every\ngenerated token then copies those weights over "
+                                   "PCIe (the proposal says how many bytes), and with\nbitsandbytes they load "
+                                   "unquantized (docs/placement.md).\n"
                                    "\nExit code 0 when it fits, 1 when it does not, 2 for bad input, 130/143 when "
                                    "interrupted (the run is recorded with its last stage).")
     c.add_argument("model")
     _add_model_args(c, ctx_help="whole context: prompt + new tokens (default 4096)")
     c.add_argument("--device", default="cuda:0")
     c.add_argument("--synthetic", action="store_true")
-    c.add_argument("--budget", default=None, help="memory to fit in (24GiB, 80GB, auto = the device's total)")
+    c.add_argument("--budget", default=None, help="memory to fit in, per GPU (24GiB, 80GB; default auto = what is "
+                                                  "free on each GPU when the check starts)")
     c.add_argument("--buffer", default=None, help="headroom to keep free (default 2GiB, as the documents advise)")
     c.add_argument("--prefer", default="quality", choices=POLICIES, help="order of adjustments (see above)")
     c.add_argument("--db")
@@ -424,11 +491,13 @@ def _add_calibration(sub) -> None:
 
     f = sub.add_parser("fit", help="the largest context per quant and batch that fits a budget")
     f.add_argument("model")
-    f.add_argument("--budget", required=True, help="24GiB, 80GB, or auto (the device's total memory)")
+    f.add_argument("--budget", required=True, help="24GiB, 80GB (each GPU of a split), or auto (what is free on "
+                                                   "each GPU now; the processes holding the rest are named)")
     f.add_argument("--buffer", default=None, help="headroom to keep free (default 2GiB)")
     f.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                    help=f"tokens each answer generates (default {NEW_TOKENS}); max ctx includes them")
     f.add_argument("--device", default="cuda:0")
+    _add_placement_args(f)
     f.add_argument("--db")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_fit)

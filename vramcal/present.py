@@ -27,10 +27,13 @@ def estimate_table(e) -> str:
     for key in ("weights", "kv_cache", "activations", "runtime"):
         lines.append(_row(key.replace("_", " "), e.components[key]))
     corrected = " (corrected)" if e.correction else ""
-    lines += ["", f"stages{corrected} (device memory in use; allocated in brackets)"]
-    for key in STAGES:
-        lines.append(_row(_stage_label(key, e.new_tokens), e.stages[key]) + f"   [{gib(e.allocated[key]):.2f} GiB]")
-    lines.append(_row("PEAK", e.peak) + f"   at {STAGE_LABELS.get(e.peak_stage, e.peak_stage)}")
+    if e.devices:
+        lines += [""] + placement_lines(e, corrected)
+    else:
+        lines += ["", f"stages{corrected} (device memory in use; allocated in brackets)"]
+        for key in STAGES:
+            lines.append(_row(_stage_label(key, e.new_tokens), e.stages[key]) + f"   [{gib(e.allocated[key]):.2f} GiB]")
+        lines.append(_row("PEAK", e.peak) + f"   at {STAGE_LABELS.get(e.peak_stage, e.peak_stage)}")
     if e.peak_breakdown:
         lines += ["", "the peak is made of"]
         for key, value in e.peak_breakdown.items():
@@ -51,6 +54,50 @@ def estimate_table(e) -> str:
     if e.correction:
         lines += ["", correction_table(e.correction)]
     return "\n".join(lines)
+
+
+def _cell(n: int | None, width: int = 12) -> str:
+    return f"{'n/a':>{width}}" if n is None else f"{gib(n):>{width - 4}.2f} GiB"
+
+
+def placement_lines(e, corrected: str = "") -> list[str]:
+    """The grouped map, what loads if transformers refuses it, and one column per device."""
+    p = e.placement
+    loads = p["alternative"] if p.get("refused") and p.get("alternative") else p
+    mm = ", ".join(f"{d}={gib(b):.2f} GiB" for d, b in p["max_memory"].items())
+    lines = [f"placement: device_map={p['strategy']!r}, max_memory {mm} (the installed transformers' own map)"]
+    lines += ["  " + line for line in _grouped(p)]
+    if p.get("refused"):
+        lines += ["  REFUSED by transformers: " + p["refused"].split(". ")[0] + ".",
+                  "  what loads instead: this map as a custom device_map, with "
+                  + ", ".join(f"{k}=True" for k, v in loads["load_kwargs"].get("quantization_config", {}).items()
+                              if v is True and k.startswith("llm_int8_enable")) + " (figures below are for it)"]
+    devs = list(e.devices)
+    gpus = [d for d in devs if d.startswith("cuda")]
+    head = f"  {'':<26}" + "".join(f"{d:>14}" for d in devs) + (f"{'GPUs total':>14}" if len(gpus) > 1 else "")
+    lines += ["", f"stages per device{corrected} (GPU: memory in use; cpu / disk: weights held there)", head]
+    for key in STAGES:
+        row = f"  {_stage_label(key, e.new_tokens):<26}" + "".join(f"{_cell(e.devices[d]['stages'][key], 14)}"
+                                                                  for d in devs)
+        lines.append(row + (_cell(e.stages[key], 14) if len(gpus) > 1 else ""))
+    lines.append(f"  {'PEAK':<26}" + "".join(_cell(max(e.devices[d]["stages"].values()), 14) for d in devs)
+                 + (_cell(e.peak, 14) if len(gpus) > 1 else ""))
+    lines += ["", "components per device"]
+    for key in ("weights", "kv_cache", "activations", "offload_transient", "runtime"):
+        lines.append(f"  {key.replace('_', ' '):<26}" + "".join(_cell(e.devices[d]["components"][key], 14)
+                                                                for d in devs))
+    if loads.get("pcie_bytes_per_token"):
+        lines.append(f"  PCIe per generated token: {fmt_gib_gb(loads['pcie_bytes_per_token'])} copied from cpu "
+                     f"to {loads['main_device']}")
+    if loads.get("disk_bytes_per_token"):
+        lines.append(f"  disk per generated token: {fmt_gib_gb(loads['disk_bytes_per_token'])} read and copied")
+    return lines
+
+
+def _grouped(p: dict) -> list[str]:
+    from .estimator.placement import Placement
+
+    return Placement.from_dict(p).grouped()
 
 
 def probe_table(r) -> str:
@@ -74,6 +121,16 @@ def probe_table(r) -> str:
     if u is not None:
         lines.append(f"  {u.stage + ' *':<12} {'':>26} {_g(u.peak_bytes):>26}   (* under way when the run stopped)")
     lines.append("  (estimate is the stage's peak; diff = measured peak - estimate)")
+    if getattr(r, "devices", None):
+        est_dev = (r.estimate or {}).get("devices") or {}
+        lines += ["", "  per device (GPU: NVML memory.used peak; cpu: the child's resident set above its baseline)",
+                  f"  {'stage':<12}" + "".join(f"{d + ' meas.':>18}{'est.':>12}" for d in r.devices)]
+        for name in ("load_peak", "post_load", "first_token", "end"):
+            row = f"  {name:<12}"
+            for d, st in r.devices.items():
+                e = est_dev.get(d, {}).get("stages", {}).get(name)
+                row += f"{_cell(st.get(name, {}).get('peak_bytes'), 18)}{_cell(e, 12)}"
+            lines.append(row)
     for n in r.notes:
         lines.append("  note: " + n)
     lines.append(f"  reproduce: {r.command}")
@@ -133,6 +190,13 @@ def check_table(r) -> str:
              f"  budget {fmt_gib_gb(v.budget_bytes)}, buffer {fmt_gib_gb(v.buffer_bytes)}, "
              f"measured peak {fmt_gib_gb(v.peak_bytes)} at {v.peak_stage}",
              f"  recorded as run {r.run_id} (machine {r.machine_id})" + (f", memo {r.memo_id}" if r.memo_id else "")]
+    if v.others:
+        lines += ["  budget read from free memory: " + line for line in v.others]
+        if v.held_by_others_bytes:
+            lines.append(f"  the measured peak above excludes the {fmt_gib_gb(v.held_by_others_bytes)} others held")
+    for dev, d in (v.devices or {}).items():
+        lines.append(f"  {dev}: peak {fmt_gib_gb(d['peak_bytes'])} at {d['peak_stage']}, budget "
+                     f"{fmt_gib_gb(d['budget_bytes'])}: " + ("fits" if d["fits"] else "DOES NOT FIT"))
     deltas = {k: v for k, v in (r.component_deltas or {}).items() if v is not None}
     if deltas:
         lines.append("  measured - estimated: " + ", ".join(f"{k} {v / 1024**3:+.3f} GiB" for k, v in deltas.items()))
@@ -144,17 +208,30 @@ def check_table(r) -> str:
         lines.append("next configurations to try (corrected estimate, p95 margin):")
         for p in r.proposals:
             lines.append(f"  {p['change']:<40} peak {fmt_gib_gb(p['corrected_peak_bytes'])}   {p['command']}")
+            if p.get("grouped"):
+                lines += [f"  {'':<40}   {g}" for g in p["grouped"]]
+            if p.get("warning"):
+                lines.append(f"  {'':<40}   WARNING {p['warning']}")
     elif not v.fits:
         lines.append("  no configuration within reach fits: a smaller model, or a larger device")
     return "\n".join(lines)
 
 
-def fit_table(model: str, budget: int, buffer: int, rows: list[dict]) -> str:
-    lines = [f"{model}: largest context within {fmt_gib_gb(budget)} minus a {fmt_gib_gb(buffer)} buffer",
-             f"  {'quant':<8} {'batch':>5} {'max ctx':>9} {'peak':>22}"]
+def fit_table(model: str, budget, buffer: int, rows: list[dict], free: list[str] | None = None) -> str:
+    within = (", ".join(f"{d} {fmt_gib_gb(b)}" for d, b in budget.items()) if isinstance(budget, dict)
+              else fmt_gib_gb(budget))
+    lines = [f"{model}: largest context within {within} minus a {fmt_gib_gb(buffer)} buffer"
+             + (" on each GPU" if isinstance(budget, dict) else "")]
+    lines += ["  free now: " + line for line in free or []]
+    lines.append(f"  {'quant':<8} {'batch':>5} {'max ctx':>9} {'peak':>22}")
     for r in rows:
         ctx = "none" if r["max_ctx"] is None else f"{r['max_ctx']:,}"
-        lines.append(f"  {r['quant']:<8} {r['batch']:>5} {ctx:>9} {fmt_gib_gb(r['peak_bytes']):>22}")
+        peak = f"{fmt_gib_gb(r['peak_bytes']):>22}"
+        if r.get("device_peaks"):
+            peak += "   " + ", ".join(f"{d} {gib(b):.2f} GiB" for d, b in r["device_peaks"].items())
+        if r.get("error"):
+            peak += "   " + r["error"]
+        lines.append(f"  {r['quant']:<8} {r['batch']:>5} {ctx:>9} {peak}")
     return "\n".join(lines)
 
 

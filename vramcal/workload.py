@@ -179,6 +179,8 @@ class Configuration:
     attn: str = "auto"
     cache: str = "dynamic"
     synthetic: bool = False
+    max_memory: dict[str, int] | str | None = None  # placement: {"cuda:0": bytes, "cpu": bytes} or its text
+    device_map: str | None = None  # auto | balanced | balanced_low_0 | sequential
 
     def command(self, verb: str, extra: list[str] | None = None) -> str:
         parts = ["vramcal", verb, self.model, "--quant", parse_quant(self.quant), *self.work.args(),
@@ -193,4 +195,23 @@ class Configuration:
             parts += ["--cache", choice(self.cache, CACHES, "--cache")]
         if self.synthetic:
             parts.append("--synthetic")
+        if self.max_memory is not None:
+            parts += ["--max-memory", max_memory_text(self.max_memory)]
+        if self.device_map is not None:
+            parts += ["--device-map", self.device_map]
         return shlex.join(parts + list(extra or []))
+
+
+def size_text(n: int) -> str:
+    """Exact bytes in the largest binary unit that divides them: ``24GiB``, ``1536MiB``, ``1000``."""
+    for unit, factor in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(int(n))
+
+
+def max_memory_text(max_memory: dict[str, int] | str) -> str:
+    """``--max-memory`` as the parser reads it back, to the byte."""
+    if isinstance(max_memory, str):
+        return max_memory.replace(" ", "")
+    return ",".join(f"{dev}={size_text(int(b))}" for dev, b in max_memory.items())

@@ -19,7 +19,7 @@ from ..records.store import Store, new_uuid
 from ..units import GIB, fmt_gib_gb
 from ..workload import NEW_TOKENS, Configuration, choice, parse_device, parse_dtype, workload
 from . import reconcile
-from .corrections import lookup, refit
+from .corrections import lookup, refit, refit_devices
 from .fleet import save_probe_unrecorded
 from .memo import memo_for
 from .proposals import POLICIES, propose
@@ -39,6 +39,9 @@ class Verdict:
     headroom_bytes: int | None  # budget - peak
     oom_stage: str | None
     reason: str
+    held_by_others_bytes: int = 0  # with a budget read from free memory: what others held when it was read
+    others: list[str] = field(default_factory=list)  # one line per device: free memory and who holds the rest
+    devices: dict[str, dict] | None = None  # a split run: per GPU {budget_bytes, peak_bytes, fits}
 
 
 @dataclass
@@ -57,8 +60,12 @@ class CheckResult:
         return asdict(self)
 
 
-def verdict_for(result, total: int, buffer: int) -> Verdict:
+def verdict_for(result, total: int, buffer: int, held: int = 0) -> Verdict:
+    """Fits when the measured peak, less what other processes ``held`` when the budget was read from
+    free memory (NVML's memory.used counts them), stays ``buffer`` below the budget ``total``."""
     peak, stage = measured_peak(result)
+    if peak is not None and held:
+        peak -= held
     if result.status == "oom":
         return Verdict(False, result.status, total, buffer, peak, stage, None, result.oom.get("stage"),
                        f"out of memory at {result.oom.get('stage')}")
@@ -72,12 +79,59 @@ def verdict_for(result, total: int, buffer: int) -> Verdict:
                    f"of {fmt_gib_gb(total)}")
 
 
+def placed_verdict(result, budgets: dict[str, int], buffer: int, held: dict[str, int]) -> Verdict:
+    """A split run fits when every GPU of the map, on its own, fits its budget minus the buffer."""
+    per: dict[str, dict] = {}
+    for dev, total in budgets.items():
+        stages = (getattr(result, "devices", None) or {}).get(dev, {})
+        peaks = [(st.get("peak_bytes"), name) for name, st in stages.items()
+                 if name not in ("baseline", "context") and st.get("peak_bytes") is not None]
+        peak, stage = max(peaks) if peaks else (None, None)
+        if peak is not None:
+            peak -= held.get(dev, 0)
+        per[dev] = {"budget_bytes": total, "peak_bytes": peak, "peak_stage": stage,
+                    "fits": peak is not None and peak <= total - buffer}
+    main = verdict_for(result, budgets[result.device], buffer, held.get(result.device, 0))
+    worst = max(per, key=lambda d: (per[d]["peak_bytes"] or 0) - per[d]["budget_bytes"])
+    if result.status == "ok":
+        fits = all(v["fits"] for v in per.values())
+        w = per[worst]
+        main.fits = fits
+        main.peak_bytes, main.peak_stage, main.budget_bytes = w["peak_bytes"], w["peak_stage"], w["budget_bytes"]
+        main.headroom_bytes = None if w["peak_bytes"] is None else w["budget_bytes"] - w["peak_bytes"]
+        main.reason = (f"every GPU fits; the tightest, {worst}, with {fmt_gib_gb(main.headroom_bytes)} headroom" if fits
+                       else f"{worst} peaks at {fmt_gib_gb(w['peak_bytes'])}, over its {fmt_gib_gb(w['budget_bytes'])} "
+                            f"less the {fmt_gib_gb(buffer)} buffer")
+    main.devices = per
+    return main
+
+
+def budgets_for(devices: list[str], fp: dict, budget: int | None, buffer: int) -> tuple[dict[str, int], dict, list]:
+    """The budget of each GPU: ``budget`` when given (each GPU), else its free memory now (NVML, the one
+    door), with what others held and one line per device saying who. Returns (budgets, held, lines)."""
+    from ..probes.machine import budget_from_free
+
+    if budget is not None:
+        return {d: budget for d in devices}, {}, []
+    budgets, held, lines = {}, {}, []
+    for d in devices:
+        free, fm = budget_from_free(d, buffer)
+        budgets[d], held[d] = free, fm.held_bytes or 0
+        lines.append(fm.describe())
+    return budgets, held, lines
+
+
 def check(model: str, quant: str = "auto", ctx: int | None = None, batch: int = 1, *, device: str = "cuda:0",
           db: str | None = None, budget: int | None = None, buffer: int = DEFAULT_BUFFER, prefer: str = "quality",
           synthetic: bool = False, attn: str = "auto", dtype: str | None = None, kv_dtype: str = "auto",
           cache: str = "dynamic", new_tokens: int = NEW_TOKENS, prompt: int | None = None,
-          interval_ms: float = 5.0, on_event=None) -> CheckResult:
-    from ..probes.machine import machine_fingerprint, stack_key
+          interval_ms: float = 5.0, on_event=None, max_memory: dict | str | None = None,
+          device_map: str | None = None) -> CheckResult:
+    """``budget`` None: each GPU's free memory when the check starts (other processes' share named in the
+    verdict). ``max_memory`` / ``device_map`` split the model (docs/placement.md): every GPU of the map
+    is measured and must fit its own budget; corrections are refitted per device position."""
+    from ..estimator.estimate import placement_request
+    from ..probes.machine import free_memory, machine_fingerprint, stack_key
     from ..probes.probe import ProbeInterrupted, preflight, run_probe
 
     # ---- validate everything first: nothing is written for bad input
@@ -87,15 +141,28 @@ def check(model: str, quant: str = "auto", ctx: int | None = None, batch: int = 
     dtype = parse_dtype(dtype)
     source = resolve_model(model)
     spec = resolve_quant(quant, source.config, dtype)
-    preflight(source, spec, dev, synthetic, interval_ms)
+    placed = placement_request(max_memory, device_map, dev)
+    preflight(source, spec, dev, synthetic, interval_ms, kv_dtype, cache, max_memory, device_map)
+    est_obj = _estimate(source, quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens, dtype=dtype,
+                        attn=attn, kv_dtype=kv_dtype, cache=cache, device="cpu" if dev == "cpu" else "cuda",
+                        max_memory=max_memory, device_map=device_map)
+    est = est_obj.to_dict()
+    gpus = [d for d in (est_obj.devices or {}) if d.startswith("cuda")]
+    if placed is not None:
+        dev = est_obj.placement["main_device"] if not est_obj.placement.get("alternative") \
+            else est_obj.placement["alternative"]["main_device"]
     fp = machine_fingerprint(dev)
-    total = budget_for(dev, fp, budget)
-    if buffer >= total:
-        raise UserError(f"--buffer {fmt_gib_gb(buffer)} leaves nothing of the {fmt_gib_gb(total)} budget")
-    est = _estimate(source, quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens, dtype=dtype,
-                    attn=attn, kv_dtype=kv_dtype, cache=cache, device="cpu" if dev == "cpu" else "cuda").to_dict()
+    if dev == "cpu" or budget is not None and placed is None:
+        budgets, held, others = {dev: budget_for(dev, fp, budget)}, {}, []
+    else:
+        budgets, held, others = budgets_for(gpus or [dev], fp, budget, buffer)
+    total = budgets[dev]
+    if buffer >= min(budgets.values()):
+        raise UserError(f"--buffer {fmt_gib_gb(buffer)} leaves nothing of the {fmt_gib_gb(min(budgets.values()))} budget")
     config = Configuration(source.ref, work, quant=quant, device=dev, dtype=dtype, kv_dtype=kv_dtype, attn=attn,
-                           cache=cache, synthetic=synthetic)
+                           cache=cache, synthetic=synthetic,
+                           max_memory=None if placed is None else placed[0],
+                           device_map=None if placed is None or device_map is None else placed[1])
     cmd = config.command("check")
 
     with Store(db) as store:
@@ -105,7 +172,8 @@ def check(model: str, quant: str = "auto", ctx: int | None = None, batch: int = 
         run_id = begin_run(store, machine_id, {"model": source.name, "config_hash": source.config_hash,
                                                "quant": spec.name, "quant_implementation": spec.implementation,
                                                "dtype": spec.dtype, "ctx": work.ctx, "batch": work.batch,
-                                               "attn": attn, "device": dev, "kv_dtype": kv_dtype}, est, cmd,
+                                               "attn": attn, "kv_dtype": kv_dtype,
+                                               "device": ",".join(est_obj.devices) if placed else dev}, est, cmd,
                            uuid=run_uuid)
         journal = Journal(store, run_id)
 
@@ -125,7 +193,7 @@ def check(model: str, quant: str = "auto", ctx: int | None = None, batch: int = 
             result = run_probe(source, quant, work.ctx, work.batch, device=dev, synthetic=synthetic,
                                interval_ms=interval_ms, dtype=dtype, attn=attn, command=cmd, with_estimate=False,
                                new_tokens=work.new_tokens, kv_dtype=kv_dtype, cache=cache, journal=journal,
-                               on_event=on_event)
+                               on_event=on_event, max_memory=max_memory, device_map=device_map)
         except ProbeInterrupted as exc:  # Ctrl-C or SIGTERM: the record keeps what was measured
             keep(exc.result)
             raise
@@ -135,16 +203,24 @@ def check(model: str, quant: str = "auto", ctx: int | None = None, batch: int = 
             raise
         keep(result)
         stack = stack_key(fp)
-        corr = refit(store, machine_id, stack, spec.name, source.config_hash)
-        verdict = verdict_for(result, total, buffer)
-        out = CheckResult(run_id, machine_id, verdict, result.to_dict(),
-                          {k: asdict(v) for k, v in corr.stages.items()}, reconcile.component_deltas(result),
-                          command=cmd)
+        if placed is None:
+            corr = refit(store, machine_id, stack, spec.name, source.config_hash)
+            verdict = verdict_for(result, total, buffer, held.get(dev, 0))
+            corrections = {k: asdict(v) for k, v in corr.stages.items()}
+        else:  # a correction per device position
+            per = refit_devices(store, machine_id, stack, spec.name, source.config_hash, gpus)
+            verdict = placed_verdict(result, budgets, buffer, held)
+            corrections = {f"{d} {k}": asdict(v) for d, c in per.items() for k, v in c.stages.items()}
+        verdict.others = others
+        verdict.held_by_others_bytes = held.get(dev, 0)
+        out = CheckResult(run_id, machine_id, verdict, result.to_dict(), corrections,
+                          reconcile.component_deltas(result), command=cmd)
         out.probe.pop("samples", None)
         if verdict.fits:
             out.memo_id = store.add_memo(run_id, memo_for(store.run(run_id)))
-        else:
+        elif placed is None:
             out.proposals = propose(source, "auto" if spec.pre_quantized else spec.name, work, total - buffer,
                                     lambda q: lookup(store, fp, q, source.config_hash), prefer, dev,
-                                    attn=attn, synthetic=synthetic, requantize=not spec.pre_quantized)
+                                    attn=attn, synthetic=synthetic, requantize=not spec.pre_quantized,
+                                    cpu_bytes=None if dev == "cpu" else free_memory("cpu").free_bytes)
     return out

@@ -1,57 +1,90 @@
-"""``fit``: the largest context per quantization and batch that stays within a budget."""
+"""``fit``: the largest context per quantization and batch that stays within a budget.
+
+One device: the corrected peak (p95 margin) within ``budget - buffer``. Split across devices
+(``max_memory`` / ``device_map``, docs/placement.md): the placement is planned once per quantization,
+and every GPU of the plan that loads must stay within its own budget minus the buffer, each with the
+correction of its device position when this machine has one.
+"""
 
 from __future__ import annotations
 
 from ..estimator.correction import apply
-from ..estimator.estimate import Estimator
+from ..estimator.estimate import Estimator, placement_request
 from ..estimator.quant import resolve_quant
 from ..estimator.resolve import resolve_model, text_config
-from ..workload import MAX_TOKENS, NEW_TOKENS, Workload
-from .corrections import existing_store, lookup
+from ..workload import MAX_TOKENS, NEW_TOKENS, STAGES, Workload
+from .corrections import existing_store, lookup, lookup_device
 
 FIT_QUANTS = ("bf16", "int8", "nf4-dq", "nf4")
 FIT_BATCHES = (1, 2, 4, 8)
 
 
-def fit_contexts(model: str, budget: int, *, device: str, db: str | None, buffer: int,
-                 quants=FIT_QUANTS, batches=FIT_BATCHES, new_tokens: int = NEW_TOKENS) -> list[dict]:
+def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: str | None, buffer: int,
+                 quants=FIT_QUANTS, batches=FIT_BATCHES, new_tokens: int = NEW_TOKENS,
+                 max_memory: dict | str | None = None, device_map: str | None = None) -> list[dict]:
     """The largest ctx (prompt + ``new_tokens``) per quant and batch whose corrected estimate, at the p95
     of this machine's residuals, stays within ``budget - buffer``; searched up to the model's
-    ``max_position_embeddings``."""
+    ``max_position_embeddings``. ``budget`` is one figure, or with a placement one per GPU
+    ({"cuda:0": bytes, ...}; a single figure applies to each GPU)."""
     from ..probes.machine import machine_fingerprint
 
+    placed = placement_request(max_memory, device_map, device)
     source = resolve_model(model)
-    fp = machine_fingerprint(device)
-    corr_by_quant = {}
+    main = device if placed is None else next(d for d in placed[0] if d.startswith("cuda"))
+    fp = machine_fingerprint(main)
+    gpus = [d for d in placed[0] if d.startswith("cuda")] if placed else [device]
+    corr_by_quant: dict[str, dict[str, dict]] = {}
     store = existing_store(db)
     if store is not None:
         with store:
-            corr_by_quant = {q: lookup(store, fp, q, source.config_hash).stages for q in quants}
-    usable = budget - buffer
+            for q in quants:
+                if placed is None:
+                    corr_by_quant[q] = {device: lookup(store, fp, q, source.config_hash).stages}
+                else:
+                    corr_by_quant[q] = {d: lookup_device(store, fp, d, q, source.config_hash).stages for d in gpus}
+    budgets = budget if isinstance(budget, dict) else {d: budget for d in gpus}
     max_ctx = min(int(text_config(source.config).get("max_position_embeddings") or 131072), MAX_TOKENS)
     kind = "cpu" if device.startswith("cpu") else "cuda"
     rows = []
     for q in quants:
-        est = Estimator(source, resolve_quant(q, source.config), device=kind)
+        spec = resolve_quant(q, source.config)
+        est = Estimator(source, spec, device=kind)
+        plan = None
+        if placed is not None:
+            from ..errors import UserError
+            from ..estimator.placement import plan_placement
+
+            try:
+                plan = plan_placement(source, spec, placed[0], placed[1])
+            except UserError as exc:  # e.g. no layer of this quantization fits the GPUs: said in the row
+                rows += [{"quant": q, "batch": b, "max_ctx": None, "new_tokens": new_tokens, "peak_bytes": None,
+                          "error": str(exc)} for b in batches]
+                continue
         corr = corr_by_quant.get(q, {})
 
-        def peak(c: int, b: int) -> int:
-            pt = est.sweep([(c, b)], new_tokens=new_tokens)[0]
-            stages = {k: pt[k] for k in ("load_peak", "post_load", "first_token", "end")}
-            return max(apply(stages, c * b, corr, margin="p95").values())
+        def over(c: int, b: int) -> tuple[bool, int, dict[str, int]]:
+            """(over some budget, the highest peak, peak per GPU) at ctx c, batch b."""
+            pt = est.sweep([(c, b)], new_tokens=new_tokens, placement=plan)[0]
+            per = pt["devices"] if plan is not None else {device: {k: pt[k] for k in STAGES}}
+            peaks = {d: max(apply({k: st[k] for k in STAGES}, c * b, corr.get(d, {}), margin="p95").values())
+                     for d, st in per.items() if d.startswith("cuda") or plan is None}
+            return any(p > budgets.get(d, 0) - buffer for d, p in peaks.items()), max(peaks.values()), peaks
 
         for b in batches:
             lo, hi = new_tokens + 1, max(max_ctx, new_tokens + 1)
-            if peak(lo, b) > usable:
-                rows.append({"quant": q, "batch": b, "max_ctx": None, "new_tokens": new_tokens,
-                             "peak_bytes": peak(lo, b)})
+            bad, peak, per = over(lo, b)
+            if bad:
+                rows.append({"quant": q, "batch": b, "max_ctx": None, "new_tokens": new_tokens, "peak_bytes": peak,
+                             **({"device_peaks": per} if plan is not None else {})})
                 continue
-            while lo < hi:  # largest ctx with peak <= usable
+            while lo < hi:  # largest ctx within every budget
                 mid_c = (lo + hi + 1) // 2
-                if peak(mid_c, b) <= usable:
+                if not over(mid_c, b)[0]:
                     lo = mid_c
                 else:
                     hi = mid_c - 1
-            rows.append({"quant": q, "batch": b, "max_ctx": lo, "new_tokens": new_tokens, "peak_bytes": peak(lo, b),
-                         "workload": Workload(lo - new_tokens, new_tokens, b).args()})
+            _, peak, per = over(lo, b)
+            rows.append({"quant": q, "batch": b, "max_ctx": lo, "new_tokens": new_tokens, "peak_bytes": peak,
+                         "workload": Workload(lo - new_tokens, new_tokens, b).args(),
+                         **({"device_peaks": per} if plan is not None else {})})
     return rows

@@ -86,7 +86,7 @@ def find_correction(store: Store, fingerprint: dict, quant: str, config_hash: st
                 return FoundCorrection(corr, "machine", scope, key, ckey, [fingerprint.get("hostname") or "?"],
                                        sorted({r for c in corr.values() for r in c.source_runs}))
         if class_rows is None:
-            class_rows = store.stage_rows(class_key=ckey)
+            class_rows = [r for r in store.stage_rows(class_key=ckey) if "," not in (r.get("device") or "")]
         pooled = reconcile.rows_in(class_rows, where)
         corr = reconcile.fit_corrections(pooled)
         if corr:
@@ -123,6 +123,7 @@ def refit(store: Store, machine_id: int, stack: str, quant: str, config_hash: st
     names = SCOPE_NAMES[-len(scopes):]
 
     def fit(rows: list[dict]):
+        rows = [r for r in rows if "," not in (r.get("device") or "")]  # a split's corrections are per device
         writes, best = [], CorrectionSet({})
         for (key, where), name in zip(scopes, names):
             corr = reconcile.fit_corrections(reconcile.rows_in(rows, where))

@@ -10,17 +10,35 @@ Policies (the source documents disagree on the order, so each is offered):
 - ``throughput`` keep the batch: lower the weight quantization first, then the context, the batch
                  last ("lower the quantization, then the context, then the batch").
 
+Offload is a rung of each ladder: "offload N layers to CPU" keeps the configuration as asked and
+lets accelerate hold the layers that do not fit in RAM (docs/placement.md). It costs speed, not
+memory: every generated token copies those weights over PCIe to the GPU (the proposal says how many
+bytes). With bitsandbytes the offloaded layers stay unquantized (the installed transformers refuses
+``device_map="auto"`` with a CPU spill; the proposal's command loads the custom map with
+``llm_int8_enable_fp32_cpu_offload``, as ``vramcal probe`` does). Where it sits:
+
+- ``quality``    after the fp8 KV cache, before any lower quantization (offload keeps the precision);
+- ``context``    after the lowest quantization with an fp8 KV cache, before the batch and the context;
+- ``throughput`` last of all: a PCIe copy of the offloaded weights at every token is the opposite of
+                 throughput.
+
+The offload rung is computed only for a GPU and when the available RAM is known: the GPU's share is
+searched so that its corrected peak (p95) fits the budget, with the CPU given the RAM available now.
+
 Each proposal carries its corrected estimate (at the p95 of this machine's residuals) and the
 ``vramcal check`` command that tries it, built by :class:`vramcal.workload.Configuration`.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..errors import UserError
 from ..estimator.correction import apply
 from ..estimator.estimate import Estimator
 from ..estimator.quant import resolve_quant
 from ..estimator.resolve import ModelSource
+from ..units import MIB, fmt_gib_gb
 from ..workload import Configuration, Workload
 
 POLICIES = ("quality", "context", "throughput")
@@ -43,7 +61,15 @@ def _halves(n: int, floor: int) -> list[int]:
     return out
 
 
-def ladder(quant: str, work: Workload, prefer: str, requantize: bool = True) -> list[tuple[str, Workload, str, str]]:
+class Step(NamedTuple):
+    quant: str
+    work: Workload
+    kv_dtype: str
+    change: str
+    offload: bool = False  # keep the rest, offload to CPU what does not fit on the GPU
+
+
+def ladder(quant: str, work: Workload, prefer: str, requantize: bool = True) -> list[Step]:
     """The steps of a policy, in order: (quant, workload, kv dtype, what changed). Contexts halve down
     to 1024 (or to the new tokens + 1 for short runs); the new tokens stay what the user asked for. A
     pre-quantized checkpoint loads only as stored (``requantize=False``): no quantization steps."""
@@ -58,15 +84,17 @@ def ladder(quant: str, work: Workload, prefer: str, requantize: bool = True) -> 
     def w(ctx: int = work.ctx, batch: int = work.batch) -> Workload:
         return Workload(ctx - work.new_tokens, work.new_tokens, batch)
 
-    steps: list[tuple[str, Workload, str, str]] = []
+    steps: list[tuple] = []
     if prefer == "quality":
         steps += [(quant, w(batch=b), "auto", f"batch {work.batch} -> {b}") for b in batches]
         steps += [(quant, w(c, 1 if batches else work.batch), "auto", f"ctx {work.ctx} -> {c}") for c in ctxs]
         steps += [(quant, w(), "fp8", "fp8 KV cache")]
+        steps += [(quant, w(), "auto", "offload to CPU", True)]
         steps += [(q, w(), "auto", f"quant {quant} -> {q}") for q in quants]
     elif prefer == "context":
         steps += [(q, w(), "auto", f"quant {quant} -> {q}") for q in quants]
         steps += [(low, w(), "fp8", "lowest quant + fp8 KV cache")]
+        steps += [(low, w(), "auto", ("lowest quant, " if low != quant else "") + "offload to CPU", True)]
         steps += [(low, w(batch=b), "auto", f"lowest quant, batch {work.batch} -> {b}") for b in batches]
         steps += [(low, w(c, 1), "auto", f"lowest quant, batch 1, ctx {work.ctx} -> {c}") for c in ctxs]
     else:  # throughput
@@ -74,33 +102,87 @@ def ladder(quant: str, work: Workload, prefer: str, requantize: bool = True) -> 
         steps += [(low, w(c), "auto", f"lowest quant, ctx {work.ctx} -> {c}") for c in ctxs]
         steps += [(low, w(ctxs[-1] if ctxs else work.ctx, b), "auto", f"lowest quant and ctx, batch {work.batch} -> {b}")
                   for b in batches]
-    return steps
+        steps += [(low, w(), "auto", ("lowest quant, " if low != quant else "") + "offload to CPU", True)]
+    return [Step(*s) for s in steps]
 
 
 def propose(source: ModelSource, quant: str, work: Workload, usable: int, corrections_for, prefer: str,
             device: str, attn: str = "auto", synthetic: bool = False, limit: int = 3,
-            requantize: bool = True) -> list[dict]:
+            requantize: bool = True, cpu_bytes: int | None = None) -> list[dict]:
     """Concrete next configurations, in the policy's order, whose corrected estimate (p95 margin) fits
-    ``usable`` bytes; ``corrections_for(quant)`` gives this machine's corrections for a quantization."""
+    ``usable`` bytes; ``corrections_for(quant)`` gives this machine's corrections for a quantization.
+    ``cpu_bytes``: RAM available for offloaded layers (no offload rung when None or on the CPU)."""
     estimators: dict[tuple[str, str], Estimator] = {}
     kind = "cpu" if device.startswith("cpu") else "cuda"
     out = []
-    for q, w, kv, what in ladder(quant, work, prefer, requantize):
+    for step in ladder(quant, work, prefer, requantize):
+        q, w, kv, what = step.quant, step.work, step.kv_dtype, step.change
         key = (q, kv)
+        if step.offload and (kind == "cpu" or not cpu_bytes):
+            continue
         try:
             if key not in estimators:
                 estimators[key] = Estimator(source, resolve_quant(q, source.config), attn=attn, kv_dtype=kv,
                                             device=kind)
-            e = estimators[key].estimate(batch=w.batch, prompt=w.prompt, new_tokens=w.new_tokens, exact=False)
+            if step.offload:
+                found = offload_step(estimators[key], w, usable, corrections_for(q), device, cpu_bytes)
+                if found is None:
+                    continue
+                e, peak, max_memory, plan = found
+                what = f"{what[:-len('offload to CPU')]}offload {_offloaded_layers(plan)} to CPU"
+            else:
+                e = estimators[key].estimate(batch=w.batch, prompt=w.prompt, new_tokens=w.new_tokens, exact=False)
+                max_memory = plan = None
         except UserError:
             continue
-        fixed = apply(e.stages, w.tokens, corrections_for(q).stages, margin="p95")
-        peak = max(fixed.values())
+        if not step.offload:
+            peak = max(apply(e.stages, w.tokens, corrections_for(q).stages, margin="p95").values())
         if peak <= usable:
-            cfg = Configuration(source.name, w, quant=q, device=device, kv_dtype=kv, attn=attn, synthetic=synthetic)
-            out.append({"quant": q, "ctx": w.ctx, "batch": w.batch, "new_tokens": w.new_tokens, "kv_dtype": kv,
-                        "change": what, "corrected_peak_bytes": peak, "raw_peak_bytes": e.peak,
-                        "command": cfg.command("check")})
+            cfg = Configuration(source.name, w, quant=q, device=device, kv_dtype=kv, attn=attn, synthetic=synthetic,
+                                max_memory=max_memory)
+            row = {"quant": q, "ctx": w.ctx, "batch": w.batch, "new_tokens": w.new_tokens, "kv_dtype": kv,
+                   "change": what, "corrected_peak_bytes": peak, "raw_peak_bytes": e.peak,
+                   "command": cfg.command("check")}
+            if plan is not None:
+                loads = plan.alternative if plan.refused and plan.alternative else plan
+                row.update(max_memory=max_memory, device_map=dict(loads.device_map), grouped=loads.grouped(),
+                           pcie_bytes_per_token=loads.pcie_bytes_per_token,
+                           warning=f"slow: every generated token copies {fmt_gib_gb(loads.pcie_bytes_per_token)} of "
+                                   f"offloaded weights over PCIe to {loads.main_device}"
+                                   + (f"; they stay unquantized ({loads.weights.get('cpu', 0):,} bytes in RAM)"
+                                      if plan.refused else ""))
+            out.append(row)
             if len(out) >= limit:
                 break
     return out
+
+
+def _offloaded_layers(plan) -> str:
+    loads = plan.alternative if plan.refused and plan.alternative else plan
+    n = sum(1 for d in loads.layer_devices if d in ("cpu", "disk"))
+    return f"{n} of {len(loads.layers)} layers" if n else "the modules that do not fit"
+
+
+def offload_step(est: Estimator, w: Workload, usable: int, corrections, device: str, cpu_bytes: int,
+                 tries: int = 6):
+    """The largest GPU share (``max_memory[device]``, whole MiB) whose placed estimate -- corrected at
+    the p95 -- peaks within ``usable`` on ``device``, with ``cpu_bytes`` for the CPU. Returns
+    (estimate, corrected GPU peak, max_memory, plan) or None (no share fits, or nothing spills)."""
+    from ..estimator.placement import plan_placement
+
+    plain = est.estimate(batch=w.batch, prompt=w.prompt, new_tokens=w.new_tokens, exact=False)
+    share = usable - (plain.peak - plain.components["weights"])  # what the weights may take at first
+    for _ in range(tries):
+        share = share // MIB * MIB
+        if share <= 0:
+            return None
+        mm = {device: share, "cpu": cpu_bytes // MIB * MIB}
+        plan = plan_placement(est.source, est.quant, mm, "auto")
+        e = est.estimate(batch=w.batch, prompt=w.prompt, new_tokens=w.new_tokens, exact=False, placement=plan)
+        if "cpu" not in e.devices and "disk" not in e.devices:
+            return None  # nothing spilled: the plain rungs already cover this
+        peak = max(apply(e.devices[device]["stages"], w.tokens, corrections.stages, margin="p95").values())
+        if peak <= usable:
+            return e, peak, mm, plan
+        share -= peak - usable + MIB
+    return None

@@ -27,6 +27,9 @@ def stage_rows(result) -> list[dict]:
     measured figures follow the probe's one baseline rule (``ProbeResult.measured``); the baseline row
     itself is kept as read, so the absolute figure stays in the records."""
     est = (result.estimate or {}).get("stages", {})
+    placed = ((result.estimate or {}).get("devices") or {}).get(result.device)
+    if placed:  # a split run: the main device's series beside the main device's estimate, not the GPU sum
+        est = placed["stages"]
     measured = result.measured()
     absolute = result.readings()
     rows = []
@@ -36,6 +39,19 @@ def stage_rows(result) -> list[dict]:
         rows.append({"stage": name, "estimated_bytes": est.get(name), "measured_peak_bytes": r.peak_bytes,
                      "measured_used_bytes": r.used_bytes, "torch_max_allocated": r.torch_max_allocated,
                      "torch_max_reserved": r.torch_max_reserved})
+    return rows
+
+
+def device_stage_rows(result) -> list[dict]:
+    """Rows for the ``device_stages`` table of a split run: per device and stage, the estimate beside
+    the measurement (GPUs: NVML; ``cpu``: the child's resident set above its baseline)."""
+    est = (result.estimate or {}).get("devices") or {}
+    rows = []
+    for dev, stages in (getattr(result, "devices", None) or {}).items():
+        e = est.get(dev, {}).get("stages", {})
+        for name, st in stages.items():
+            rows.append({"device": dev, "stage": name, "estimated_bytes": e.get(name),
+                         "measured_peak_bytes": st.get("peak_bytes"), "measured_used_bytes": st.get("used_bytes")})
     return rows
 
 

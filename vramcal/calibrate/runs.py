@@ -61,8 +61,14 @@ def record_probe(store: Store, machine_id: int, result, estimate: dict | None, r
                                                "attn": result.attn, "device": result.device}, estimate,
                            result.command)
     d = result.to_dict()
-    samples = [(s["t"], result.series, s.get(result.series)) for s in d.pop("samples") if result.series]
+    devices = getattr(result, "devices", None)
+    # a split run keeps every sampled series (each GPU of the map, the child's RAM); others their one
+    keys = ([f"gpu{dev.split(':')[1]}" for dev in devices if dev.startswith("cuda")] + ["rss"]) if devices \
+        else ([result.series] if result.series else [])
+    samples = [(s["t"], k, s.get(k)) for s in d.pop("samples") for k in keys]
     store.finish_run(run_id, d, reconcile.stage_rows(result), samples)
+    if devices:
+        store.add_device_stages(run_id, reconcile.device_stage_rows(result))
     return run_id
 
 

@@ -72,9 +72,26 @@ class Estimate:
     warnings: list[str] = field(default_factory=list)  # inputs beyond the model's or the device's limits
     correction: dict | None = None  # raw stages, the correction, its source (when one was applied)
     mode: str = "full"
+    # Placement (``--max-memory`` / ``--device-map``; docs/placement.md). ``placement`` is the plan's dict
+    # (``device_map`` {module: "cuda:0" | "cpu" | "disk"}, ``refused``, ``alternative`` ...); ``devices``
+    # {device: {"stages", "allocated", "components"}} are the figures of the plan that loads (the
+    # alternative when transformers refuses the asked one). With a placement, ``stages``, ``allocated``
+    # and ``peak`` are summed over the GPUs; ``peak_device`` is the GPU with the highest peak.
+    placement: dict | None = None
+    devices: dict[str, dict] | None = None
+    peak_device: str | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.placement is not None:
+            d["device_map"] = self.placement["device_map"]
+        return d
+
+    def device_peaks(self) -> dict[str, int]:
+        """Each GPU's highest stage (placement), or {device: peak} for one device."""
+        if not self.devices:
+            return {self.device: self.peak}
+        return {d: max(v["stages"].values()) for d, v in self.devices.items() if d.startswith("cuda")}
 
     @property
     def workload(self) -> Workload:
@@ -92,6 +109,33 @@ class Estimate:
                 "source_runs": corrections.source_runs, "scope": corrections.scope, "hosts": corrections.hosts}
         peak_stage = max(fixed, key=fixed.get)
         return replace(self, stages=fixed, peak=fixed[peak_stage], peak_stage=peak_stage, correction=info)
+
+    def corrected_devices(self, by_device: dict[str, CorrectionSet]) -> Estimate:
+        """A placed estimate with each device's own correction (a correction belongs to a machine, a
+        stack and a device position: ``cuda:1`` of a split is not ``cuda:0`` of it). The GPU sums are
+        recomputed; ``correction`` keeps the raw sums and, under ``devices``, each device's source."""
+        if not self.devices or not any(by_device.values()):
+            return replace(self, correction=None)
+        tokens = self.ctx * self.batch
+        devices = {d: dict(v) for d, v in self.devices.items()}
+        per: dict[str, dict] = {}
+        for d, c in by_device.items():
+            if c and d in devices:
+                fixed = apply(devices[d]["stages"], tokens, c.stages)
+                per[d] = {"raw": devices[d]["stages"], "corrected": fixed, "source_runs": c.source_runs,
+                          "scope": c.scope}
+                devices[d]["stages"] = fixed
+        gpus = [d for d in devices if d.startswith("cuda")]
+        raw = dict(self.stages)
+        fixed = {k: sum(devices[d]["stages"][k] for d in gpus) for k in raw}
+        peak_stage = max(fixed, key=fixed.get)
+        info = {"raw": raw, "corrected": fixed, "delta": {k: fixed[k] - raw[k] for k in raw},
+                "p95_residual": {}, "source_runs": sorted({r for v in per.values() for r in v["source_runs"]}),
+                "scope": "per device position: " + ", ".join(f"{d} ({v['scope']})" for d, v in per.items()),
+                "hosts": [], "devices": per}
+        peak_device = max(gpus, key=lambda d: max(devices[d]["stages"].values())) if gpus else None
+        return replace(self, devices=devices, stages=fixed, peak=fixed[peak_stage], peak_stage=peak_stage,
+                       peak_device=peak_device, correction=info)
 
 
 def _act_cache_key(quant: QuantSpec, attn: str, cache: str, kv_dtype: str, target: str) -> QuantSpec:
@@ -209,7 +253,9 @@ class Estimator:
     # ---------------------------------------------------------------- the estimate
     def estimate(self, ctx: int | None = None, batch: int = 1, device: str | None = None,
                  runtime: RuntimeProfile | None = None, exact: bool = True, new_tokens: int = NEW_TOKENS,
-                 prompt: int | None = None) -> Estimate:
+                 prompt: int | None = None, placement=None) -> Estimate:
+        """``placement`` (a :class:`~vramcal.estimator.placement.Placement` of this model and quant) adds
+        per-device figures: see :meth:`_place`."""
         work = workload(ctx, batch, new_tokens, prompt)
         device = self._same_kind(device)
         self._ensure_dry_run(work.batch, work.prompt, exact)
@@ -261,8 +307,8 @@ class Estimator:
         formula, diffs = _compare_formula(tc, inv, self.quant, work, components)
         if self.attn_used == "eager":
             notes.append("eager attention materialises batch x heads x seq x seq scores: the prefill grows with ctx^2")
-        warnings = _warnings(tc, work, peak, device)
-        return Estimate(
+        warnings = _warnings(tc, work, peak if placement is None else 0, device)
+        out = Estimate(
             model=self.source.name, architecture=inv.architecture, quant=self.quant.name,
             quant_implementation=self.quant.implementation, dtype=inv.dtype, ctx=ctx, batch=batch,
             kv_dtype=self.kv_dtype, attn=self.attn_used, cache=self.cache, device=device,
@@ -271,6 +317,72 @@ class Estimator:
             kv_breakdown=kv_by_kind, formula=formula, differences=diffs, notes=notes,
             runtime_source=rt.source, config_hash=self.source.config_hash, prompt=work.prompt,
             new_tokens=work.new_tokens, peak_stage=peak_stage, peak_breakdown=breakdown, warnings=warnings)
+        if placement is not None:
+            self._place(out, placement, work, kv_prompt, kv_end, prefill_extra, decode_extra, runtime)
+        return out
+
+    def _kv_layers_or_split(self, work: Workload, kv_prompt: int, kv_end: int) -> tuple[list[int], list[int]]:
+        """Per decoder layer: the cache after the prefill and at the end. Without the measured layer
+        layout (formula path), the totals split evenly over the layers."""
+        if self._kv is not None:
+            if self.cache == "static":
+                prompt = [layer.bytes_at(work.ctx, work.batch) for layer in self._kv]
+            else:
+                prompt = [work.batch * (layer.fixed_bytes + layer.bytes_per_token * work.prompt) for layer in self._kv]
+            return prompt, self._kv_end_layers(work)
+        n = max(int(text_config(self.source.config).get("num_hidden_layers") or 1), 1)
+        return [kv_prompt // n] * n, [kv_end // n] * n
+
+    def _device_figures(self, loads, work: Workload, kv_prompt: int, kv_end: int, prefill_extra: int,
+                        decode_extra: int, runtime: RuntimeProfile | None) -> dict:
+        """:func:`~vramcal.estimator.placement.device_stages` of a plan that loads, fed with this
+        estimator's per-layer cache and activation extras."""
+        from .placement import device_stages
+
+        on_the_fly = self.quant.method in ("bnb4", "bnb8") and not self.quant.pre_quantized
+        kvp, kve = self._kv_layers_or_split(work, kv_prompt, kv_end)
+        return device_stages(loads, kv_prompt=kvp, kv_end=kve, prefill_extra=max(prefill_extra, 0),
+                             decode_extra=max(decode_extra, 0), on_the_fly=on_the_fly,
+                             runtime=(lambda d: runtime) if runtime is not None else default_profile)
+
+    def _place(self, out: Estimate, plan, work: Workload, kv_prompt: int, kv_end: int, prefill_extra: int,
+               decode_extra: int, runtime: RuntimeProfile | None) -> None:
+        """Per-device stages of ``plan`` (docs/placement.md), into ``out``: ``devices``, ``placement``, and
+        the GPU sums as ``stages`` / ``allocated`` / ``peak``. A plan the installed transformers refuses is
+        figured as its alternative (the custom map + flag that loads), and said so in the warnings."""
+        from .placement import OFFLOAD_FLAG, _fmt
+
+        loads = plan.alternative if plan.refused and plan.alternative is not None else plan
+        per = self._device_figures(loads, work, kv_prompt, kv_end, prefill_extra, decode_extra, runtime)
+        out.devices = {d: {"stages": s.stages, "allocated": s.allocated, "components": s.components}
+                       for d, s in per.items()}
+        out.placement = plan.to_dict()
+        gpus = [d for d in per if d.startswith("cuda")]
+        out.stages = {k: sum(per[d].stages[k] for d in gpus) for k in STAGES}
+        out.allocated = {k: sum(per[d].allocated[k] for d in gpus) for k in STAGES}
+        out.peak_stage = max(STAGES, key=lambda k: out.stages[k])
+        out.peak = out.stages[out.peak_stage]
+        out.peak_device = max(gpus, key=lambda d: max(per[d].stages.values())) if gpus else None
+        out.peak_breakdown = {}
+        out.methods["placement"] = (f"transformers' own device map ({plan.strategy}, max_memory as given) on the "
+                                    "meta model; per-device stages by docs/placement.md")
+        if plan.refused:
+            custom = ", ".join(loads.grouped())
+            out.warnings.append(f"transformers {plan.software.get('transformers')} refuses to load this with "
+                                f"device_map={plan.strategy!r} (\"{plan.refused.split('. ')[0]}…\"). What loads "
+                                "instead: the same map as a custom device_map "
+                                f"({custom}) with {OFFLOAD_FLAG}=True; the offloaded modules then stay "
+                                f"unquantized in {self.inv.dtype}. The per-device figures are for that.")
+        cpu = loads.pcie_bytes_per_token + loads.disk_bytes_per_token
+        if cpu:
+            out.warnings.append(f"{len(loads.offloaded)} module(s) are offloaded: every generated token copies "
+                                f"{_fmt(loads.pcie_bytes_per_token)} over PCIe to {loads.main_device}"
+                                + (f" and reads {_fmt(loads.disk_bytes_per_token)} from disk"
+                                   if loads.disk_bytes_per_token else "") + ": decoding is bound by that copy")
+        for dev, peak in out.device_peaks().items():
+            if peak > LARGEST_GPU_BYTES:
+                out.warnings.append(f"{dev}'s peak {fmt_gib_gb(peak)} is more than any single GPU holds")
+        out.notes += [n for n in loads.notes if n not in out.notes]
 
     def _stages(self, rt: RuntimeProfile, kv_prompt: int, kv_end: int, prefill_extra: int, decode_extra: int
                 ) -> tuple[dict[str, int], dict[str, int], dict[str, dict[str, int]]]:
@@ -309,9 +421,11 @@ class Estimator:
         return device
 
     def sweep(self, points, device: str | None = None, runtime: RuntimeProfile | None = None,
-              new_tokens: int = NEW_TOKENS) -> list[dict]:
+              new_tokens: int = NEW_TOKENS, placement=None) -> list[dict]:
         """Peak per stage for many ``(ctx, batch)`` points from the cached KV layout and activation fit:
-        arithmetic only, no tracing. Points outside the traced ones use the fit (see ``methods``)."""
+        arithmetic only, no tracing. Points outside the traced ones use the fit (see ``methods``).
+        With a ``placement``, each row also has ``devices`` {device: {stage: bytes}} (the plan that
+        loads: a refused plan's alternative), and its stages are the GPU sums."""
         device = self._same_kind(device)
         rt = runtime or default_profile(device)
         points = list(points)
@@ -324,10 +438,17 @@ class Estimator:
         out = []
         for ctx, batch in points:
             work = workload(ctx, batch, new_tokens)
-            stages, _, _ = self._stages(rt, self._kv_prompt(work), self._kv_end(work),
-                                        self._act.prefill_extra(work.batch, work.prompt),
-                                        self._act.decode_extra(work.batch, work.prompt, work.new_tokens,
-                                                                self._cat_growth()))
+            args = (self._kv_prompt(work), self._kv_end(work), self._act.prefill_extra(work.batch, work.prompt),
+                    self._act.decode_extra(work.batch, work.prompt, work.new_tokens, self._cat_growth()))
+            if placement is not None:
+                loads = placement.alternative if placement.refused and placement.alternative else placement
+                per = self._device_figures(loads, work, *args, runtime)
+                devices = {d: dict(v.stages) for d, v in per.items()}
+                stages = {k: sum(v[k] for d, v in devices.items() if d.startswith("cuda")) for k in STAGES}
+                out.append({"ctx": work.ctx, "batch": work.batch, "quant": self.quant.name,
+                            "peak": max(stages.values()), **stages, "devices": devices})
+                continue
+            stages, _, _ = self._stages(rt, *args)
             out.append({"ctx": work.ctx, "batch": work.batch, "quant": self.quant.name,
                         "peak": max(stages.values()), **stages})
         return out
@@ -382,8 +503,15 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
              dtype: str | None = None, kv_dtype: str = "auto", attn: str = "auto", cache: str = "dynamic",
              device: str = "cuda", runtime: RuntimeProfile | None = None, use_cache: bool = True,
              exact: bool = True, new_tokens: int = NEW_TOKENS, prompt: int | None = None,
-             correction: CorrectionSet | None = None, progress=None) -> Estimate:
+             correction: CorrectionSet | None = None, progress=None, max_memory: dict | str | None = None,
+             device_map: str | None = None) -> Estimate:
     """Estimate peak memory per stage for ``model`` (anything ``vramcal estimate`` accepts).
+
+    ``max_memory`` (``{"cuda:0": bytes, "cpu": bytes}`` or ``"cuda:0=24GiB,cpu=64GiB"``) and ``device_map``
+    (``auto`` | ``balanced`` | ``balanced_low_0`` | ``sequential``; ``auto`` when only ``max_memory`` is
+    given) split the model as ``from_pretrained`` would: the result's ``placement`` and ``devices`` hold
+    the map and each device's stages (docs/placement.md). ``device_map`` needs ``max_memory`` here: the
+    library does not read this machine's devices (the command line does).
 
     ``ctx`` is prompt + new tokens (default 4096), or give ``prompt`` instead. ``correction`` (a
     :class:`~vramcal.estimator.correction.CorrectionSet`, e.g. from
@@ -391,16 +519,47 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
     ``progress(step)`` is told each slow step as it starts."""
     work = workload(ctx, batch, new_tokens, prompt)
     device = "cpu" if device_kind(str(device)) == "cpu" else str(parse_device(device)).split(":")[0]
+    placed = placement_request(max_memory, device_map, device)
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     spec = resolve_quant(quant, source.config, dtype)
     if source.config.get("quantization_config") and (quant or "auto").lower() != "auto":
         qm = source.config["quantization_config"].get("quant_method", "?")
         raise UserError(f"{source.name} is already quantized ({qm}): it loads only as stored, use --quant auto")
+    plan = None
+    if placed is not None:
+        from .placement import plan_placement
+
+        if progress:
+            progress("planning the placement with transformers' device-map function")
+        plan = plan_placement(source, spec, placed[0], placed[1], use_cache=use_cache)
     est = Estimator(source, spec, attn=attn, cache=cache, kv_dtype=kv_dtype, use_cache=use_cache, device=device,
                     progress=progress)
     out = est.estimate(batch=work.batch, runtime=runtime, exact=exact, new_tokens=work.new_tokens,
-                       prompt=work.prompt)
+                       prompt=work.prompt, placement=plan)
     return out.corrected(correction) if correction is not None else out
+
+
+def placement_request(max_memory, device_map: str | None, device: str = "cuda"
+                      ) -> tuple[dict[str, int], str] | None:
+    """Validate the placement arguments of a call: None (one device), or (max_memory bytes per device,
+    strategy). One-line UserErrors: ``--device-map`` without ``--max-memory``, placement on the CPU path,
+    an unknown strategy, a memory figure that does not parse, an unknown device."""
+    if max_memory is None and device_map is None:
+        return None
+    from .placement import DEVICE_MAP_CHOICES, _normalise
+
+    if device_kind(str(device)) == "cpu":
+        raise UserError("--max-memory and --device-map split a model across GPUs: they do not apply to --device cpu "
+                        "(the CPU path loads everything in one process); drop them or use a cuda device")
+    if device_map is not None and device_map not in DEVICE_MAP_CHOICES:
+        raise UserError(f"unknown --device-map {device_map!r}: choose one of {', '.join(DEVICE_MAP_CHOICES)}")
+    if max_memory is None:
+        raise UserError("--device-map needs --max-memory here, e.g. --max-memory cuda:0=24GiB,cuda:1=24GiB,cpu=64GiB "
+                        "(the command line reads this machine's free memory when it has GPUs)")
+    mm = _normalise(max_memory)
+    if not any(d.startswith("cuda") for d in mm):
+        raise UserError("--max-memory names no GPU: give at least one cuda:N=SIZE (the CPU path runs unplaced)")
+    return mm, device_map or "auto"
 
 
 class Progress:

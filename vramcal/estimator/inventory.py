@@ -22,7 +22,7 @@ import json
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
+from functools import lru_cache
 from pathlib import Path
 
 from ..errors import UserError
@@ -73,15 +73,59 @@ class Inventory:
 
 # --------------------------------------------------------------------------------------------- cache
 
+STACK = ("torch", "transformers", "bitsandbytes", "accelerate")
+
+
 def software_versions() -> dict[str, str | None]:
-    """Installed versions, read from package metadata (no import, so no torch start-up cost)."""
-    out = {}
-    for name in ("torch", "transformers", "bitsandbytes", "accelerate"):
+    """Installed versions of the stack that lays memory out (no import, so no torch start-up cost).
+    Read once per process: every cache key and record carries them, and a cached estimate must stay
+    fast (docs/performance.md)."""
+    return dict(_versions())
+
+
+@lru_cache(maxsize=1)
+def _versions() -> tuple[tuple[str, str | None], ...]:
+    found = dist_info_versions(STACK)
+    missing = [n for n in STACK if n not in found]
+    if missing:  # an egg-info, editable or odd install: ask importlib.metadata (50 ms to import)
+        from importlib import metadata
+
+        for name in missing:
+            try:
+                found[name] = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                found[name] = None
+    return tuple((n, found[n]) for n in STACK)
+
+
+def dist_info_versions(names) -> dict[str, str]:
+    """Versions from the ``NAME-VERSION.dist-info`` folder names on ``sys.path`` (the wheel spec's
+    layout), first match in path order as importlib.metadata finds them. A name with two such folders in
+    one directory, or none, is left out for importlib.metadata to settle."""
+    import sys
+
+    want = {n.lower().replace("-", "_"): n for n in names}
+    found: dict[str, str] = {}
+    for entry in sys.path:
         try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+            listing = os.listdir(entry or ".")
+        except OSError:
+            continue
+        here: dict[str, list[str]] = {}
+        for item in listing:
+            if item.endswith(".dist-info"):
+                name, _, version = item[:-len(".dist-info")].partition("-")
+                key = name.lower().replace("-", "_").replace(".", "_")
+                if key in want and want[key] not in found and version:
+                    here.setdefault(want[key], []).append(version)
+        for name, versions in here.items():
+            if len(versions) == 1:
+                found[name] = versions[0]
+            else:
+                found[name] = None  # ambiguous here: placeholder so later entries do not win
+        if len(found) == len(want):
+            break
+    return {k: v for k, v in found.items() if v is not None}
 
 
 def cache_dir() -> Path:

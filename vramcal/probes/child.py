@@ -143,6 +143,24 @@ def cache_bytes(cache) -> int | None:
     return sum(storages(objs).values())
 
 
+def _accel_device(name):
+    """``cuda:1`` -> 1 (accelerate's key), ``cpu`` / ``disk`` unchanged."""
+    return int(name.split(":", 1)[1]) if isinstance(name, str) and name.startswith("cuda:") else name
+
+
+def placed_kwargs(load: dict, offload_folder: str | None) -> dict:
+    """``from_pretrained`` arguments of a placement: a strategy with ``max_memory``, or a custom map."""
+    dm = load["device_map"]
+    out = {"device_map": dm if isinstance(dm, str) else {k: _accel_device(v) for k, v in dm.items()}}
+    if load.get("max_memory"):
+        out["max_memory"] = {_accel_device(k): int(v) for k, v in load["max_memory"].items()}
+        if "disk" in load["max_memory"] and offload_folder:
+            out["offload_folder"] = offload_folder
+    elif isinstance(dm, dict) and "disk" in dm.values() and offload_folder:
+        out["offload_folder"] = offload_folder
+    return out
+
+
 def _preimport(spec: dict) -> None:
     """Import the code ``from_pretrained`` will import (the model's module, bitsandbytes), so the
     baseline includes it and the stages measure tensors, not Python modules."""
@@ -199,8 +217,9 @@ def run(spec: dict, emit: Emitter) -> int:
         if cuda:
             phase = "context"
             torch.cuda.init()
-            torch.zeros(1, device=device)  # the context exists once a first kernel ran
-            torch.cuda.synchronize(device)
+            for gpu in spec.get("gpus") or [device]:  # placement: a context on every GPU of the map
+                torch.zeros(1, device=gpu)  # the context exists once a first kernel ran
+                torch.cuda.synchronize(gpu)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             emit("stage", name="context", **torch_stats())
@@ -208,8 +227,11 @@ def run(spec: dict, emit: Emitter) -> int:
         phase = "load_peak"
         kwargs = {"dtype": getattr(torch, spec["dtype"]),
                   "device_map": {"": device} if cuda else "cpu"}
+        load = spec.get("load")
+        if load:  # placement (docs/placement.md): the plan's device_map, max_memory and, if refused, the flag
+            kwargs.update(placed_kwargs(load, spec.get("offload_folder")))
         if spec.get("bnb"):
-            bnb = dict(spec["bnb"])
+            bnb = {**spec["bnb"], **((load or {}).get("bnb_extra") or {})}
             if "bnb_4bit_compute_dtype" in bnb:
                 bnb["bnb_4bit_compute_dtype"] = getattr(torch, bnb["bnb_4bit_compute_dtype"])
             kwargs["quantization_config"] = BitsAndBytesConfig(**bnb)

@@ -140,6 +140,43 @@ def memory_total(handle) -> int | NA:
     return info if isinstance(info, NA) else int(info.total)
 
 
+def memory_free(handle) -> int | NA:
+    """Memory no process holds on this device (NVML ``free``): what a new run can have."""
+    if isinstance(handle, NA):
+        return handle
+    info = query("nvmlDeviceGetMemoryInfo", handle)
+    return info if isinstance(info, NA) else int(info.free)
+
+
+def processes(handle) -> list[tuple[int, str | NA, int | NA]] | NA:
+    """The compute processes on this device: (pid, process name, GPU memory used). A name or a size the
+    driver does not give (containers, older drivers) is NA; the whole list is NA when NVML cannot list."""
+    if isinstance(handle, NA):
+        return handle
+    procs = query("nvmlDeviceGetComputeRunningProcesses", handle)
+    if isinstance(procs, NA):
+        return procs
+    out = []
+    for p in procs:
+        pid = int(p.pid)
+        used = getattr(p, "usedGpuMemory", None)
+        out.append((pid, _process_name(pid), NA("per-process usage not available (driver or container)")
+                    if used is None else int(used)))
+    return out
+
+
+def _process_name(pid: int) -> str | NA:
+    """NVML's name for ``pid`` (``nvmlSystemGetProcessName``), else /proc's; NA when neither says."""
+    name = query("nvmlSystemGetProcessName", pid)
+    if not isinstance(name, NA):
+        return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            return fh.read().strip() or name
+    except OSError:
+        return name
+
+
 def process_used(handle, pid: int) -> int | NA:
     """GPU memory used by process ``pid`` on this device; NA when the driver does not say."""
     if isinstance(handle, NA):

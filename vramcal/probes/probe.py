@@ -87,6 +87,10 @@ class ProbeResult:
     exit_code: int | None = None
     unfinished: dict | None = None  # a run that stopped: the stage it was in and what was sampled there
     new_tokens: int = NEW_TOKENS  # generated after a prompt of ctx - new_tokens
+    # placement (--max-memory / --device-map): per device {stage: {used_bytes, peak_bytes, samples}},
+    # GPUs from NVML, "cpu" from the child's resident set above its baseline; and the plan it loaded
+    devices: dict[str, dict] | None = None
+    placement: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -267,9 +271,14 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
               attn: str = "auto", with_estimate: bool = True, keep_samples: bool = True,
               command: str | None = None, timeout_s: float | None = None, on_event=None,
               new_tokens: int = NEW_TOKENS, journal: Callable[[dict], None] | None = None,
-              kv_dtype: str = "auto", cache: str = "dynamic") -> ProbeResult:
+              kv_dtype: str = "auto", cache: str = "dynamic", max_memory: dict | str | None = None,
+              device_map: str | None = None) -> ProbeResult:
     """Probe ``model`` (anything ``vramcal estimate`` accepts): a prompt of ``ctx - new_tokens`` tokens,
     then exactly ``new_tokens`` generated.
+
+    ``max_memory`` / ``device_map``: load split across devices as ``from_pretrained`` would (see
+    :func:`_placed_load`); every GPU of the map is sampled, and the child's resident set for the CPU
+    share (``ProbeResult.devices``).
 
     ``on_event(event_dict, child_pid)`` is called for each event the child streams, as sent (progress
     display; tests use it to kill the child).
@@ -295,24 +304,31 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
     ctx, batch, new_tokens = work.ctx, work.batch, work.new_tokens
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     spec = resolve_quant(quant, source.config, dtype)
-    series, notes = preflight(source, spec, device, synthetic, interval_ms, kv_dtype, cache)
+    series, notes, placed = preflight(source, spec, device, synthetic, interval_ms, kv_dtype, cache, max_memory,
+                                      device_map)
+    if placed is not None:
+        device = placed["main_device"]
 
     identity = {"device": device, "model": source.name, "quant": spec.name,
                 "quant_implementation": spec.implementation, "dtype": spec.dtype, "ctx": ctx, "batch": batch,
                 "attn": attn, "new_tokens": new_tokens, "series": series, "interval_ms": float(interval_ms),
                 "command": command or Configuration(source.ref, work, quant=quant, device=device, dtype=dtype,
                                                     kv_dtype=kv_dtype, attn=attn, cache=cache,
-                                                    synthetic=synthetic).command("probe"),
-                "estimate": None}
-    probe = _Probe(identity, interval_ms / 1000.0, timeout_s, on_event, journal, notes)
+                                                    synthetic=synthetic, max_memory=max_memory,
+                                                    device_map=device_map).command("probe"),
+                "estimate": None, "placement": placed["plan"] if placed else None}
+    gpus = [_cuda_index(g) for g in placed["gpus"]] if placed else None
+    probe = _Probe(identity, interval_ms / 1000.0, timeout_s, on_event, journal, notes, gpus)
     with _sigterm_raises():
         try:
             if with_estimate:
                 identity["estimate"] = _estimate_or_note(source, quant, work, dtype, attn, device, kv_dtype,
-                                                         cache, notes)
+                                                         cache, notes, max_memory, device_map)
             child_spec = {"device": device, "dtype": spec.dtype, "ctx": ctx, "batch": batch,
                           "bnb": None if spec.pre_quantized else spec.bnb_config_kwargs(), "attn": attn,
                           "new_tokens": new_tokens, "kv_dtype": kv_dtype, "cache": cache}
+            if placed is not None:
+                child_spec.update(load=placed["load"], gpus=placed["gpus"])
             probe.run(source, synthetic, child_spec)
         except KeyboardInterrupt as exc:
             name = "SIGTERM" if isinstance(exc, _Terminated) else "SIGINT"
@@ -326,9 +342,10 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
 
 
 def preflight(source: ModelSource, spec, device: str, synthetic: bool, interval_ms: float = 5.0,
-              kv_dtype: str = "auto", cache: str = "dynamic") -> tuple[str | None, list[str]]:
-    """Everything a probe needs, checked before anything runs or is recorded: the sampled series and
-    notes, or a one-line UserError."""
+              kv_dtype: str = "auto", cache: str = "dynamic", max_memory=None, device_map: str | None = None
+              ) -> tuple[str | None, list[str], dict | None]:
+    """Everything a probe needs, checked before anything runs or is recorded: the sampled series, notes
+    and the placement it loads with (None on one device), or a one-line UserError."""
     from ..workload import CACHES, KV_DTYPES, choice
 
     if isinstance(interval_ms, bool) or not isinstance(interval_ms, (int, float)) or not math.isfinite(interval_ms) \
@@ -338,20 +355,47 @@ def preflight(source: ModelSource, spec, device: str, synthetic: bool, interval_
     choice(cache, CACHES, "--cache")
     if spec.method not in ("none", "bnb4", "bnb8") and not spec.pre_quantized:
         raise UserError(f"cannot probe quant {spec.name}")
+    placed = None
+    if max_memory is not None or device_map is not None:
+        placed = _placed_load(source, spec, max_memory, device_map, device)
+        device = placed["main_device"]
+        for gpu in placed["gpus"][1:]:
+            _check_device(gpu)
     series, notes = _check_device(device)
     if not source.weight_files and not synthetic:
         raise UserError(f"{source.name} has no *.safetensors weights here: add --synthetic to probe random "
                         "weights at its real widths")
-    return series, notes
+    return series, notes, placed
 
 
-def _estimate_or_note(source, quant, work, dtype, attn, device, kv_dtype, cache, notes) -> dict | None:
+def _placed_load(source, spec, max_memory, device_map, device: str) -> dict:
+    """The placement a probe loads with: the plan of :func:`~vramcal.estimator.placement.plan_placement`;
+    when the installed transformers refuses it (bitsandbytes with modules on cpu / disk), the
+    alternative it suggests: the same map as a custom ``device_map`` with ``llm_int8_enable_fp32_cpu_offload``.
+    Returns the child's ``load`` arguments, the GPUs to sample (main device first) and the plan's dict."""
+    from ..estimator.estimate import placement_request
+    from ..estimator.placement import OFFLOAD_FLAG, plan_placement
+
+    mm, strategy = placement_request(max_memory, device_map, device)
+    plan = plan_placement(source, spec, mm, strategy)
+    loads = plan.alternative if plan.refused and plan.alternative is not None else plan
+    if loads is plan:
+        load = {"device_map": plan.strategy, "max_memory": dict(mm)}
+    else:
+        load = {"device_map": dict(loads.device_map), "bnb_extra": {OFFLOAD_FLAG: True}}
+    gpus = [loads.main_device] + [g for g in loads.gpus if g != loads.main_device]
+    return {"load": load, "gpus": gpus, "main_device": loads.main_device, "plan": plan.to_dict()}
+
+
+def _estimate_or_note(source, quant, work, dtype, attn, device, kv_dtype, cache, notes, max_memory=None,
+                      device_map=None) -> dict | None:
     from ..estimator.estimate import estimate as _estimate
 
     try:
         return _estimate(source, quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
                          dtype=dtype, attn=attn, kv_dtype=kv_dtype, cache=cache,
-                         device="cpu" if device == "cpu" else "cuda").to_dict()
+                         device="cpu" if device == "cpu" else "cuda", max_memory=max_memory,
+                         device_map=device_map).to_dict()
     except UserError:
         raise
     except (RuntimeError, ValueError, TypeError, ImportError, OSError) as exc:  # the measurement is still worth having
@@ -364,8 +408,9 @@ class _Probe:
     way out, more than once is fine), :meth:`result` turns what was gathered into a ProbeResult."""
 
     def __init__(self, identity: dict, interval_s: float, timeout_s: float | None, on_event, journal,
-                 notes: list[str]):
+                 notes: list[str], gpus: list[int] | None = None):
         self.identity = identity
+        self.gpus = gpus  # a placed run: every GPU of its map is sampled, and the child's resident set
         self.series = identity["series"]
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -459,6 +504,8 @@ class _Probe:
         if synthetic:
             model_dir = self._write_synthetic(source)
         child_spec.update(model_dir=model_dir, parent_pid=os.getpid(), temp_dir=self.folder)
+        if child_spec.get("load"):  # a map with disk entries offloads into the probe's own folder
+            child_spec["offload_folder"] = os.path.join(self.folder, "offload")
         self._run_child(child_spec)
 
     def _write_synthetic(self, source: ModelSource) -> str:
@@ -489,6 +536,11 @@ class _Probe:
         try:
             if self.series == "rss":
                 reader = rss_reader(self.child.pid)
+            elif self.series is not None and self.gpus:
+                gpu_read, ram_read = nvml_reader(self.gpus, self.child.pid), rss_reader(self.child.pid)
+
+                def reader():
+                    return {**gpu_read(), **ram_read()}
             elif self.series is not None:
                 reader = nvml_reader([_cuda_index(self.identity["device"])], self.child.pid)
             else:
@@ -567,6 +619,9 @@ class _Probe:
                           self.sampler.samples if self.sampler else [], self.start, self.end_t,
                           self.child.returncode if self.child else None, self.log_tail, interrupted)
         d["notes"] = self.notes + d["notes"]
+        if self.gpus and self.series and self.start is not None:
+            d["devices"] = _device_stages(self.sampler.samples if self.sampler else [], self.markers,
+                                          self.reported, self.gpus)
         if self.sampler is not None:
             d["sampler_overhead"] = self.sampler.overhead
             if self.sampler.error:
@@ -574,6 +629,25 @@ class _Probe:
         if not keep_samples:
             d["samples"] = []
         return ProbeResult(**{**self.identity, **d})
+
+
+def _device_stages(samples, markers, reported: dict, gpus: list[int]) -> dict[str, dict]:
+    """Stages per device of a placed run: each GPU's NVML series as read, and for ``cpu`` the child's
+    resident set by the readings' rule (minus its baseline: what loading put in RAM, the offloaded
+    weights), with the child's own reading at each marker."""
+    out = {}
+    for i in gpus:
+        st = attribute(samples, markers, f"gpu{i}")
+        out[f"cuda:{i}"] = {k: st[k] for k in STAGE_ORDER if k in st}
+    st = attribute(samples, markers, "rss")
+    for name, info in reported.items():  # the child's own reading at the marker is exact
+        if name in st and info.get("rss") is not None:
+            st[name]["used_bytes"] = info["rss"]
+            st[name]["peak_bytes"] = max(v for v in (st[name].get("peak_bytes"), info["rss"]) if v is not None)
+    readings = {k: StageReading.from_stage(k, "rss", st[k]) for k in STAGE_ORDER if k in st}
+    out["cpu"] = {k: {"used_bytes": r.used_bytes, "peak_bytes": r.peak_bytes, "samples": st[k].get("samples")}
+                  for k, r in comparable(readings, "rss").items()}
+    return out
 
 
 def _sample_dict(s: Sample, start: float) -> dict:
@@ -653,7 +727,7 @@ def recover(events: Iterable[dict]) -> ProbeResult | None:
         if kind == "start":
             identity = {k: ev.get(k) for k in ("device", "model", "quant", "quant_implementation", "dtype", "ctx",
                                                 "batch", "attn", "new_tokens", "series", "interval_ms", "command",
-                                                "estimate")}
+                                                "estimate", "placement")}
         elif kind == "samples":
             for s in ev["samples"]:
                 values = {k: v for k, v in s.items() if k not in ("t", "missing")}

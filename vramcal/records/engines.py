@@ -36,6 +36,7 @@ PG_SCHEMA = "vramcal"
 DEFAULT_TIMEOUT_S = 60.0
 URL_PREFIXES = ("postgresql://", "postgres://")
 HISTORY_TABLES = ("machines", "runs", "results", "stages", "samples", "memos", "corrections")
+DEVICE_TABLES = ("device_stages",)  # schema 4: readings per device of a split run
 
 
 class NoRecords(UserError):
@@ -336,9 +337,9 @@ class SqliteEngine(Engine):
     def backfill_stage_order(self, tx) -> None:
         tx.execute("UPDATE stages SET seq = rowid WHERE seq IS NULL")
 
-    def append_only_ddl(self) -> list[str]:
+    def append_only_ddl(self, tables=HISTORY_TABLES) -> list[str]:
         out = []
-        for table in HISTORY_TABLES:
+        for table in tables:
             for event in ("UPDATE", "DELETE"):
                 out.append(f"CREATE TRIGGER {table}_no_{event.lower()} BEFORE {event} ON {table} BEGIN "
                            f"SELECT RAISE(ABORT, 'vramcal records are append-only: {event} on {table} refused'); "
@@ -535,11 +536,11 @@ class PostgresEngine(Engine):
     def backfill_stage_order(self, tx) -> None:
         """Nothing to do: no PostgreSQL store predates ``stages.seq``."""
 
-    def append_only_ddl(self) -> list[str]:
+    def append_only_ddl(self, tables=HISTORY_TABLES) -> list[str]:
         out = ["CREATE OR REPLACE FUNCTION refuse_change() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
                "RAISE EXCEPTION 'vramcal records are append-only: % on % refused', TG_OP, TG_TABLE_NAME "
                "USING ERRCODE = 'P0001'; END $$"]
-        for table in HISTORY_TABLES:
+        for table in tables:
             out.append(f"CREATE TRIGGER {table}_append_only BEFORE UPDATE OR DELETE ON {table} "
                        "FOR EACH ROW EXECUTE FUNCTION refuse_change()")
             out.append(f"CREATE TRIGGER {table}_no_truncate BEFORE TRUNCATE ON {table} "

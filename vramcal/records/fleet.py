@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..errors import UserError
-from .engines import HISTORY_TABLES, PG_SCHEMA, _one_line, _psycopg, is_url, redact
+from .engines import DEVICE_TABLES, HISTORY_TABLES, PG_SCHEMA, _one_line, _psycopg, is_url, redact
 from .store import SCHEMA_VERSION, Store
 
 OWNER = "vramcal_owner"
@@ -107,7 +107,7 @@ def _grant(tx, owner: str, writer: str) -> None:
     from psycopg import sql
 
     w, o, s = sql.Identifier(writer), sql.Identifier(owner), sql.Identifier(PG_SCHEMA)
-    tables = sql.SQL(", ").join(sql.Identifier(PG_SCHEMA, t) for t in HISTORY_TABLES)
+    tables = sql.SQL(", ").join(sql.Identifier(PG_SCHEMA, t) for t in HISTORY_TABLES + DEVICE_TABLES)
     conn = tx.conn
     conn.execute(sql.SQL("REVOKE ALL ON SCHEMA {} FROM PUBLIC").format(s))
     conn.execute(sql.SQL("REVOKE ALL ON ALL TABLES IN SCHEMA {} FROM PUBLIC").format(s))

@@ -33,7 +33,7 @@ from ..errors import UserError
 from .engines import APPLICATION_ID, Engine, NoRecords, is_url, open_engine, redact  # noqa: F401 (re-exported)
 from .machines import class_key
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 RUN_FIELDS = ("model", "config_hash", "quant", "quant_impl", "dtype", "ctx", "batch", "kv_dtype", "attn", "device",
               "command")
@@ -68,6 +68,21 @@ def _v3(tx, engine: Engine) -> None:
                       "CREATE UNIQUE INDEX corrections_uuid ON corrections(uuid)",
                       "CREATE INDEX machines_class ON machines(class_key)",
                       *engine.append_only_ddl()):
+        tx.execute(statement)
+
+
+def _v4(tx, engine: Engine) -> None:
+    """3 -> 4: stage readings per device of a run split across devices (--max-memory / --device-map),
+    append-only like the rest. A single-device run has none: its rows stay in ``stages``, read as before."""
+    tx.execute(engine.ddl("""
+    CREATE TABLE device_stages (
+        run_id INTEGER NOT NULL REFERENCES runs(id),
+        device TEXT NOT NULL,
+        stage TEXT NOT NULL,
+        estimated_bytes INTEGER, measured_peak_bytes INTEGER, measured_used_bytes INTEGER,
+        PRIMARY KEY (run_id, device, stage)
+    )"""))
+    for statement in engine.append_only_ddl(("device_stages",)):
         tx.execute(statement)
 
 
@@ -143,6 +158,8 @@ MIGRATIONS: list[str | Callable] = [
     """,
     # 2 -> 3
     _v3,
+    # 3 -> 4
+    _v4,
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
@@ -356,6 +373,23 @@ class Store:
         memo_uuid = uuid or new_uuid()
         return self._write(lambda tx: _insert_memo(tx, run_id, json.dumps(memo), memo_uuid, time.time()))
 
+    def add_device_stages(self, run_id: int, rows: list[dict]) -> None:
+        """Per-device stage rows of a placed run: {device, stage, estimated_bytes, measured_peak_bytes,
+        measured_used_bytes}. A retry that finds them recorded adds nothing."""
+        if not rows:
+            return
+
+        def fn(tx):
+            if tx.execute("SELECT 1 AS one FROM device_stages WHERE run_id = ? LIMIT 1", (run_id,)):
+                return
+            tx.executemany(
+                "INSERT INTO device_stages (run_id, device, stage, estimated_bytes, measured_peak_bytes, "
+                "measured_used_bytes) VALUES (?,?,?,?,?,?)",
+                [(run_id, r["device"], r["stage"], r.get("estimated_bytes"), r.get("measured_peak_bytes"),
+                  r.get("measured_used_bytes")) for r in rows])
+
+        self._write(fn)
+
     def add_corrections(self, machine_id: int, stack: str, rows: list[dict]) -> None:
         rows = [{**r, "uuid": r.get("uuid") or new_uuid()} for r in rows]
         stamp = time.time()
@@ -420,6 +454,8 @@ class Store:
         out = dict(row)
         out["stages"] = {s["stage"]: s for s in self.query(
             "SELECT * FROM stages WHERE run_id = ? ORDER BY seq", (run_id,))}
+        out["device_stages"] = self.query("SELECT * FROM device_stages WHERE run_id = ? ORDER BY device, stage",
+                                          (run_id,))
         out["sample_count"] = int(self.query("SELECT count(*) AS n FROM samples WHERE run_id = ?", (run_id,))[0]["n"])
         return out
 
@@ -430,6 +466,13 @@ class Store:
             raise TypeError("stage_rows needs exactly one of machine_id and class_key")
         where, arg = ("r.machine_id = ?", machine_id) if class_key is None else ("m.class_key = ?", class_key)
         return self.query(_STAGE_ROWS + f" WHERE {where} ORDER BY st.run_id, st.seq", (arg,))
+
+    def device_stage_rows(self, machine_id: int) -> list[dict]:
+        """:meth:`stage_rows` of placed runs, one row per device and stage (``device`` says which)."""
+        return self.query(
+            "SELECT st.*, r.ctx, r.batch, r.model, r.config_hash, r.quant, s.status, st.run_id AS run_id "
+            "FROM device_stages st JOIN runs r ON r.id = st.run_id JOIN results s ON s.run_id = r.id "
+            "WHERE r.machine_id = ? ORDER BY st.run_id", (machine_id,))
 
     def latest_corrections(self, machine_id: int, stack: str) -> dict[str, dict]:
         out = {}
