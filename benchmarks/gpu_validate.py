@@ -56,7 +56,7 @@ def _write(cfg: dict, out_dir: str) -> None:
         raise RuntimeError(r.stderr.strip().splitlines()[-1])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
@@ -67,7 +67,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--summary")
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting new probes after this many seconds")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from vramcal.estimator.inventory import software_versions
     from vramcal.estimator.resolve import resolve_model
@@ -103,15 +103,13 @@ def main() -> int:
                         r = run_probe(source, quant, ctx, batch, device=args.device, keep_samples=False,
                                       command=f"gpu_validate {model} layers={args.layers} {quant} {ctx} {batch}")
                         est = r.estimate or {}
-                        base = r.stages.get("baseline", {}).get("used_bytes") if r.series == "rss" else 0
+                        measured = r.measured()  # the readings' one baseline rule (CPU: minus the baseline)
                         for stage in STAGES:
                             st = r.stages.get(stage, {})
                             e = (est.get("stages") or {}).get(stage)
-                            peak = st.get("peak_bytes")
-                            used = st.get("used_bytes")
-                            if r.series == "rss" and base is not None:
-                                peak = None if peak is None else peak - base
-                                used = None if used is None else used - base
+                            m = measured.get(stage)
+                            peak = m.peak_bytes if m else None
+                            used = m.used_bytes if m else None
                             err = None if (e is None or peak is None) else peak - e
                             row = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": args.device, "gpu": gpu,
                                    "model": model, "architecture": est.get("architecture"), "layers": cfg.get(

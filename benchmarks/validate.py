@@ -177,7 +177,7 @@ def _pct(est, measured):
     return round(100.0 * (est - measured) / measured, 3)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--name", default="cpu", help="names the CSV: docs/validation/<name>.csv")
@@ -191,7 +191,7 @@ def main() -> int:
     ap.add_argument("--csv-only", action="store_true", help="rewrite the CSV from the database, run nothing")
     ap.add_argument("--re-estimate", action="store_true",
                     help="compare the measurements with the current code's estimates, not the recorded ones")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.db = args.db or f"validation-{args.name}.db"
     args.out = args.out or os.path.join("docs", "validation", f"{args.name}.csv")
     if not args.csv_only:

@@ -1,0 +1,113 @@
+"""Everything a lent GPU should measure, in one command that fits 8 minutes of device time.
+
+On the device machine (its image has no bitsandbytes: carry the wheel, docs/validation.md says how):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    python benchmarks/gpu_session.py --device cuda:0 --out "$OUT" --budget-s 420
+
+Three parts, each with its own share of the time budget, each writing as it goes (a part cut short
+still leaves its rows):
+
+1. ``validate``  -- benchmarks/validate.py's matrix on the GPU: ``<out>/gpu.csv``, the CSV that
+   benchmarks/report.py turns into GPU rows of docs/validation.md (copy it to docs/validation/gpu-<name>.csv);
+2. ``widths``    -- benchmarks/gpu_validate.py at real widths, models cut to a few layers:
+   ``<out>/gpu-widths.csv`` and ``.md``;
+3. ``offload``   -- a probe split between the GPU and the CPU (``--max-memory cuda:0=...,cpu=...``, the
+   placement issue's case a single GPU can show): ``<out>/offload.json`` with the plan, the per-device
+   estimate and the per-device measurement.
+
+``--device cpu --quick`` runs parts 1 and 2 on tiny models on the CPU (the tests do); part 3 needs a GPU
+and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+SHARES = {"validate": 0.45, "widths": 0.35, "offload": 0.20}
+
+
+def part_validate(args, budget_s: float) -> str:
+    import validate
+
+    argv = ["--device", args.device, "--name", "gpu", "--out", os.path.join(args.out, "gpu.csv"),
+            "--db", os.path.join(args.out, "validation-gpu.db"), "--budget-s", str(budget_s)]
+    if args.quick:
+        argv += ["--archs", "dense-gqa", "--quants", "nf4", "--ctx", "64", "--batch", "1"]
+    else:
+        argv += ["--quants", "bf16", "nf4", "--ctx", "1024", "8192", "--batch", "1", "4"]
+    validate.main(argv)
+    return "gpu.csv"
+
+
+def part_widths(args, budget_s: float) -> str:
+    import gpu_validate
+
+    out = os.path.join(args.out, "gpu-widths.csv")
+    argv = ["--device", args.device, "--out", out, "--summary", os.path.join(args.out, "gpu-widths.md"),
+            "--budget-s", str(budget_s)]
+    if args.quick:
+        argv += ["--models", *args.quick_models, "--layers", "2", "--quants", "nf4", "--ctx", "64", "--batch", "1"]
+    else:
+        argv += ["--models", "llama-3.1-8b", "qwen2.5-7b", "gemma-3-12b", "--layers", "4",
+                 "--quants", "bf16", "nf4", "int8", "--ctx", "4096", "32768", "--batch", "1"]
+    gpu_validate.main(argv)
+    return "gpu-widths.csv"
+
+
+def part_offload(args, budget_s: float) -> str:
+    """Llama-3.2-3B bf16 (6.4 GB of weights) with 3 GiB of the GPU: about half its layers on the CPU."""
+    from vramcal.estimator.estimate import estimate
+    from vramcal.probes.probe import run_probe
+
+    if not args.device.startswith("cuda"):
+        print("offload: skipped, it needs a GPU (--max-memory is refused on the CPU path)", file=sys.stderr)
+        return ""
+    model, quant, mm = "llama-3.2-3b", "bf16", f"{args.device}=3GiB,cpu=32GiB"
+    est = estimate(model, quant, ctx=1024, max_memory=mm, device="cuda")
+    r = run_probe(model, quant, 1024, 1, device=args.device, synthetic=True, keep_samples=False, max_memory=mm,
+                  timeout_s=budget_s)
+    out = {"command": r.command, "max_memory": mm, "status": r.status, "error": r.error,
+           "plan": est.to_dict().get("device_map"), "estimated_devices": est.to_dict().get("devices"),
+           "measured_devices": r.devices, "measured_stages": r.stages, "notes": r.notes}
+    (Path(args.out) / "offload.json").write_text(json.dumps(out, indent=1, default=str))
+    return "offload.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--out", required=True, help="folder for the CSVs and the offload JSON")
+    ap.add_argument("--budget-s", type=float, default=420, help="device time for all three parts (default 7 min)")
+    ap.add_argument("--parts", nargs="+", default=list(SHARES), choices=list(SHARES))
+    ap.add_argument("--quick", action="store_true", help="tiny models: the CPU test of this script")
+    ap.add_argument("--quick-models", nargs="+", default=[], help="model dirs for --quick's widths part")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    done = {}
+    start = time.monotonic()
+    for part in args.parts:
+        share = args.budget_s * SHARES[part]
+        t = time.monotonic()
+        try:
+            done[part] = {"file": {"validate": part_validate, "widths": part_widths,
+                                   "offload": part_offload}[part](args, share)}
+        except Exception as exc:  # noqa: BLE001 -- one part failing must not lose the others' rows
+            done[part] = {"error": f"{type(exc).__name__}: {exc}"}
+        done[part]["seconds"] = round(time.monotonic() - t, 1)
+        print(f"{part}: {done[part]}", file=sys.stderr, flush=True)
+    (Path(args.out) / "session.json").write_text(json.dumps({"parts": done,
+                                                             "seconds": round(time.monotonic() - start, 1)}, indent=1))
+    return 0 if all("error" not in d for d in done.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
