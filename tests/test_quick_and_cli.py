@@ -197,3 +197,17 @@ def test_quick_mode_imports_neither_torch_nor_the_estimator():
             "'vramcal.calibrate.check', 'vramcal.calibrate.proposals') if m in sys.modules), file=sys.stderr); sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stderr.strip().splitlines()[-1] == "[]", r.stderr
+
+
+def test_configs_that_name_sizes_their_own_way_are_accepted(tmp_path):
+    """GPT-2-style configs say n_embd / n_layer / n_head (transformers maps them with attribute_map)."""
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2,
+                                               "vocab_size": 256, "n_positions": 128}))
+    r = run("estimate", str(d), "--ctx", "64", "--json", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": -64, "n_layer": 2, "n_head": 2,
+                                               "vocab_size": 256}))
+    r = run("estimate", str(d), "--ctx", "64")
+    assert r.returncode == 2 and "hidden_size = -64 is impossible" in r.stderr, r.stderr

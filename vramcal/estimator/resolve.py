@@ -104,16 +104,36 @@ SIZE_FIELDS = REQUIRED_FIELDS + (
 MAX_FIELD = 1 << 24  # no real model has a width, depth or vocabulary beyond 16.7 M
 
 
+# What some architectures call the same fields (transformers maps them with each config's attribute_map:
+# GPT-2 / GPT-BigCode / GPT-J say n_embd, n_layer, n_head; MPT d_model, n_layers, n_heads; ...)
+FIELD_ALIASES = {"hidden_size": ("n_embd", "d_model", "model_dim", "dim"),
+                 "num_hidden_layers": ("n_layer", "num_layers", "n_layers"),
+                 "num_attention_heads": ("n_head", "num_heads", "n_heads"),
+                 "vocab_size": ("padded_vocab_size",),
+                 "max_position_embeddings": ("n_positions", "max_seq_len", "seq_length"),
+                 "num_key_value_heads": ("num_kv_heads", "n_kv_heads", "multi_query_group_num")}
+
+
+def size_field(tc: dict, key: str):
+    """A size field under its own name or one of its architecture-specific aliases."""
+    if tc.get(key) is not None:
+        return tc[key]
+    for alias in FIELD_ALIASES.get(key, ()):
+        if tc.get(alias) is not None:
+            return tc[alias]
+    return None
+
+
 def validate_config(config: dict, where: str) -> None:
     """Refuse, in one line, a config whose size-deciding fields are missing, of the wrong type, or
     impossible (negative, zero, nan, a string, absurdly large, heads that do not divide)."""
     tc = text_config(config)
-    missing = [k for k in REQUIRED_FIELDS if tc.get(k) is None]
+    missing = [k for k in REQUIRED_FIELDS if size_field(tc, k) is None]
     if missing:
         raise UserError(f"{where} does not give {', '.join(missing)}: without them any size would be a guess; "
                         "use the model's full config.json")
     for key in SIZE_FIELDS:
-        value = tc.get(key)
+        value = size_field(tc, key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
@@ -122,13 +142,14 @@ def validate_config(config: dict, where: str) -> None:
         if not floor <= value <= MAX_FIELD:
             raise UserError(f"{where}: {key} = {value} is impossible (expected {floor} to {MAX_FIELD:,}): "
                             "fix the config.json")
-    heads = tc["num_attention_heads"]
-    kv = tc.get("num_key_value_heads") or heads
+    heads = size_field(tc, "num_attention_heads")
+    kv = size_field(tc, "num_key_value_heads") or heads
     if heads % kv:
         raise UserError(f"{where}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv}): "
                         "fix the config.json")
-    if tc.get("head_dim") is None and tc.get("kv_lora_rank") is None and tc["hidden_size"] % heads:
-        raise UserError(f"{where}: hidden_size ({tc['hidden_size']}) is not divisible by num_attention_heads "
+    hidden = size_field(tc, "hidden_size")
+    if tc.get("head_dim") is None and tc.get("kv_lora_rank") is None and hidden % heads:
+        raise UserError(f"{where}: hidden_size ({hidden}) is not divisible by num_attention_heads "
                         f"({heads}) and no head_dim is given: fix the config.json")
 
 
