@@ -65,3 +65,19 @@ def _private_cache(tmp_path, monkeypatch):
     """Each test gets its own inventory cache directory, so no test reads another's results."""
     monkeypatch.setenv("VRAMCAL_CACHE", str(tmp_path / "cache"))
 
+
+
+@pytest.fixture
+def fake():
+    """Install a scripted fake at the one NVML door (tests/fake_nvml.py); the real door again after."""
+    from fake_nvml import FakeNVML
+
+    from vramcal.probes import nvml
+
+    def install(*args, **kwargs):
+        f = FakeNVML(*args, **kwargs)
+        nvml.use_backend(f)
+        return f
+
+    yield install
+    nvml.use_backend(None)

@@ -131,17 +131,11 @@ def _bytes_by_device(model, device_map: dict[str, str], main: str | None = None)
     """Every tensor the loaded model holds (as the probe counts them), summed per device of the plan's map.
     Buffers of cpu / disk modules go to ``main``: accelerate's dispatch (offload_buffers=False) moves them."""
     owner: dict[int, str] = {}
+    from vramcal.probes.child import param_tensors
+
     for name, p in model.named_parameters(remove_duplicate=True):
-        objs = [p]
-        qs = getattr(p, "quant_state", None)
-        if qs is not None:
-            objs += [qs.absmax, qs.code, qs.offset]
-            if getattr(qs, "nested", False):
-                objs += [qs.state2.absmax, qs.state2.code]
-        objs += [getattr(p, "SCB", None), getattr(p, "CB", None)]
-        for t in objs:
-            if t is not None:
-                owner.setdefault(t.untyped_storage().data_ptr(), name)
+        for t in param_tensors(p):
+            owner.setdefault(t.untyped_storage().data_ptr(), name)
     for name, b in model.named_buffers(remove_duplicate=True):
         owner.setdefault(b.untyped_storage().data_ptr(), name)
     sizes = held_tensors(model)  # {storage pointer: bytes}

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from fake_nvml import FakeNVML, NVMLError_NotSupported
+from fake_nvml import NVMLError_NotSupported
 
 from vramcal import cli
 from vramcal.calibrate import corrections, reconcile
@@ -66,17 +66,6 @@ def _mm(path, quant, **fractions) -> str:
 
 def run(*args):
     return subprocess.run(VRAMCAL + list(args), capture_output=True, text=True, env={**os.environ})
-
-
-@pytest.fixture
-def fake():
-    def install(*args, **kwargs):
-        f = FakeNVML(*args, **kwargs)
-        nvml.use_backend(f)
-        return f
-
-    yield install
-    nvml.use_backend(None)
 
 
 # ------------------------------------------------------------------------------------ estimate

@@ -6,24 +6,13 @@ import threading
 import time
 
 import pytest
-from fake_nvml import FakeNVML, NVMLError_NotSupported
+from fake_nvml import NVMLError_NotSupported
 
 from vramcal.probes import nvml
 from vramcal.probes.nvml import NA
 from vramcal.probes.sampler import Sample, Sampler, attribute, nvml_reader
 
 GIB = 1024**3
-
-
-@pytest.fixture
-def fake():
-    def install(*args, **kwargs):
-        f = FakeNVML(*args, **kwargs)
-        nvml.use_backend(f)
-        return f
-
-    yield install
-    nvml.use_backend(None)
 
 
 def test_door_maps_errors_to_na_never_zero(fake):

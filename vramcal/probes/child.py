@@ -110,17 +110,21 @@ def storages(tensors) -> dict[int, int]:
     return seen
 
 
+def param_tensors(p) -> list:
+    """A parameter and every tensor its quantization keeps beside it (4-bit state, LLM.int8 scales)."""
+    objs = [p]
+    qs = getattr(p, "quant_state", None)
+    if qs is not None:
+        objs += [qs.absmax, qs.code, qs.offset]
+        if getattr(qs, "nested", False):
+            objs += [qs.state2.absmax, qs.state2.code]
+    objs += [getattr(p, "SCB", None), getattr(p, "CB", None)]
+    return [t for t in objs if t is not None]
+
+
 def held_weight_storages(model) -> dict[int, int]:
     """Every parameter, buffer and quantization-state tensor the loaded model holds."""
-    objs = []
-    for p in model.parameters():
-        objs.append(p)
-        qs = getattr(p, "quant_state", None)
-        if qs is not None:
-            objs += [qs.absmax, qs.code, qs.offset]
-            if getattr(qs, "nested", False):
-                objs += [qs.state2.absmax, qs.state2.code]
-        objs += [getattr(p, "SCB", None), getattr(p, "CB", None)]
+    objs = [t for p in model.parameters() for t in param_tensors(p)]
     objs += list(model.buffers())
     return storages(objs)
 
