@@ -152,6 +152,10 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1f} %"
 
 
+def _signed(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.1f} %"
+
+
 def render(rows: list[dict], sources_md: str) -> str:
     ok = [r for r in rows if not r.get("error")]
     lines = ["## GPU evidence: figures others measured and published", "",
@@ -192,8 +196,8 @@ def render(rows: list[dict], sources_md: str) -> str:
         note = "; ".join(x for x in ("old stack" if r["old_stack"] else "", r["check"][:80]) if x)
         lines.append(f"| {r['id']} | {r['model']} | {r['quant']} | {wl} | {r['counter'].split('(')[0]} → "
                      f"{r['compared']} | {r['figure_bytes'] / 1024**3:.2f} GiB | {r['vramcal_bytes'] / 1024**3:.2f} GiB | "
-                     f"{r['err_pct']:+.1f} % | {_pct(r['formula_err_pct']).replace(' %', '')} % | "
-                     f"{_pct(r.get('calibrated_err_pct'))} | {note} |")
+                     f"{r['err_pct']:+.1f} % | {_signed(r['formula_err_pct'])} | "
+                     f"{_signed(r.get('calibrated_err_pct'))} | {note} |")
     return "\n".join(lines) + "\n"
 
 

@@ -30,7 +30,7 @@ from .dryrun import ActivationModel, KVLayer, Trace, fit_activations, round_allo
 from .inventory import CACHE_PROBLEMS, Inventory, inventory, load_cached, store_cached
 from .quant import DTYPE_BYTES, QuantSpec, resolve_quant
 from .quick import QuickEstimate, quick_estimate
-from .resolve import ModelSource, resolve_model, text_config
+from .resolve import ModelSource, resolve_model, size_field, text_config
 from .runtime import RuntimeProfile, default_profile
 
 FIT_TOKENS = (512, 2048, 8192)
@@ -576,10 +576,10 @@ class Progress:
 # ------------------------------------------------------------------------------ formulas and comparison
 
 def _kv_shape(tc: dict) -> tuple[int, int, int]:
-    heads = int(tc.get("num_attention_heads") or 1)
-    kv = int(tc.get("num_key_value_heads") or heads)
-    hd = int(tc.get("head_dim") or (int(tc.get("hidden_size", 0)) // heads))
-    return int(tc.get("num_hidden_layers") or 0), kv, hd
+    heads = int(size_field(tc, "num_attention_heads") or 1)
+    kv = int(size_field(tc, "num_key_value_heads") or (1 if tc.get("multi_query") else heads))
+    hd = int(tc.get("head_dim") or (int(size_field(tc, "hidden_size") or 0) // heads))
+    return int(size_field(tc, "num_hidden_layers") or 0), kv, hd
 
 
 def _formula_kv(tc: dict, tokens: int, batch: int, dtype: str) -> int:
