@@ -81,3 +81,9 @@ def fake():
 
     yield install
     nvml.use_backend(None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Cheap tests first: everything marked ``slow`` (full widths, load and fault tests, killed runs) runs
+    after the rest, so a failure in the quick part shows early."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)

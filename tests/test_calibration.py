@@ -218,6 +218,7 @@ def _check_until(model, db, stage, tmp_path):
     raise AssertionError(f"never reached {stage}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_check_interrupted_is_recorded_with_its_last_stage(model, tmp_path, sig, code):
     db = str(tmp_path / "i.db")
@@ -234,6 +235,7 @@ def test_check_interrupted_is_recorded_with_its_last_stage(model, tmp_path, sig,
     assert not [p for p in os.listdir(tmp_path) if p.startswith("vramcal-probe-")]
 
 
+@pytest.mark.slow
 def test_check_killed_outright_is_recovered_by_the_next_write(model, tmp_path):
     import psutil
 

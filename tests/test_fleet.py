@@ -98,6 +98,7 @@ def _check_corrections(s: Store) -> None:
             seen[(c["stack"], c["stage"])] = runs
 
 
+@pytest.mark.slow
 def test_sixteen_writers_and_two_refitters(pg_url, capsys):
     writers, per_writer = 16, 50
     ctx = mp.get_context("spawn")
@@ -163,6 +164,7 @@ def _batch_writer(url: str, w: int, n: int, out) -> None:
     out.put((w, None))
 
 
+@pytest.mark.slow
 def test_server_stopped_mid_batch(pg_server):
     url = pg_server.url(pg_server.create_database("fault"))
     Store(url).close()
