@@ -141,3 +141,18 @@ def test_random_config_values(tmp_path_factory, hidden, layers, heads, kv, vocab
     rc, out, err = _run(["estimate", str(d), "--ctx", str(ctx), "--batch", str(batch), "--device", "cpu",
                          "--fast", "--json", "--no-correction"])
     _sane_or_one_line(rc, out, err)
+
+
+def test_a_cache_forged_with_negative_numbers_is_not_served(tiny_models):
+    """A checksum only catches accidents; figures no model can have are refused as well."""
+    from vramcal.estimator.inventory import _digest
+
+    first = estimate(tiny_models["dense-gqa"], "nf4", ctx=128, device="cpu")
+    [inv_file] = _cache_files("inventory")
+    doc = json.loads(inv_file.read_text())
+    doc["payload"]["groups"] = {k: -v for k, v in doc["payload"]["groups"].items()}
+    doc["sha256"] = _digest(doc["payload"])
+    inv_file.write_text(json.dumps(doc))
+    again = estimate(tiny_models["dense-gqa"], "nf4", ctx=128, device="cpu")
+    assert again.components == first.components
+    assert any("impossible figures" in n for n in again.notes), again.notes

@@ -211,3 +211,34 @@ def test_configs_that_name_sizes_their_own_way_are_accepted(tmp_path):
                                                "vocab_size": 256}))
     r = run("estimate", str(d), "--ctx", "64")
     assert r.returncode == 2 and "hidden_size = -64 is impossible" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"torch_dtype": "float13"}, "is not a dtype"),
+    ({"torch_dtype": 7}, "is not a dtype"),
+    ({"quantization_config": "nf4"}, "quantization_config must be an object"),
+    ({"rope_scaling": "yes"}, "transformers rejects this config"),
+])
+def test_config_fields_transformers_would_choke_on(tmp_path, change, needle):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**CONFIG, **change}))
+    r = run("estimate", str(d), "--ctx", "64", "--device", "cpu")
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_quick_mode_refuses_flags_it_would_ignore():
+    r = run("estimate", "--params-b", "8", "--bits", "4", "--kv-dtype", "fp8")
+    assert r.returncode == 2 and "--kv-bytes (1 for fp8)" in r.stderr
+
+
+def test_output_to_a_full_disk_is_one_line():
+    r = subprocess.run(" ".join(VRAMCAL) + " models > /dev/full", shell=True, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("vramcal: cannot write the output"), r.stderr
+
+
+def test_unknown_database_url_is_refused_without_its_password(tmp_path):
+    r = subprocess.run(VRAMCAL + ["records", "list", "--db", "mysql://u:secret@127.0.0.1/db"], capture_output=True,
+                       text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "secret" not in r.stderr and "postgresql://" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []

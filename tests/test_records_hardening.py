@@ -200,3 +200,26 @@ def test_export_replaces_atomically(filled, tmp_path):
     assert r.returncode == 0, r.stderr
     assert len(out.read_text().splitlines()) == 61 and (out.stat().st_mode & 0o777) == 0o640
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left
+
+
+def test_export_never_replaces_a_device_a_link_or_another_database(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from vramcal.records.store import Store
+
+    db = tmp_path / "r.db"
+    Store(db).close()
+    other = tmp_path / "other.db"
+    Store(other).close()
+    link = tmp_path / "link.csv"
+    link.symlink_to(tmp_path / "target.csv")
+    for out, needle in (("/dev/null", "not a regular file"), (str(link), "not a regular file"),
+                        (str(other), "is an SQLite database")):
+        before = os.stat(out, follow_symlinks=False)
+        r = subprocess.run([sys.executable, "-m", "vramcal", "records", "export", "--db", str(db), "--out", out],
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and needle in r.stderr, (out, r.stderr)
+        after = os.stat(out, follow_symlinks=False)
+        assert (before.st_mode, before.st_ino, before.st_size) == (after.st_mode, after.st_ino, after.st_size)

@@ -125,6 +125,15 @@ def cmd_estimate(args) -> int:
                         "or quick-mode figures: --params-b 27 --bits 4 [--layers --kv-heads --head-dim]")
     work = _work(args, 4096)
     q = None
+    if quick and args.model is None:
+        ignored = [flag for flag, used in (("--quant", args.quant != "auto"), ("--dtype", args.dtype is not None),
+                                           ("--kv-dtype", args.kv_dtype != "auto"), ("--attn", args.attn != "auto"),
+                                           ("--cache", args.cache != "dynamic"), ("--fast", args.fast),
+                                           ("--max-memory", getattr(args, "max_memory", None) is not None),
+                                           ("--device-map", getattr(args, "device_map", None) is not None)) if used]
+        if ignored:
+            raise UserError(f"quick mode (--params-b, --bits) does not use {', '.join(ignored)}: say the weights "
+                            "with --bits and the cache with --kv-bytes (1 for fp8), or give a MODEL")
     if quick:
         from .estimator.quick import quick_estimate
 
@@ -377,7 +386,7 @@ def cmd_records(args) -> int:
             _out(json.dumps(runs, default=str) if args.json else
                  present.fleet_runs_table(runs) if many else present.runs_table(runs))
         elif action == "show":
-            if len(args.target) != 1 or not args.target[0].isdigit():
+            if len(args.target) != 1 or not args.target[0].isdigit() or int(args.target[0]) >= 1 << 63:
                 raise UserError("records show needs one run id: `vramcal records show 3`")
             run = store.run(int(args.target[0]))
             if run is None:
@@ -395,9 +404,25 @@ def cmd_records(args) -> int:
     return 0
 
 
+def _fold_journals(db: str | None) -> None:
+    from .calibrate.runs import recover_journals
+    from .records.store import Store, open_existing
+
+    existing = open_existing(db)
+    if existing is None:
+        return
+    existing.close()
+    with Store(db) as store:
+        recover_journals(store)
+
+
 def _records_copy(args, present) -> int:
-    """push, pull, import, init-fleet: the commands that write into a (possibly shared) store."""
+    """push, pull, import, init-fleet: the commands that write into a (possibly shared) store. Like every
+    command that writes, they first fold in the journals of runs whose process was killed."""
     from .records.engines import redact
+
+    if args.action in ("push", "pull", "import"):
+        _fold_journals(args.db)
 
     if args.action == "push":
         from .records.sync import push
@@ -547,7 +572,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _out(text: str) -> None:
-    print(text, flush=True)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        raise
+    except OSError as exc:  # stdout on a full disk, a closed terminal ...
+        raise UserError(f"cannot write the output ({exc.strerror or exc}): free space or redirect it elsewhere") \
+            from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,12 @@ def check_writable(path: str | os.PathLike, flag: str, protect: tuple[str | os.P
                                     "choose another file")
     if p.is_dir():
         raise UserError(f"{flag} {p} is a directory: give a file name")
+    if p.is_symlink() or (p.exists() and not p.is_file()):
+        # a rename would replace the link or the device node itself (/dev/null, /dev/stdout), not write to it
+        raise UserError(f"{flag} {p} is not a regular file (a link, a device or a pipe): give a plain file name")
+    if p.is_file() and _is_sqlite(p):
+        raise UserError(f"{flag} {p} is an SQLite database (records, perhaps): writing there would destroy it; "
+                        "choose another file")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise UserError(f"{flag}: the folder {parent} does not exist")
@@ -59,6 +65,14 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, flag: str = "--out"
             os.unlink(tmp)
         raise UserError(f"{flag}: could not write {p} ({exc.strerror}); nothing was changed") from None
     return p
+
+
+def _is_sqlite(path: Path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(16) == b"SQLite format 3\x00"
+    except OSError:
+        return False
 
 
 def _umask() -> int:

@@ -144,7 +144,16 @@ def recover_journals(store: Store) -> list[int]:
                     continue  # the last line of a killed writer may be cut short
         run = store.run(run_id)
         if run is not None and run.get("status") is None:
-            result = recover(events)
+            try:
+                result = recover(e for e in events if isinstance(e, dict))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a journal damaged beyond reading
+                record_failure(store, run_id, "killed", f"the recording process (pid {pid}) was killed and its "
+                                                        f"journal {path} is damaged ({type(exc).__name__}); "
+                                                        "no measurement could be recovered")
+                done.append(run_id)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
             if result is None:
                 record_failure(store, run_id, "killed", f"the recording process (pid {pid}) was killed before "
                                                         "the probe started")

@@ -189,8 +189,14 @@ class Estimator:
                                         decode=tuple(act["decode"]) if act["decode"] else None,
                                         traces=[Trace(**t) for t in act["traces"]])
             attn_used = str(data["attn_used"])
+            sane = all(k.bytes_per_token >= 0 and k.fixed_bytes >= 0 for k in kv) and all(
+                t.prefill_peak_bytes >= t.cache_bytes >= 0 and t.decode_peak_bytes >= 0
+                for t in (model.traces if model else []))
         except (KeyError, TypeError, ValueError):
             CACHE_PROBLEMS.append("a cached dry run did not have the expected fields; recomputed")
+            return
+        if not sane:
+            CACHE_PROBLEMS.append("a cached dry run held impossible figures (negative bytes); recomputed")
             return
         self._kv, self._act, self.attn_used = kv, model, attn_used
 
@@ -307,7 +313,7 @@ class Estimator:
         formula, diffs = _compare_formula(tc, inv, self.quant, work, components)
         if self.attn_used == "eager":
             notes.append("eager attention materialises batch x heads x seq x seq scores: the prefill grows with ctx^2")
-        warnings = _warnings(tc, work, peak if placement is None else 0, device)
+        warnings = _warnings(tc, work, peak if placement is None else 0, device, self.quant)
         out = Estimate(
             model=self.source.name, architecture=inv.architecture, quant=self.quant.name,
             quant_implementation=self.quant.implementation, dtype=inv.dtype, ctx=ctx, batch=batch,
@@ -487,12 +493,20 @@ class Estimator:
         return sum(work.batch * (layer.fixed_bytes + layer.bytes_per_token * work.prompt) for layer in self._kv or [])
 
 
-def _warnings(tc: dict, work: Workload, peak: int, device: str) -> list[str]:
+LARGEST_HOST_BYTES = 64 * 1024**4  # 64 TiB: beyond any single host's memory
+
+
+def _warnings(tc: dict, work: Workload, peak: int, device: str, quant: QuantSpec | None = None) -> list[str]:
     out = []
+    if quant is not None and quant.method == "other":
+        out.append(f"quantization {quant.name!r} is not a format vramcal knows: its weights are counted as the "
+                   "checkpoint stores them, or at the load dtype; treat the figures as a guess")
     limit = tc.get("max_position_embeddings")
     if isinstance(limit, int) and work.ctx > limit:
         out.append(f"ctx {work.ctx:,} is beyond the model's max_position_embeddings ({limit:,}): it was not "
                    "trained for that length (rope scaling may extend it; quality is not guaranteed)")
+    if device_kind(device) == "cpu" and peak > LARGEST_HOST_BYTES:
+        out.append(f"the peak {fmt_gib_gb(peak)} is more than any single host holds: lower the context or batch")
     if device_kind(device) == "cuda" and peak > LARGEST_GPU_BYTES:
         out.append(f"the peak {fmt_gib_gb(peak)} is more than any single GPU holds ({fmt_gib_gb(LARGEST_GPU_BYTES)}): "
                    "split the model across devices or lower the quantization, context or batch")

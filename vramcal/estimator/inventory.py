@@ -200,7 +200,12 @@ def inventory(source: ModelSource, quant: QuantSpec, use_cache: bool = True, pro
         cached = load_cached(source, quant)
         if cached is not None:
             try:
-                return Inventory.from_dict(cached)
+                inv = Inventory.from_dict(cached)
+                if inv.tensor_bytes > 0 and inv.params > 0 and all(
+                        isinstance(v, int) and v >= 0 for v in (*inv.groups.values(), *inv.alloc_sizes.values(),
+                                                                 *inv.alloc_sizes.keys(), inv.largest_source_bytes)):
+                    return inv
+                CACHE_PROBLEMS.append("a cached inventory held impossible figures (negative or zero); recomputed")
             except (TypeError, KeyError, ValueError, AttributeError):
                 CACHE_PROBLEMS.append("a cached inventory did not have the expected fields; recomputed")
     if progress is not None:
@@ -293,8 +298,20 @@ def build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None = N
     return out
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def _known_model_types() -> set[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return set(CONFIG_MAPPING_NAMES)
+
+
 def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, device, device_map, bnb_extra):
     import torch
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = clean_config(source.config)
@@ -306,7 +323,13 @@ def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, d
     try:
         cfg = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
     except (ValueError, KeyError) as exc:
-        raise _UnknownArchitecture(f"model_type {model_type!r}: {exc}") from None
+        if model_type in _known_model_types():  # a known architecture whose config transformers rejects
+            raise UserError(f"{source.name}: transformers rejects this {model_type} config "
+                            f"({_first_line(exc)}): fix the config.json") from None
+        raise _UnknownArchitecture(f"model_type {model_type!r} is not one this transformers knows") from None
+    except (TypeError, AttributeError, StrictDataclassError) as exc:  # a field of the wrong kind (rope_scaling: "yes")
+        raise UserError(f"{source.name}: transformers rejects this config ({_first_line(exc)}): "
+                        "fix the config.json") from None
     dtype = getattr(torch, quant.dtype)
     hf_quantizer = None
     if quant.method in ("bnb4", "bnb8"):

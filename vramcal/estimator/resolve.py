@@ -142,6 +142,15 @@ def validate_config(config: dict, where: str) -> None:
         if not floor <= value <= MAX_FIELD:
             raise UserError(f"{where}: {key} = {value} is impossible (expected {floor} to {MAX_FIELD:,}): "
                             "fix the config.json")
+    for key in ("torch_dtype", "dtype"):
+        value = tc.get(key)
+        if value is not None and (not isinstance(value, str) or value.removeprefix("torch.") not in DTYPE_BYTES):
+            raise UserError(f"{where}: {key} = {value!r} is not a dtype (bfloat16, float16, float32 ...): "
+                            "fix the config.json")
+    qc = config.get("quantization_config")
+    if qc is not None and (not isinstance(qc, dict) or not isinstance(qc.get("quant_method", ""), str)):
+        raise UserError(f"{where}: quantization_config must be an object with a quant_method, got {qc!r:.60}: "
+                        "fix the config.json")
     heads = size_field(tc, "num_attention_heads")
     kv = size_field(tc, "num_key_value_heads") or heads
     if heads % kv:

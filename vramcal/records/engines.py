@@ -48,7 +48,8 @@ def is_url(db) -> bool:
     return isinstance(db, str) and db.startswith(URL_PREFIXES)
 
 
-_USERINFO = re.compile(r"^(?P<scheme>[a-z]+://)(?P<user>[^:@/]*):(?P<password>[^@/]*)@", re.I)
+_USERINFO = re.compile(r"(?P<scheme>\b[a-z][a-z0-9+.-]*://)(?P<user>[^:@/\s\"']*):(?P<password>[^@/\s\"']*)@",
+                       re.I)  # anywhere in a message: drivers quote the URL they could not parse
 _PARAM = re.compile(r"(?P<key>(?:^|[?&\s])password=)(?P<value>[^&\s]*)", re.I)
 
 
@@ -571,6 +572,9 @@ def open_engine(db: str, *, create: bool, readonly: bool, timeout_s: float | Non
     timeout_s = timeout_from_env() if timeout_s is None else timeout_s
     if is_url(db):
         return PostgresEngine(db, create=create, readonly=readonly, timeout_s=timeout_s, role=role)
+    if re.match(r"^[a-z][a-z0-9+.-]*://", str(db), re.I):  # mysql://, sqlite:// ...: never a file name
+        raise UserError(f"{redact(str(db))} is not a records database vramcal can use: give a file path "
+                        "(SQLite) or a postgresql:// URL")
     if role:
         raise UserError("a role applies to a postgresql:// records database only")
     return SqliteEngine(Path(db), create=create, readonly=readonly, timeout_s=timeout_s)
