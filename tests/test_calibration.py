@@ -155,7 +155,7 @@ def test_every_ladder_step_is_a_command_the_parser_accepts():
     steps = 0
     for prefer in POLICIES:
         for quant, requantize in (("bf16", True), ("auto", False)):
-            for q, w, kv, _ in ladder(quant, Workload(8000, 192, 4), prefer, requantize):
+            for q, w, kv, *_ in ladder(quant, Workload(8000, 192, 4), prefer, requantize):
                 cmd = Configuration("llama-3.1-8b", w, quant=q, device="cuda:1", kv_dtype=kv, attn="eager",
                                     synthetic=True).command("check")
                 c = config_of_command(cmd)
