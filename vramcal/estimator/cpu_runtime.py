@@ -1,0 +1,195 @@
+"""What a CPU process's resident set holds while transformers loads and runs a model (``--device cpu``).
+
+Pure arithmetic, no torch. Measured on this stack (torch 2.13 CPU, transformers 5.24, bitsandbytes
+0.50.2, glibc 2.36, an AVX2 machine without AVX-512) with ``benchmarks/cpu_rss_instrument.py``,
+which reads ``/proc/self/smaps_rollup`` and ``/proc/self/smaps`` at every stage; the figures behind
+each term are in docs/cpu-memory.md. All quantities are bytes above the probe's baseline (the child
+with torch, transformers and bitsandbytes imported).
+
+The resident set is not "the tensors". It is, per stage:
+
+``checkpoint_pages`` (file-backed)
+    safetensors memory-maps the checkpoint, and transformers keeps every tensor it does not convert
+    as a *view* of that mapping. A page is resident once something reads it, and stays resident (and
+    counted in RSS) while the mapping lives, which is as long as the model. So: at load, only the
+    pages the loader reads -- the 16-bit source of every weight bitsandbytes quantizes on the fly, or
+    the whole file when a dtype conversion copies everything; nothing for a plain load in the
+    checkpoint's dtype (bf16 Qwen2.5-0.5B: +22 MiB after ``from_pretrained`` for a 942 MiB file).
+    After the first forward every weight has been read: the whole file (a tied embedding is read
+    whole by the ``lm_head`` matmul; an untied one only in the rows of the prompt's tokens).
+``loaded_tensors`` (anonymous)
+    tensors the loader allocates rather than maps: bitsandbytes' packed weights and their quant state
+    (the inventory's ``quantized`` + ``quant_state`` groups, to the MiB in glibc's ``mallinfo2``),
+    or every tensor when the load converts the dtype.
+``fixed``
+    code and data pages of torch / bitsandbytes touched for the first time by loading (about 22 MiB)
+    and by the first forward (about 16 MiB more): measured, not derived.
+``quantize_transient``
+    the temporaries of quantizing the largest weight (``load_peak`` only; the float32 copies of
+    bitsandbytes' pure-torch ``quantize_4bit``, the float16 copies of ``int8_vectorwise_quant``).
+``heap_retained``
+    glibc keeps freed memory in its heap. Its mmap threshold starts at 128 KiB and rises to the size of
+    the largest mmapped block freed so far (at most 32 MiB), so after the first quantized weight every
+    temporary up to 32 MiB comes from the heap; the packed results land between them, and the holes
+    they leave are resident but reusable only by requests that fit. How much stays is *not
+    deterministic*: the same load of Qwen2.5-0.5B nf4 left 40 MiB in one run and 1.29 GiB in the
+    next (see docs/cpu-memory.md; thread timing, hash seeds and address layout change the order of
+    small allocations between the large ones). The bound is one float32 copy of every weight whose
+    float32 copy is at most 32 MiB (nf4), one and a half float16 copies for LLM.int8. ``stages``
+    uses ``RETENTION_TYPICAL`` of that bound; ``upper`` uses all of it.
+``activations`` / ``kv_cache``
+    from the dry run, as on CUDA; the freed prefill blocks stay in the heap too, so the prefill's
+    share is scaled by ``ACT_RETAINED`` (bf16 Qwen2.5-0.5B ctx 1024: 73 MiB above weights for a dry
+    run of 47 MiB), and it is absorbed by ``heap_retained`` holes where those are larger.
+``int8_matmul``
+    LLM.int8 on a CPU without AVX-512 multiplies in float32: each linear converts its int8 weight
+    to a float32 copy (``4 x out x in``) and the int32 product to float32 for every forward; during
+    a prefill whose ``tokens x out x 4`` is below glibc's 32 MiB cap these land in the heap and stay
+    (Qwen2.5-0.5B, 1008 tokens: +725 MiB over the load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..units import MIB
+
+STAGES = ("load_peak", "post_load", "first_token", "end")
+
+GLIBC_MMAP_THRESHOLD_MAX = 32 * MIB  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit glibc
+LOAD_FIXED_BYTES = 22 * MIB  # library pages touched by from_pretrained (bf16 Qwen2.5-0.5B: 21.6-22.3 MiB)
+RUN_FIXED_BYTES = 16 * MIB  # more library pages touched by the first forward (libtorch_cpu.so: +8 MiB, ...)
+RETENTION_TYPICAL = 0.5  # fraction of the heap-retention bound a run keeps, between 0.03 and 0.95 measured
+ACT_RETAINED = 1.25  # resident prefill blocks per byte of the dry run's prefill peak (bf16, ctx 256/1024)
+QUANT_TEMP_FACTOR = {"bnb4": 4 * 4, "bnb8": 4 * 2}  # live temporaries per element while quantizing one weight
+INT8_RETENTION_FACTOR = 1.5  # LLM.int8 load: heap kept per float16 byte of the quantized weights (0.07-1.49)
+
+
+@dataclass(frozen=True)
+class CpuInputs:
+    """What the CPU model needs, all from the inventory, the config and the checkpoint listing.
+
+    ``quantized_elements``: element count of every weight bitsandbytes quantizes (one entry per
+    tensor); ``checkpoint_bytes``: bytes of the tensors in the safetensors files as stored;
+    ``checkpoint_elem_bytes``: their element size (2 for a bf16 checkpoint); ``load_elem_bytes``:
+    the load dtype's; ``loaded_tensor_bytes``: anonymous bytes the loader allocates (see
+    :func:`loaded_tensor_bytes`); ``untouched_bytes``: checkpoint bytes a forward never reads (the
+    rows of an untied input embedding no prompt token selects).
+    """
+
+    method: str  # none | bnb4 | bnb8
+    checkpoint_bytes: int
+    checkpoint_elem_bytes: int
+    load_elem_bytes: int
+    loaded_tensor_bytes: int
+    quantized_elements: tuple[int, ...] = ()
+    untouched_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CpuStages:
+    stages: dict[str, int]  # predicted resident set above the baseline, typical heap retention
+    upper: dict[str, int]  # the same with the whole heap-retention bound
+    lower: dict[str, int]  # the same with no heap retention (what MALLOC_MMAP_THRESHOLD_=131072 measures)
+    terms: dict[str, dict[str, int]]  # stage -> {term: bytes}, typical
+    notes: list[str] = field(default_factory=list)
+
+
+def loaded_tensor_bytes(method: str, groups: dict[str, int], tensor_bytes: int, converts_dtype: bool) -> int:
+    """Anonymous bytes ``from_pretrained`` allocates: quantized data and state for bitsandbytes; every
+    tensor when the load converts the checkpoint's dtype; none for a plain load in the stored dtype."""
+    if converts_dtype:
+        return tensor_bytes
+    if method in ("bnb4", "bnb8"):
+        return groups.get("quantized", 0) + groups.get("quant_state", 0)
+    return 0
+
+
+def decoder_linear_elements(tc: dict) -> tuple[int, ...]:
+    """Element counts of a dense decoder's quantizable linears (q, k, v, o, gate, up, down per layer),
+    from the text config: what ``quantized_elements`` is for Llama / Qwen / Mistral-shaped models."""
+    h = int(tc["hidden_size"])
+    heads = int(tc["num_attention_heads"])
+    kv = int(tc.get("num_key_value_heads") or heads)
+    hd = int(tc.get("head_dim") or h // heads)
+    inter = int(tc["intermediate_size"])
+    layer = (heads * hd * h, kv * hd * h, kv * hd * h, h * heads * hd, inter * h, inter * h, h * inter)
+    return layer * int(tc["num_hidden_layers"])
+
+
+def heap_retention_bound(method: str, quantized_elements: tuple[int, ...]) -> int:
+    """The most a bitsandbytes load leaves in glibc's heap: a float32 copy (nf4/fp4) of every weight
+    whose copy is served from the heap (at most 32 MiB), or 1.5 float16 copies (LLM.int8)."""
+    if method == "bnb4":
+        return sum(4 * n for n in quantized_elements if 4 * n <= GLIBC_MMAP_THRESHOLD_MAX)
+    if method == "bnb8":
+        return int(INT8_RETENTION_FACTOR * sum(2 * n for n in quantized_elements if 2 * n <= GLIBC_MMAP_THRESHOLD_MAX))
+    return 0
+
+
+def int8_prefill_heap(quantized_elements: tuple[int, ...], tokens: int, out_features: tuple[int, ...]) -> int:
+    """Heap the CPU LLM.int8 prefill leaves behind: per linear a float32 weight copy and the float32
+    product ``tokens x out``, each where glibc serves it from the heap. Scale set on Qwen2.5-0.5B at
+    1008 tokens (725 MiB above the load for 1.37 GiB of float32 weights); a guess elsewhere."""
+    per = 0
+    for n, out in zip(quantized_elements, out_features):
+        prod = 4 * tokens * out
+        if prod <= GLIBC_MMAP_THRESHOLD_MAX and 4 * n <= GLIBC_MMAP_THRESHOLD_MAX:
+            per += 4 * n
+    return per // 2 if tokens >= 512 else 0
+
+
+def cpu_resident_stages(inp: CpuInputs, *, kv_prompt: int, kv_end: int, prefill_extra: int, decode_extra: int,
+                        prompt_tokens: int, batch: int, out_features: tuple[int, ...] = ()) -> CpuStages:
+    """The resident set above the baseline at each probe stage (docs/cpu-memory.md).
+
+    ``kv_prompt`` / ``kv_end`` / ``prefill_extra`` / ``decode_extra`` are the dry run's (the same values
+    ``Estimator._stages`` receives); ``out_features`` lines up with ``inp.quantized_elements`` (only
+    LLM.int8's prefill term uses it)."""
+    m = inp.method
+    on_the_fly = m in ("bnb4", "bnb8")
+    converts = inp.checkpoint_elem_bytes != inp.load_elem_bytes
+    q_src = sum(inp.quantized_elements) * inp.checkpoint_elem_bytes
+    if converts:
+        pages_load = inp.checkpoint_bytes
+    elif on_the_fly:
+        pages_load = q_src
+    else:
+        pages_load = 0
+    pages_run = inp.checkpoint_bytes - inp.untouched_bytes
+    bound = heap_retention_bound(m, inp.quantized_elements)
+    n_max = max(inp.quantized_elements, default=0)
+    transient = QUANT_TEMP_FACTOR.get(m, 0) * n_max if on_the_fly else 0
+    act_first = kv_prompt + int(ACT_RETAINED * prefill_extra)
+    act_end = kv_end + int(ACT_RETAINED * decode_extra)
+    int8_first = 0
+    if m == "bnb8" and out_features:
+        int8_first = int8_prefill_heap(inp.quantized_elements, batch * prompt_tokens, out_features)
+    notes = []
+    if on_the_fly:
+        notes.append("glibc heap retention after an on-the-fly bitsandbytes load varies run to run "
+                     f"between 0 and {bound / MIB:.0f} MiB (docs/cpu-memory.md)")
+
+    def build(keep: float) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+        retained = int(keep * bound)
+        terms: dict[str, dict[str, int]] = {}
+        base_load = {"fixed": LOAD_FIXED_BYTES, "checkpoint_pages": pages_load, "loaded_tensors": inp.loaded_tensor_bytes,
+                     "heap_retained": retained}
+        terms["load_peak"] = {**base_load, "quantize_transient": transient}
+        terms["post_load"] = dict(base_load)
+        run = {"fixed": LOAD_FIXED_BYTES + RUN_FIXED_BYTES, "checkpoint_pages": pages_run,
+               "loaded_tensors": inp.loaded_tensor_bytes}
+        # the prefill's freed blocks and the load's holes are the same heap: the larger one shows
+        first_heap = retained + int8_first
+        first_act = act_first - kv_prompt
+        terms["first_token"] = {**run, "kv_cache": kv_prompt, "activations": first_act,
+                                "heap_retained": max(0, first_heap - first_act)}
+        end_act = act_end - kv_end
+        terms["end"] = {**run, "kv_cache": kv_end, "activations": end_act,
+                        "heap_retained": max(0, first_heap - end_act)}
+        return {s: sum(t.values()) for s, t in terms.items()}, terms
+
+    stages, terms = build(RETENTION_TYPICAL)
+    upper, _ = build(1.0)
+    lower, _ = build(0.0)
+    return CpuStages(stages=stages, upper=upper, lower=lower, terms=terms, notes=notes)
