@@ -1,4 +1,4 @@
-"""Compare CPU probe results with the current estimate and with vramcal.estimator.cpu_runtime.
+"""Compare CPU probe results with the current estimate and with benchmarks/cpu_runtime_model.py.
 
     python benchmarks/cpu_model_eval.py PROBE.json ...   (files written by `vramcal probe ... --device cpu --json`)
 
@@ -13,7 +13,7 @@ import json
 import statistics
 import sys
 
-from vramcal.estimator.cpu_runtime import CpuInputs, cpu_resident_stages, decoder_linear_elements, loaded_tensor_bytes
+from cpu_runtime_model import CpuInputs, cpu_resident_stages, decoder_linear_elements, loaded_tensor_bytes
 from vramcal.estimator.inventory import inventory
 from vramcal.estimator.quant import DTYPE_BYTES, resolve_quant
 from vramcal.estimator.resolve import resolve_model, text_config
