@@ -26,6 +26,8 @@ class FakeNVML:
     pid's bytes of None means the driver does not report per-process usage. ``names`` maps pid to the
     process name NVML reports (a pid not in it: NVML says "Not Found"). Free memory is total - used."""
 
+    NVMLError = NVMLError  # the door catches its backend's NVML errors only
+
     def __init__(self, script: dict[int, list], total: int = 80 * 1024**3, procs=None, fail_init: bool = False,
                  names: dict[int, str] | None = None):
         self.script = {k: list(v) for k, v in script.items()}

@@ -126,3 +126,14 @@ def test_attribute_peaks_to_the_interval_ending_at_each_marker():
 def test_bad_interval():
     with pytest.raises(ValueError):
         Sampler(lambda: {}, 0)
+
+
+def test_door_lets_a_bug_through_instead_of_calling_it_not_available(fake):
+    f = fake({0: [GIB]})
+
+    def broken(handle):
+        raise ZeroDivisionError("a bug, not NVML")
+
+    f.nvmlDeviceGetMemoryInfo = broken
+    with pytest.raises(ZeroDivisionError):
+        nvml.memory_used(nvml.device_handle(0))

@@ -91,7 +91,7 @@ def _rss() -> int | None:
         import psutil
 
         return psutil.Process().memory_info().rss
-    except Exception:
+    except (ImportError, OSError):  # psutil's errors are OSError subclasses; "not read" is None
         return None
 
 

@@ -41,7 +41,7 @@ def use_backend(module) -> None:
         if _state == "ready" and _backend is not None:
             try:
                 _backend.nvmlShutdown()
-            except Exception:
+            except _errors():
                 pass
         _backend, _state, _why_unavailable = module, "uninitialised", ""
 
@@ -63,10 +63,22 @@ def _init() -> None:
         _backend = pynvml
     try:
         _backend.nvmlInit()
-    except Exception as exc:
+    except _errors() as exc:
         _state, _why_unavailable = "unavailable", f"nvmlInit failed: {_reason(exc)}"
         raise NVMLUnavailable(_why_unavailable) from None
     _state = "ready"
+
+
+def _errors() -> type[BaseException]:
+    """NVML's own error class (pynvml.NVMLError, or the fake backend's): the only errors the door turns
+    into NA. Anything else is a bug and goes up."""
+    return getattr(_backend, "NVMLError", None) or _pynvml_error()
+
+
+def _pynvml_error() -> type[BaseException]:
+    import pynvml
+
+    return pynvml.NVMLError
 
 
 def _reason(exc: Exception) -> str:
@@ -95,7 +107,7 @@ def query(name: str, *args):
             return NA(f"{name} is not in this NVML binding")
         try:
             return fn(*args)
-        except Exception as exc:  # pynvml.NVMLError and its subclasses, or a fake's
+        except _errors() as exc:  # pynvml.NVMLError and its subclasses, or the fake's
             return NA(_reason(exc))
 
 
@@ -106,7 +118,7 @@ def shutdown() -> None:
         if _state == "ready":
             try:
                 _backend.nvmlShutdown()
-            except Exception:
+            except _errors():
                 pass
         if _state != "unavailable":
             _state = "shut"
