@@ -202,13 +202,19 @@ def cmd_probe(args) -> int:
     try:
         r = run_probe(args.model, args.quant, work.ctx, work.batch, device=args.device, synthetic=args.synthetic,
                       interval_ms=args.interval_ms, dtype=config.dtype, attn=args.attn, new_tokens=work.new_tokens,
-                      kv_dtype=args.kv_dtype, cache=args.cache, command=config.command("probe"),
+                      kv_dtype=args.kv_dtype, cache=args.cache, command=config.command("probe", _probe_extra(args)),
                       max_memory=max_memory, device_map=device_map)
     except ProbeInterrupted as exc:  # show what was measured before the signal, then exit 130 / 143
         _show_probe(exc.result, args)
         raise
     _show_probe(r, args)
     return 0 if r.status == "ok" else 1
+
+
+def _probe_extra(args) -> list[str]:
+    """The probe's own options, so its recorded command reproduces the run as it was asked for."""
+    extra = [] if args.interval_ms == 5.0 else ["--interval-ms", f"{args.interval_ms:g}"]
+    return extra + (["--timeline", os.path.abspath(args.timeline)] if args.timeline else [])
 
 
 def _show_probe(r, args) -> None:

@@ -88,7 +88,7 @@ class Device:
 def parse_device(text: str | None, default: str = "cuda:0") -> Device:
     """``cpu``, ``cuda`` (= ``cuda:0``) or ``cuda:N``; anything else is refused in one line."""
     text = default if text is None else str(text)
-    m = _DEVICE.fullmatch(text.lower())
+    m = _DEVICE.fullmatch(text)
     if m is not None:
         return Device("cpu") if m.group(1) == "cpu" else Device("cuda", int(m.group(2) or 0))
     raise UserError(f"unknown device {text!r}: use cpu, cuda or cuda:N (e.g. cuda:1)")
