@@ -223,3 +223,33 @@ def test_export_never_replaces_a_device_a_link_or_another_database(tmp_path):
         assert r.returncode == 2 and needle in r.stderr, (out, r.stderr)
         after = os.stat(out, follow_symlinks=False)
         assert (before.st_mode, before.st_ino, before.st_size) == (after.st_mode, after.st_ino, after.st_size)
+
+
+def test_pull_from_a_source_damaged_inside_creates_nothing(tmp_path):
+    """The source is read whole before the destination is opened: a damaged page gives one line, exit 2,
+    and no empty destination database is left behind."""
+    import sqlite3
+    import subprocess
+    import sys
+
+    from vramcal.records.store import Store
+
+    src, dst = tmp_path / "src.db", tmp_path / "new.db"
+    fp = {"kind": "cpu", "torch": "t", "hostname": "h", "total_bytes": 1 << 34}
+    with Store(src) as s:
+        mid = s.machine_id(fp)
+        for i in range(5):
+            rid = s.begin_run(mid, model=f"m{i}", config_hash="c", quant="nf4", quant_impl="bnb", dtype="bfloat16",
+                              ctx=100, batch=1, kv_dtype="auto", attn="sdpa", device="cpu", command="x", estimate=None)
+            s.finish_run(rid, {"status": "ok", "series": "rss"}, [], [(0.1, "rss", 1000)])
+    c = sqlite3.connect(src)
+    c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    machines_page = dict(c.execute("SELECT name, rootpage FROM sqlite_master WHERE type = 'table'"))["machines"]
+    c.close()
+    with open(src, "r+b") as fh:  # the machines table's page, damaged past its header
+        fh.seek((machines_page - 1) * 4096 + 8)
+        fh.write(b"\xff" * 40)
+    r = subprocess.run([sys.executable, "-m", "vramcal", "records", "pull", "--from", str(src), "--db", str(dst)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "damaged" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert not dst.exists()

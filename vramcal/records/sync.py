@@ -128,13 +128,26 @@ def _read_outcome(src: Store, run_id: int) -> tuple[dict, list[dict], list[tuple
     return result, stages, samples
 
 
+def _readable(src: Store) -> Store:
+    """Read the whole source once before the destination is opened (or created): a source damaged
+    inside says so in one line and nothing is written anywhere."""
+    for table in ("machines", "runs", "results", "stages", "samples", "memos", "corrections"):
+        src.count(table)
+    src.machines()
+    return src
+
+
 def push(local_db, url: str) -> CopyReport:
     """This machine's records (``local_db``, read-only) into the store at ``url``."""
-    with Store(local_db, create=False, readonly=True) as src, Store(url) as dst:
-        return copy_records(src, dst)
+    with Store(local_db, create=False, readonly=True) as src:
+        _readable(src)
+        with Store(url) as dst:
+            return copy_records(src, dst)
 
 
 def pull(url: str, local_db) -> CopyReport:
     """The records of the store at ``url`` (read-only) into ``local_db``."""
-    with Store(url, create=False, readonly=True) as src, Store(local_db) as dst:
-        return copy_records(src, dst)
+    with Store(url, create=False, readonly=True) as src:
+        _readable(src)
+        with Store(local_db) as dst:
+            return copy_records(src, dst)
