@@ -122,7 +122,7 @@ def recover_journals(store: Store) -> list[int]:
     """Fold the journals of processes that are gone into records: the probe's result rebuilt from its
     events (``probes.probe.recover``: status ``interrupted``, the last stage, the samples so far), or,
     if the child never started, a run closed as ``killed``. Returns the run ids recovered."""
-    from ..probes.probe import recover
+    from ..probes.probe import process_alive, recover
 
     d = journal_dir(store)
     if not d.is_dir():
@@ -133,7 +133,7 @@ def recover_journals(store: Store) -> list[int]:
             run_id, pid = (int(x) for x in path.name.split(".")[:2])
         except ValueError:
             continue
-        if _alive(pid):
+        if process_alive(pid):
             continue
         events = []
         with contextlib.suppress(OSError):
@@ -163,13 +163,3 @@ def recover_journals(store: Store) -> list[int]:
         with contextlib.suppress(OSError):
             path.unlink()
     return done
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -186,7 +186,9 @@ def _start_ticks(pid: int) -> int | None:
     return int(data[data.rindex(b")") + 2:].split()[19])
 
 
-def _alive(pid: int, start: int) -> bool:
+def process_alive(pid: int, start: int = 0) -> bool:
+    """Whether process ``pid`` exists and, when ``start`` (its start time in clock ticks) is given, is
+    the same process rather than a later one that reused the pid."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -221,7 +223,7 @@ def sweep_stale(root: str | None = None) -> list[str]:
     for name in names:
         owner = folder_owner(name)
         path = os.path.join(root, name)
-        if owner is None or _alive(*owner) or not os.path.isdir(path):
+        if owner is None or process_alive(*owner) or not os.path.isdir(path):
             continue
         remove_temp_folder(path)
         if not os.path.exists(path):
