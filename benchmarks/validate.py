@@ -48,7 +48,7 @@ ARCHS = {
             "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "topk_method": "greedy",
             "n_group": 1, "topk_group": 1, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"},
 }
-STAGES = ("load_peak", "post_load", "first_token", "end")
+from vramcal.workload import STAGES  # noqa: E402
 BYTES_PER_PARAM = {"bf16": 2, "fp16": 2, "fp32": 4, "int8": 1, "nf4": 0.5, "nf4-dq": 0.5, "fp4": 0.5, "fp4-dq": 0.5}
 FIELDS = ["name", "device", "machine", "arch", "model", "quant", "ctx", "batch", "status", "error", "run_id", "stage",
           "estimated_bytes", "calibrated_bytes", "measured_bytes", "error_raw_pct", "error_calibrated_pct",
@@ -122,9 +122,6 @@ def write_csv(args) -> int:
                 measured = {s: (full["stages"].get(s) or {}).get("measured_peak_bytes") for s in STAGES}
                 peak_stage = max((s for s in STAGES if measured[s] is not None), key=lambda s: measured[s],
                                  default=None)
-                formula = (est.get("formula") or {}).get("total_bytes")
-                params = (est.get("formula") or {}).get("params")
-                acc = int(params * BYTES_PER_PARAM.get(run["quant"], 2)) if params else None
                 st = result.get("stages", {})
                 for s in STAGES:
                     e = (est.get("stages") or {}).get(s)
@@ -135,27 +132,72 @@ def write_csv(args) -> int:
                         "machine": machine.get("gpu_name") or machine.get("cpu_model"), "arch": run["model"],
                         "model": run["model"], "quant": run["quant"], "ctx": run["ctx"], "batch": run["batch"],
                         "status": run["status"], "error": run["error"], "run_id": run["id"], "stage": s,
-                        "estimated_bytes": e,
-                        "calibrated_bytes": cal, "measured_bytes": m,
-                        "error_raw_pct": _pct(e, m), "error_calibrated_pct": _pct(cal, m),
-                        "loo_runs": len({r for c in loo.values() for r in c.source_runs}),
+                        "measured_bytes": m, **_estimate_columns(est, run["quant"], s, m, cal, scope, loo),
                         "estimated_with": "current code" if args.re_estimate else "recorded with the run",
-                        "loo_scope": "none" if scope is None else ("model+quant" if "model=" in scope else
-                                                                    "quant" if "quant=" in scope else "machine"),
-                        "peak_stage": peak_stage, "formula_total_bytes": formula, "accelerate_bytes": acc,
-                        "weights_estimated_bytes": (est.get("components") or {}).get("weights"),
+                        "peak_stage": peak_stage,
                         "weights_measured_bytes": (st.get("load_peak") or {}).get("weights_bytes"),
-                        "kv_estimated_bytes": (est.get("components") or {}).get("kv_cache"),
                         "kv_measured_bytes": (st.get("end") or {}).get("kv_bytes"),
                         "torch": machine.get("torch"), "transformers": machine.get("transformers"),
                         "bitsandbytes": machine.get("bitsandbytes")})
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", newline="") as fh:
-        w = csv.DictWriter(fh, FIELDS)
-        w.writeheader()
-        w.writerows(rows_out)
+    _write(args.out, rows_out)
     print(f"{len(rows_out)} rows -> {args.out}", file=sys.stderr)
     return len(rows_out)
+
+
+def _estimate_columns(est: dict, quant: str, stage: str, measured: int | None, calibrated: int | None,
+                      scope: str | None, loo: dict) -> dict:
+    """The CSV columns that come from an estimate and its leave-one-out correction."""
+    e = (est.get("stages") or {}).get(stage)
+    params = (est.get("formula") or {}).get("params")
+    return {"estimated_bytes": e, "calibrated_bytes": calibrated, "error_raw_pct": _pct(e, measured),
+            "error_calibrated_pct": _pct(calibrated, measured),
+            "loo_runs": len({x for c in loo.values() for x in c.source_runs}),
+            "loo_scope": "none" if scope is None else ("model+quant" if "model=" in scope else
+                                                        "quant" if "quant=" in scope else "machine"),
+            "formula_total_bytes": (est.get("formula") or {}).get("total_bytes"),
+            "accelerate_bytes": int(params * BYTES_PER_PARAM.get(quant, 2)) if params else None,
+            "weights_estimated_bytes": (est.get("components") or {}).get("weights"),
+            "kv_estimated_bytes": (est.get("components") or {}).get("kv_cache")}
+
+
+def _write(path: str, rows: list[dict]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def re_estimate_csv(args) -> int:
+    """``--from-csv``: the measurements of an existing CSV (its records database gone) against the current
+    code's estimates, the leave-one-out corrections refitted by the same rule as :func:`write_csv`
+    (scope by scope: same model and quant, same quant, any). Rewrites the CSV in place."""
+    from vramcal.calibrate import reconcile
+
+    with open(args.out, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    runs = {}
+    for r in rows:
+        runs.setdefault(int(r["run_id"]), r)
+    estimates = {rid: _estimate_for(None, {"model": r["model"], "quant": r["quant"], "ctx": int(r["ctx"]),
+                                           "batch": int(r["batch"]), "device": r["device"]}, True)
+                 if r["status"] == "ok" else {} for rid, r in runs.items()}
+    stage_rows = [{"run_id": int(r["run_id"]), "stage": r["stage"], "ctx": int(r["ctx"]), "batch": int(r["batch"]),
+                   "status": r["status"], "quant": r["quant"], "config_hash": r["model"],
+                   "measured_peak_bytes": int(r["measured_bytes"]) if r["measured_bytes"] else None,
+                   "estimated_bytes": (estimates[int(r["run_id"])].get("stages") or {}).get(r["stage"])}
+                  for r in rows]
+    for r in rows:
+        rid = int(r["run_id"])
+        est = estimates[rid]
+        e = (est.get("stages") or {}).get(r["stage"])
+        m = int(r["measured_bytes"]) if r["measured_bytes"] else None
+        scope, loo = reconcile.fit_scoped(stage_rows, "", r["quant"], r["model"], exclude_run=rid)
+        cal = None if e is None else reconcile.apply({r["stage"]: e}, int(r["ctx"]) * int(r["batch"]), loo)[r["stage"]]
+        r.update(_estimate_columns(est, r["quant"], r["stage"], m, cal, scope, loo), estimated_with="current code")
+    _write(args.out, rows)
+    print(f"{len(rows)} rows re-estimated -> {args.out}", file=sys.stderr)
+    return len(rows)
 
 
 def _estimate_for(store, run: dict, re_estimate: bool) -> dict:
@@ -191,9 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv-only", action="store_true", help="rewrite the CSV from the database, run nothing")
     ap.add_argument("--re-estimate", action="store_true",
                     help="compare the measurements with the current code's estimates, not the recorded ones")
+    ap.add_argument("--from-csv", action="store_true",
+                    help="no database: re-estimate the measurements already in the CSV with the current code")
     args = ap.parse_args(argv)
     args.db = args.db or f"validation-{args.name}.db"
     args.out = args.out or os.path.join("docs", "validation", f"{args.name}.csv")
+    if args.from_csv:
+        re_estimate_csv(args)
+        return 0
     if not args.csv_only:
         run_matrix(args)
     write_csv(args)

@@ -66,3 +66,51 @@ def test_report_without_data(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--dir", str(tmp_path / "v"),
                         "--out", str(out)], capture_output=True, text=True)
     assert r.returncode == 0 and "No probe validation data yet." in out.read_text()
+
+
+def _probe_json(path: Path, model: str, quant: str, ctx: int, measured: dict[str, int], base: int = 10**9) -> None:
+    import json
+
+    stages = {"baseline": {"used_bytes": base, "peak_bytes": base}}
+    stages.update({s: {"used_bytes": base + v, "peak_bytes": base + v} for s, v in measured.items()})
+    path.write_text(json.dumps({"status": "ok", "device": "cpu", "series": "rss", "model": model, "quant": quant,
+                                "ctx": ctx, "batch": 1, "new_tokens": 16, "stages": stages, "wall_s": 1.0}))
+
+
+def test_cpu_model_eval_and_its_place_in_the_report(tmp_path, tiny_models):
+    """The CPU section is computed from probe JSON by the installed estimator, split by model size, with
+    leave-one-out corrections from the other probes of the same model and quantization; the report puts
+    it after the published GPU evidence and before the small-model probes."""
+    from vramcal.estimator.estimate import estimate
+
+    model = tiny_models["dense-gqa"]
+    e = estimate(model, "bf16", ctx=256, device="cpu")
+    probes = tmp_path / "probes"
+    probes.mkdir()
+    # two runs, each 10 % above the estimate at every stage: raw error -9.1 %; each corrected by the other's
+    _probe_json(probes / "a.json", model, "bf16", 256, {s: v * 11 // 10 for s, v in e.stages.items()})
+    _probe_json(probes / "b.json", model, "bf16", 256, {s: v * 11 // 10 for s, v in e.stages.items()})
+    d = tmp_path / "validation"
+    (d / "cpu-real").mkdir(parents=True)
+    (d / "published").mkdir()
+    (d / "published" / "published.md").write_text("## GPU evidence: figures others measured and published\n")
+    md = d / "cpu-real" / "cpu-real.md"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_model_eval.py"), "--markdown", str(md),
+                        str(probes / "a.json"), str(probes / "b.json")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    text = md.read_text()
+    assert "### smaller models" in text  # a tiny model is not a real-width row
+    assert text.count("| -9% |") == 8 and text.count("+0% (model+quant)") + text.count("-0% (model+quant)") == 8
+    assert "smaller models: 8 rows (2 probes); median |error| raw 9.1%, calibrated (leave-one-out) 0.0%" in text
+    out = tmp_path / "validation.md"
+    _row_csv = d / "cpu.csv"
+    with open(_row_csv, "w", newline="") as fh:
+        w = csv.DictWriter(fh, FIELDS)
+        w.writeheader()
+        w.writerows([_row(1, s, 100, 100, 100) for s in ("load_peak", "post_load", "first_token", "end")])
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--dir", str(d), "--out", str(out),
+                        "--plot", str(d / "peak.png")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    report = out.read_text()
+    order = [report.index(h) for h in ("## GPU evidence", "## CPU at real widths", "## Our own probes of small models")]
+    assert order == sorted(order)

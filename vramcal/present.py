@@ -30,10 +30,21 @@ def estimate_table(e) -> str:
     if e.devices:
         lines += [""] + placement_lines(e, corrected)
     else:
-        lines += ["", f"stages{corrected} (device memory in use; allocated in brackets)"]
+        what = ("resident set above the process's baseline; torch tensors in brackets" if e.device == "cpu"
+                else "device memory in use; allocated in brackets")
+        lines += ["", f"stages{corrected} ({what})"]
         for key in STAGES:
-            lines.append(_row(_stage_label(key, e.new_tokens), e.stages[key]) + f"   [{gib(e.allocated[key]):.2f} GiB]")
+            spread = ""
+            if e.ranges:
+                lo, hi = e.ranges[key]
+                spread = f"   {'raw ' if e.correction else ''}run to run {gib(lo):.2f}-{gib(hi):.2f} GiB"
+            lines.append(_row(_stage_label(key, e.new_tokens), e.stages[key]) + f"   [{gib(e.allocated[key]):.2f} GiB]"
+                         + spread)
         lines.append(_row("PEAK", e.peak) + f"   at {STAGE_LABELS.get(e.peak_stage, e.peak_stage)}")
+        if e.ranges:
+            hi = max(v[1] for v in e.ranges.values())
+            lines.append(f"  plan for {gib(hi):.2f} GiB: glibc keeps a different share of bitsandbytes' freed "
+                         "temporaries each run (docs/cpu-memory.md)")
     if e.peak_breakdown:
         lines += ["", "the peak is made of"]
         for key, value in e.peak_breakdown.items():

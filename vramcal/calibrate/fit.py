@@ -1,6 +1,7 @@
 """``fit``: the largest context per quantization and batch that stays within a budget.
 
-One device: the corrected peak (p95 margin) within ``budget - buffer``. Split across devices
+One device: the corrected peak (p95 margin) within ``budget - buffer``; on the CPU, where a bitsandbytes
+load's resident set has a run-to-run range, its top until this machine has a correction. Split across devices
 (``max_memory`` / ``device_map``, docs/placement.md): the placement is planned once per quantization,
 and every GPU of the plan that loads must stay within its own budget minus the buffer, each with the
 correction of its device position when this machine has one.
@@ -65,7 +66,10 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
         def over(c: int, b: int) -> tuple[bool, int, dict[str, int]]:
             """(over some budget, the highest peak, peak per GPU) at ctx c, batch b."""
             pt = est.sweep([(c, b)], new_tokens=new_tokens, placement=plan)[0]
-            per = pt["devices"] if plan is not None else {device: {k: pt[k] for k in STAGES}}
+            # a CPU range (glibc heap kept run to run) is planned at its top until this machine has measured
+            # where its runs land (a correction, with its p95 margin)
+            raw = pt["upper"] if "upper" in pt and not corr.get(device) else pt
+            per = pt["devices"] if plan is not None else {device: {k: raw[k] for k in STAGES}}
             peaks = {d: max(apply({k: st[k] for k in STAGES}, c * b, corr.get(d, {}), margin="p95").values())
                      for d, st in per.items() if d.startswith("cuda") or plan is None}
             return any(p > budgets.get(d, 0) - buffer for d, p in peaks.items()), max(peaks.values()), peaks

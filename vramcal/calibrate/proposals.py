@@ -25,6 +25,11 @@ bytes). With bitsandbytes the offloaded layers stay unquantized (the installed t
 The offload rung is computed only for a GPU and when the available RAM is known: the GPU's share is
 searched so that its corrected peak (p95) fits the budget, with the CPU given the RAM available now.
 
+A quantization step is offered only where it lowers the estimate at the asked workload: on the CPU an
+on-the-fly bitsandbytes load keeps the checkpoint's 16-bit pages mapped beside the quantized copies
+and glibc keeps the quantizer's temporaries, so nf4 and int8 raise the resident set there
+(docs/cpu-memory.md); the ladder then steps through context and batch at the asked precision.
+
 Each proposal carries its corrected estimate (at the p95 of this machine's residuals) and the
 ``vramcal check`` command that tries it, built by :class:`vramcal.workload.Configuration`.
 """
@@ -69,16 +74,21 @@ class Step(NamedTuple):
     offload: bool = False  # keep the rest, offload to CPU what does not fit on the GPU
 
 
-def ladder(quant: str, work: Workload, prefer: str, requantize: bool = True) -> list[Step]:
+def ladder(quant: str, work: Workload, prefer: str, requantize: bool = True,
+           quants: list[str] | None = None) -> list[Step]:
     """The steps of a policy, in order: (quant, workload, kv dtype, what changed). Contexts halve down
     to 1024 (or to the new tokens + 1 for short runs); the new tokens stay what the user asked for. A
-    pre-quantized checkpoint loads only as stored (``requantize=False``): no quantization steps."""
+    pre-quantized checkpoint loads only as stored (``requantize=False``): no quantization steps.
+    ``quants``: the lower quantizations to step through (default: every one below ``quant``)."""
     if prefer not in POLICIES:
         raise UserError(f"unknown --prefer {prefer!r}: choose {', '.join(POLICIES)}")
     floor = work.new_tokens + 1 if work.ctx < 2048 else max(1024, work.new_tokens + 1)
     ctxs = _halves(work.ctx, floor)
     batches = _halves(work.batch, 1)
-    quants = lower_quants(quant) if requantize else []
+    if not requantize:
+        quants = []
+    elif quants is None:
+        quants = lower_quants(quant)
     low = quants[-1] if quants else quant
 
     def w(ctx: int = work.ctx, batch: int = work.batch) -> Workload:
@@ -114,24 +124,39 @@ def propose(source: ModelSource, quant: str, work: Workload, usable: int, correc
     ``cpu_bytes``: RAM available for offloaded layers (no offload rung when None or on the CPU)."""
     estimators: dict[tuple[str, str], Estimator] = {}
     kind = "cpu" if device.startswith("cpu") else "cuda"
+
+    def estimator(q: str, kv: str = "auto") -> Estimator:
+        if (q, kv) not in estimators:
+            estimators[(q, kv)] = Estimator(source, resolve_quant(q, source.config), attn=attn, kv_dtype=kv,
+                                            device=kind)
+        return estimators[(q, kv)]
+
+    def raw_peak(q: str) -> int:
+        return estimator(q).estimate(batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
+                                     exact=False).peak
+
+    lower = None
+    if requantize:  # a step down must save memory here: on the CPU a bitsandbytes load adds to the
+        try:        # checkpoint's pages instead of replacing them (docs/cpu-memory.md)
+            asked = raw_peak(quant)
+            lower = [q for q in lower_quants(quant) if raw_peak(q) < asked]
+        except UserError:
+            lower = None
     out = []
-    for step in ladder(quant, work, prefer, requantize):
+    for step in ladder(quant, work, prefer, requantize, lower):
         q, w, kv, what = step.quant, step.work, step.kv_dtype, step.change
-        key = (q, kv)
         if step.offload and (kind == "cpu" or not cpu_bytes):
             continue
         try:
-            if key not in estimators:
-                estimators[key] = Estimator(source, resolve_quant(q, source.config), attn=attn, kv_dtype=kv,
-                                            device=kind)
+            est = estimator(q, kv)
             if step.offload:
-                found = offload_step(estimators[key], w, usable, corrections_for(q), device, cpu_bytes)
+                found = offload_step(est, w, usable, corrections_for(q), device, cpu_bytes)
                 if found is None:
                     continue
                 e, peak, max_memory, plan = found
                 what = f"{what[:-len('offload to CPU')]}offload {_offloaded_layers(plan)} to CPU"
             else:
-                e = estimators[key].estimate(batch=w.batch, prompt=w.prompt, new_tokens=w.new_tokens, exact=False)
+                e = est.estimate(batch=w.batch, prompt=w.prompt, new_tokens=w.new_tokens, exact=False)
                 max_memory = plan = None
         except UserError:
             continue

@@ -26,6 +26,7 @@ from ..errors import UserError
 from ..units import GB, fmt_gib_gb
 from ..workload import ATTNS, CACHES, KV_DTYPES, NEW_TOKENS, STAGES, Workload, choice, parse_device, workload
 from .correction import CorrectionSet, apply
+from .cpu import CpuStages, cpu_inputs, cpu_resident_stages, out_features
 from .dryrun import ActivationModel, KVLayer, Trace, fit_activations, round_alloc
 from .inventory import CACHE_PROBLEMS, Inventory, inventory, load_cached, store_cached
 from .quant import DTYPE_BYTES, QuantSpec, resolve_quant
@@ -80,6 +81,9 @@ class Estimate:
     placement: dict | None = None
     devices: dict[str, dict] | None = None
     peak_device: str | None = None
+    # --device cpu after an on-the-fly bitsandbytes load: {stage: [lower, upper]}, the resident set with
+    # none and with all of the freed heap glibc may keep (run to run; docs/cpu-memory.md). Raw figures.
+    ranges: dict[str, list[int]] | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -301,7 +305,7 @@ class Estimator:
             if self._dry_error:
                 notes.append(f"dry run failed ({self._dry_error}); activations from a formula")
 
-        stages, allocated, moments = self._stages(rt, kv_prompt, kv_end, prefill_extra, decode_extra)
+        stages, allocated, moments, cpu = self._stages(rt, kv_prompt, kv_end, prefill_extra, decode_extra, work)
         peak_stage = max(STAGES, key=lambda k: stages[k])
         peak = stages[peak_stage]
         act = max(prefill_extra, decode_extra, 0)
@@ -310,6 +314,14 @@ class Estimator:
         components = {"weights": inv.tensor_bytes, "kv_cache": kv_end, "activations": act, "runtime": runtime_bytes}
         breakdown = {"weights": inv.tensor_bytes, "kv_cache": held["kv"], "activations": held["act"],
                      "runtime": peak - inv.tensor_bytes - held["kv"] - held["act"]}
+        ranges = None
+        if cpu is not None:  # the resident set: what it is made of is the CPU model's terms
+            breakdown = dict(cpu.terms[peak_stage])
+            methods["resident set"] = ("docs/cpu-memory.md: the checkpoint's mapped pages, tensors the loader "
+                                       "allocates, glibc heap kept after quantizing, KV and prefill blocks")
+            notes += cpu.notes
+            if cpu.lower != cpu.upper:
+                ranges = {k: [cpu.lower[k], cpu.upper[k]] for k in STAGES}
         formula, diffs = _compare_formula(tc, inv, self.quant, work, components)
         if self.attn_used == "eager":
             notes.append("eager attention materialises batch x heads x seq x seq scores: the prefill grows with ctx^2")
@@ -322,7 +334,8 @@ class Estimator:
             methods=methods, weights_breakdown={k: v for k, v in inv.groups.items() if v},
             kv_breakdown=kv_by_kind, formula=formula, differences=diffs, notes=notes,
             runtime_source=rt.source, config_hash=self.source.config_hash, prompt=work.prompt,
-            new_tokens=work.new_tokens, peak_stage=peak_stage, peak_breakdown=breakdown, warnings=warnings)
+            new_tokens=work.new_tokens, peak_stage=peak_stage, peak_breakdown=breakdown, warnings=warnings,
+            ranges=ranges)
         if placement is not None:
             self._place(out, placement, work, kv_prompt, kv_end, prefill_extra, decode_extra, runtime)
         return out
@@ -390,10 +403,11 @@ class Estimator:
                 out.warnings.append(f"{dev}'s peak {fmt_gib_gb(peak)} is more than any single GPU holds")
         out.notes += [n for n in loads.notes if n not in out.notes]
 
-    def _stages(self, rt: RuntimeProfile, kv_prompt: int, kv_end: int, prefill_extra: int, decode_extra: int
-                ) -> tuple[dict[str, int], dict[str, int], dict[str, dict[str, int]]]:
+    def _stages(self, rt: RuntimeProfile, kv_prompt: int, kv_end: int, prefill_extra: int, decode_extra: int,
+                work: Workload) -> tuple[dict[str, int], dict[str, int], dict[str, dict[str, int]], CpuStages | None]:
         """The stage rules of docs/accounting.md: device memory in use, and allocated, at each stage;
-        and for each stage, the KV and transient bytes of the moment that set it."""
+        for each stage, the KV and transient bytes of the moment that set it; on the CPU, the resident-set
+        model's figures (docs/cpu-memory.md), whose typical figures are the stages."""
         inv = self.inv
         w_alloc = self._w_alloc
         on_the_fly = self.quant.method in ("bnb4", "bnb8") and not self.quant.pre_quantized
@@ -407,17 +421,22 @@ class Estimator:
         at = {"load": {"kv": 0, "act": 0}, "post": {"kv": 0, "act": 0},
               "prefill": {"kv": kv_prompt, "act": max(prefill_extra, 0)},
               "decode": {"kv": kv_end, "act": max(decode_extra, 0)}}
-        if not rt.keeps_freed:  # the CPU gives large freed blocks back: each stage stands on its own
-            stages = {k: rt.context_bytes + v for k, v in allocated.items()}
+        if rt.device_kind == "cpu":  # the resident set: mapped checkpoint pages, heap, tensors (docs/cpu-memory.md)
+            cpu = cpu_resident_stages(cpu_inputs(inv, self.quant, self.source.config, work.batch * work.prompt),
+                                      kv_prompt=kv_prompt, kv_end=kv_end, prefill_extra=max(prefill_extra, 0),
+                                      decode_extra=max(decode_extra, 0), prompt_tokens=work.prompt,
+                                      batch=work.batch, out_features=out_features(inv))
+            stages = {k: rt.context_bytes + cpu.stages[k] for k in STAGES}
             return stages, allocated, {"load_peak": at["load"], "post_load": at["post"],
-                                       "first_token": at["prefill"], "end": at["decode"]}
+                                       "first_token": at["prefill"], "end": at["decode"]}, cpu
         prefill_res, end_res = rt.reserve(prefill_alloc), rt.reserve(end_alloc)
         stages = {"load_peak": rt.context_bytes + load_res, "post_load": rt.context_bytes + load_res}
         stages["first_token"] = rt.context_bytes + max(load_res, prefill_res)
         stages["end"] = max(stages["first_token"], rt.context_bytes + end_res)
         first = at["prefill"] if prefill_res > load_res else at["load"]
         end = at["decode"] if rt.context_bytes + end_res > stages["first_token"] else first
-        return stages, allocated, {"load_peak": at["load"], "post_load": at["load"], "first_token": first, "end": end}
+        return stages, allocated, {"load_peak": at["load"], "post_load": at["load"], "first_token": first,
+                                   "end": end}, None
 
     def _same_kind(self, device: str | None) -> str:
         if device is None:
@@ -431,7 +450,8 @@ class Estimator:
         """Peak per stage for many ``(ctx, batch)`` points from the cached KV layout and activation fit:
         arithmetic only, no tracing. Points outside the traced ones use the fit (see ``methods``).
         With a ``placement``, each row also has ``devices`` {device: {stage: bytes}} (the plan that
-        loads: a refused plan's alternative), and its stages are the GPU sums."""
+        loads: a refused plan's alternative), and its stages are the GPU sums. On the CPU after an
+        on-the-fly bitsandbytes load, ``upper`` {stage: bytes} is the top of the run-to-run range."""
         device = self._same_kind(device)
         rt = runtime or default_profile(device)
         points = list(points)
@@ -454,9 +474,11 @@ class Estimator:
                 out.append({"ctx": work.ctx, "batch": work.batch, "quant": self.quant.name,
                             "peak": max(stages.values()), **stages, "devices": devices})
                 continue
-            stages, _, _ = self._stages(rt, *args)
-            out.append({"ctx": work.ctx, "batch": work.batch, "quant": self.quant.name,
-                        "peak": max(stages.values()), **stages})
+            stages, _, _, cpu = self._stages(rt, *args, work)
+            row = {"ctx": work.ctx, "batch": work.batch, "quant": self.quant.name, "peak": max(stages.values()), **stages}
+            if cpu is not None and cpu.lower != cpu.upper:  # the run-to-run top (docs/cpu-memory.md)
+                row["upper"] = dict(cpu.upper)
+            out.append(row)
         return out
 
     def _cat_growth(self) -> int:

@@ -36,7 +36,7 @@ from .quant import (
 )
 from .resolve import ModelSource, checkpoint_tensors, tensor_bytes, text_config
 
-INVENTORY_VERSION = 2  # 2: payloads wrapped with key and sha256
+INVENTORY_VERSION = 3  # 2: payloads wrapped with key and sha256; 3: quantized_shapes
 GROUPS = ("quantized", "quant_state", "embeddings", "lm_head", "experts", "norms", "dense", "buffers")
 
 
@@ -58,6 +58,9 @@ class Inventory:
     approximate: bool
     notes: list[str] = field(default_factory=list)
     software: dict[str, str | None] = field(default_factory=dict)
+    # [[out_features, in_features, how many], ...] of the weights the quantizer converts (the CPU model's
+    # heap terms need each weight's size, not only the total)
+    quantized_shapes: list[list[int]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -402,6 +405,7 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
     groups = dict.fromkeys(GROUPS, 0)
     params = quantized_params = 0
     largest_source = 0
+    shapes: Counter[tuple[int, int]] = Counter()
     unquantized: set[str] = set()
     seen: set[int] = set()
     linear_types = (torch.nn.Linear,)
@@ -436,6 +440,7 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
                     unquantized.add(_pattern(full))
                 continue
             quantized_params += n
+            shapes[(module.out_features, module.in_features)] += 1
             largest_source = max(largest_source, n * torch.tensor([], dtype=dtype).element_size())
             for suffix, b in parts:
                 note(full if suffix in ("weight", "qweight") else f"{full}.{suffix}", b)
@@ -477,7 +482,7 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
         tensor_bytes=sum(k * v for k, v in sizes.items()), alloc_sizes=dict(sizes), groups=groups,
         unquantized_linear=sorted(unquantized), largest_source_bytes=largest_source, warmup_bytes=warmup,
         method="meta", approximate=quant.method not in ("none", "bnb4", "bnb8"), notes=notes,
-        software=software_versions())
+        software=software_versions(), quantized_shapes=[[o, i, c] for (o, i), c in sorted(shapes.items())])
 
 
 def _defaults_used(tc: dict, config) -> list[str]:
@@ -611,7 +616,8 @@ def formula_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
         tensor_bytes=sum(k * v for k, v in sizes.items()), alloc_sizes=dict(sizes), groups=groups,
         unquantized_linear=["lm_head", "embed_tokens"], largest_source_bytes=max(inter * h * el, emb),
         warmup_bytes=None, method="formula", approximate=True,
-        notes=["weights from a Llama-shaped formula over the config's fields"], software=software_versions())
+        notes=["weights from a Llama-shaped formula over the config's fields"], software=software_versions(),
+        quantized_shapes=[[o, i, layers] for o, i in linears + mlp] if quant.method != "none" else [])
 
 
 def _layout(quant: QuantSpec, out_f: int, in_f: int, el: int) -> list[tuple[str, int]]:

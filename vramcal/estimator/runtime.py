@@ -17,8 +17,9 @@ CPU (resident set of the process, for the CPU probe path):
 
 - ``context_bytes`` 0: the probe subtracts the process's resident set before loading (its baseline
   with torch and transformers imported), so only what loading and generating add is compared.
-- ``keeps_freed`` False: glibc serves large blocks with ``mmap`` and unmaps them when they are freed,
-  so the resident set falls after the prefill; CPU stages are not running peaks.
+- ``keeps_freed`` False: no caching allocator, so CPU stages are not running peaks. What the resident
+  set holds at each stage (the checkpoint's mapped pages, the heap glibc keeps) is the CPU model of
+  :mod:`vramcal.estimator.cpu` (docs/cpu-memory.md), not this profile.
 """
 
 from __future__ import annotations

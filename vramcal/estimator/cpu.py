@@ -53,13 +53,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..units import MIB
-
-STAGES = ("load_peak", "post_load", "first_token", "end")
+from .quant import DTYPE_BYTES, config_dtype
+from .resolve import text_config
 
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MIB  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit glibc
+
+
+def from_heap(request_bytes: int) -> bool:
+    """Whether glibc serves a block from its heap once the dynamic mmap threshold has risen to its
+    maximum: the request plus the chunk header must stay below the threshold (a block of exactly
+    32 MiB is mmapped, as Llama-3.2-1B's 2048 x 8192 float16 copies are)."""
+    return request_bytes + 16 < GLIBC_MMAP_THRESHOLD_MAX
 LOAD_FIXED_BYTES = 22 * MIB  # library pages touched by from_pretrained (bf16 Qwen2.5-0.5B: 21.6-22.3 MiB)
 RUN_FIXED_BYTES = 16 * MIB  # more library pages touched by the first forward (libtorch_cpu.so: +8 MiB, ...)
-RETENTION_TYPICAL = 0.5  # fraction of the heap-retention bound a run keeps, between 0.03 and 0.95 measured
+# The share of the heap-retention bound a load keeps: the median of the nine loads measured before this
+# model was wired in (Qwen2.5-0.5B nf4 and int8, probes and instrumented runs, docs/cpu-memory.md: 0.015,
+# 0.048, 0.053, 0.066, 0.883, 0.887, 0.926, 0.950, 0.975). Runs land near none or near all of it, so the
+# middle of the range would be wrong for nearly every run; the median is right for most, the range
+# says the rest.
+RETENTION_TYPICAL = 0.88
 ACT_RETAINED = 1.25  # resident prefill blocks per byte of the dry run's prefill peak (bf16, ctx 256/1024)
 QUANT_TEMP_FACTOR = {"bnb4": 4 * 4, "bnb8": 4 * 2}  # live temporaries per element while quantizing one weight
 INT8_RETENTION_FACTOR = 1.5  # LLM.int8 load: heap kept per float16 byte of the quantized weights (0.07-1.49)
@@ -93,6 +105,37 @@ class CpuStages:
     lower: dict[str, int]  # the same with no heap retention (what MALLOC_MMAP_THRESHOLD_=131072 measures)
     terms: dict[str, dict[str, int]]  # stage -> {term: bytes}, typical
     notes: list[str] = field(default_factory=list)
+    # checkpoint pages read once at load and never again (the 16-bit sources of quantized weights): clean
+    # file-backed pages the kernel may drop under memory pressure without the run reading them back
+    cold_pages: int = 0
+
+
+def cpu_inputs(inv, quant, config: dict, tokens: int) -> CpuInputs:
+    """:class:`CpuInputs` from an :class:`~vramcal.estimator.inventory.Inventory`, its
+    :class:`~vramcal.estimator.quant.QuantSpec` and the model config; ``tokens`` = batch x prompt (how
+    many rows of an untied input embedding a forward can read)."""
+    on_the_fly = quant.method in ("bnb4", "bnb8") and not quant.pre_quantized
+    method = quant.method if on_the_fly else "none"
+    load_el = DTYPE_BYTES.get(inv.dtype, 2)
+    stored_el = DTYPE_BYTES.get(config_dtype(config), load_el)
+    # every parameter is stored once in the checkpoint (tied ones once, untied copies counted in params)
+    checkpoint = inv.params * stored_el if not quant.pre_quantized else inv.tensor_bytes
+    converts = stored_el != load_el and not quant.pre_quantized
+    elements = tuple(o * i for o, i, n in (inv.quantized_shapes if on_the_fly else ()) for _ in range(n))
+    untouched = 0
+    emb = inv.groups.get("embeddings", 0)
+    if emb and inv.groups.get("lm_head", 0) and not quant.pre_quantized:  # untied: lm_head does not read it
+        rows = int(text_config(config).get("vocab_size") or 0)
+        if rows > tokens:
+            untouched = (emb // load_el) * stored_el * (rows - tokens) // rows
+    return CpuInputs(method=method, checkpoint_bytes=checkpoint, checkpoint_elem_bytes=stored_el,
+                     load_elem_bytes=load_el, untouched_bytes=untouched, quantized_elements=elements,
+                     loaded_tensor_bytes=loaded_tensor_bytes(method, inv.groups, inv.tensor_bytes, converts))
+
+
+def out_features(inv) -> tuple[int, ...]:
+    """Output width of each entry of :func:`cpu_inputs`' ``quantized_elements``, in the same order."""
+    return tuple(o for o, i, n in inv.quantized_shapes for _ in range(n))
 
 
 def loaded_tensor_bytes(method: str, groups: dict[str, int], tensor_bytes: int, converts_dtype: bool) -> int:
@@ -105,38 +148,29 @@ def loaded_tensor_bytes(method: str, groups: dict[str, int], tensor_bytes: int, 
     return 0
 
 
-def decoder_linear_elements(tc: dict) -> tuple[int, ...]:
-    """Element counts of a dense decoder's quantizable linears (q, k, v, o, gate, up, down per layer),
-    from the text config: what ``quantized_elements`` is for Llama / Qwen / Mistral-shaped models."""
-    h = int(tc["hidden_size"])
-    heads = int(tc["num_attention_heads"])
-    kv = int(tc.get("num_key_value_heads") or heads)
-    hd = int(tc.get("head_dim") or h // heads)
-    inter = int(tc["intermediate_size"])
-    layer = (heads * hd * h, kv * hd * h, kv * hd * h, h * heads * hd, inter * h, inter * h, h * inter)
-    return layer * int(tc["num_hidden_layers"])
-
-
 def heap_retention_bound(method: str, quantized_elements: tuple[int, ...]) -> int:
     """The most a bitsandbytes load leaves in glibc's heap: a float32 copy (nf4/fp4) of every weight
     whose copy is served from the heap (at most 32 MiB), or 1.5 float16 copies (LLM.int8)."""
     if method == "bnb4":
-        return sum(4 * n for n in quantized_elements if 4 * n <= GLIBC_MMAP_THRESHOLD_MAX)
+        return sum(4 * n for n in quantized_elements if from_heap(4 * n))
     if method == "bnb8":
-        return int(INT8_RETENTION_FACTOR * sum(2 * n for n in quantized_elements if 2 * n <= GLIBC_MMAP_THRESHOLD_MAX))
+        return int(INT8_RETENTION_FACTOR * sum(2 * n for n in quantized_elements if from_heap(2 * n)))
     return 0
 
 
-def int8_prefill_heap(quantized_elements: tuple[int, ...], tokens: int, out_features: tuple[int, ...]) -> int:
-    """Heap the CPU LLM.int8 prefill leaves behind: per linear a float32 weight copy and the float32
-    product ``tokens x out``, each where glibc serves it from the heap. Scale set on Qwen2.5-0.5B at
-    1008 tokens (725 MiB above the load for 1.37 GiB of float32 weights); a guess elsewhere."""
-    per = 0
+def int8_prefill_heap(quantized_elements: tuple[int, ...], tokens: int, out_features: tuple[int, ...]
+                      ) -> tuple[int, int]:
+    """Heap the CPU LLM.int8 prefill leaves behind, (typical, most): per linear a float32 weight copy
+    and the float32 product ``tokens x out``, where glibc serves each from its heap. Typical: half the
+    heap-served weight copies from 512 prompt tokens on (Qwen2.5-0.5B at 1008 tokens: 423-690 MiB of
+    heap beyond the load's for 1.33 GiB of copies); most: every heap-served copy and product (Llama-3.2-1B
+    at 1008 tokens kept about 1 GiB for 0.63 GiB of copies and 0.43 GiB of products)."""
+    copies = products = 0
     for n, out in zip(quantized_elements, out_features):
         prod = 4 * tokens * out
-        if prod <= GLIBC_MMAP_THRESHOLD_MAX and 4 * n <= GLIBC_MMAP_THRESHOLD_MAX:
-            per += 4 * n
-    return per // 2 if tokens >= 512 else 0
+        copies += 4 * n if from_heap(4 * n) else 0
+        products += prod if from_heap(prod) else 0
+    return (copies // 2 if tokens >= 512 else 0), copies + products
 
 
 def cpu_resident_stages(inp: CpuInputs, *, kv_prompt: int, kv_end: int, prefill_extra: int, decode_extra: int,
@@ -162,15 +196,21 @@ def cpu_resident_stages(inp: CpuInputs, *, kv_prompt: int, kv_end: int, prefill_
     transient = QUANT_TEMP_FACTOR.get(m, 0) * n_max if on_the_fly else 0
     act_first = kv_prompt + int(ACT_RETAINED * prefill_extra)
     act_end = kv_end + int(ACT_RETAINED * decode_extra)
-    int8_first = 0
+    int8_first = int8_most = 0
     if m == "bnb8" and out_features:
-        int8_first = int8_prefill_heap(inp.quantized_elements, batch * prompt_tokens, out_features)
+        int8_first, int8_most = int8_prefill_heap(inp.quantized_elements, batch * prompt_tokens, out_features)
     notes = []
+    cold = q_src if on_the_fly and not converts else 0
     if on_the_fly:
         notes.append("glibc heap retention after an on-the-fly bitsandbytes load varies run to run "
                      f"between 0 and {bound / MIB:.0f} MiB (docs/cpu-memory.md)")
+    if cold:
+        notes.append(f"{cold / MIB:,.0f} MiB of the resident set are the checkpoint's pages of the weights "
+                     "bitsandbytes quantized: read once while loading, never again; they are clean file "
+                     "pages the kernel can drop when memory runs short, so less free RAM than the peak "
+                     "can still be enough")
 
-    def build(keep: float) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    def build(keep: float, int8_heap: int) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
         retained = int(keep * bound)
         terms: dict[str, dict[str, int]] = {}
         base_load = {"fixed": LOAD_FIXED_BYTES, "checkpoint_pages": pages_load, "loaded_tensors": inp.loaded_tensor_bytes,
@@ -180,7 +220,7 @@ def cpu_resident_stages(inp: CpuInputs, *, kv_prompt: int, kv_end: int, prefill_
         run = {"fixed": LOAD_FIXED_BYTES + RUN_FIXED_BYTES, "checkpoint_pages": pages_run,
                "loaded_tensors": inp.loaded_tensor_bytes}
         # the prefill's freed blocks and the load's holes are the same heap: the larger one shows
-        first_heap = retained + int8_first
+        first_heap = retained + int8_heap
         first_act = act_first - kv_prompt
         terms["first_token"] = {**run, "kv_cache": kv_prompt, "activations": first_act,
                                 "heap_retained": max(0, first_heap - first_act)}
@@ -189,7 +229,7 @@ def cpu_resident_stages(inp: CpuInputs, *, kv_prompt: int, kv_end: int, prefill_
                         "heap_retained": max(0, first_heap - end_act)}
         return {s: sum(t.values()) for s, t in terms.items()}, terms
 
-    stages, terms = build(RETENTION_TYPICAL)
-    upper, _ = build(1.0)
-    lower, _ = build(0.0)
-    return CpuStages(stages=stages, upper=upper, lower=lower, terms=terms, notes=notes)
+    stages, terms = build(RETENTION_TYPICAL, int8_first)
+    upper, _ = build(1.0, int8_most)
+    lower, _ = build(0.0, int8_first)
+    return CpuStages(stages=stages, upper=upper, lower=lower, terms=terms, notes=notes, cold_pages=cold)
