@@ -23,7 +23,9 @@ import sys
 from pathlib import Path
 
 from vramcal.calibrate.reconcile import fit_line
+from vramcal.errors import UserError
 from vramcal.estimator.estimate import Estimator
+from vramcal.files import atomic_write, check_writable
 from vramcal.estimator.quant import resolve_quant
 from vramcal.estimator.resolve import resolve_model
 from vramcal.probes.readings import StageReading, comparable
@@ -162,8 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("probes", nargs="+", type=Path)
     ap.add_argument("--markdown", type=Path, help="also write the tables and summaries here")
     args = ap.parse_args(argv)
+    if args.markdown:
+        check_writable(args.markdown, "--markdown")
     estimators: dict = {}
-    rows = [r for p in sorted(args.probes) for r in rows_of(p, estimators)]
+    rows = []
+    for p in sorted(args.probes):
+        try:
+            rows += rows_of(p, estimators)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"cpu_model_eval: {p} is not a readable probe JSON ({type(exc).__name__}: {exc}); pass the files "
+                  "`vramcal probe ... --device cpu --json` wrote", file=sys.stderr)
+            return 2
     real = [r for r in rows if r["params"] >= REAL_WIDTH_PARAMS]
     tiny = [r for r in rows if r["params"] < REAL_WIDTH_PARAMS]
     leave_one_out(real)
@@ -175,9 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         text += ["### smaller models", ""] + table(tiny) + [""] + summary(tiny, "smaller models") + [""]
     print("\n".join(text))
     if args.markdown:
-        args.markdown.write_text("\n".join(text) + "\n")
+        atomic_write(args.markdown, "\n".join(text) + "\n", "--markdown")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except UserError as exc:  # an unwritable --markdown, a model that does not resolve: one line
+        print(f"cpu_model_eval: {exc}", file=sys.stderr)
+        sys.exit(2)

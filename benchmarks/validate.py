@@ -161,11 +161,23 @@ def _estimate_columns(est: dict, quant: str, stage: str, measured: int | None, c
 
 
 def _write(path: str, rows: list[dict]) -> None:
+    """The whole CSV or the old one, never half (an interrupted rewrite keeps the measurements)."""
+    import io
+
+    from vramcal.files import atomic_write
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, FIELDS)
-        w.writeheader()
-        w.writerows(rows)
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, FIELDS)
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write(path, buf.getvalue(), "--out")
+
+
+def _fail(message: str) -> None:
+    """Bad input: one line, exit code 2, nothing written."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
 
 
 def re_estimate_csv(args) -> int:
@@ -174,8 +186,15 @@ def re_estimate_csv(args) -> int:
     (scope by scope: same model and quant, same quant, any). Rewrites the CSV in place."""
     from vramcal.calibrate import reconcile
 
-    with open(args.out, newline="") as fh:
-        rows = list(csv.DictReader(fh))
+    try:
+        with open(args.out, newline="") as fh:
+            rows = list(csv.DictReader(fh))
+        missing = {"run_id", "model", "quant", "ctx", "batch", "stage", "status", "measured_bytes"} - set(rows[0] if rows else ())
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        _fail(f"validate.py: cannot read {args.out} ({exc}); --from-csv re-estimates a CSV this script wrote")
+    if not rows or missing:
+        _fail(f"validate.py: {args.out} has no rows this script wrote (missing columns: "
+              f"{', '.join(sorted(missing)) or 'none, but no rows'}); nothing rewritten")
     runs = {}
     for r in rows:
         runs.setdefault(int(r["run_id"]), r)

@@ -114,3 +114,21 @@ def test_cpu_model_eval_and_its_place_in_the_report(tmp_path, tiny_models):
     report = out.read_text()
     order = [report.index(h) for h in ("## GPU evidence", "## CPU at real widths", "## Our own probes of small models")]
     assert order == sorted(order)
+
+
+def test_benchmark_scripts_refuse_bad_input_in_one_line(tmp_path):
+    foreign = tmp_path / "foreign.csv"
+    foreign.write_text("a,b\n1,2\n")
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{")
+    cases = [
+        ([str(ROOT / "benchmarks" / "validate.py"), "--from-csv", "--out", str(tmp_path / "missing.csv")], "cannot read"),
+        ([str(ROOT / "benchmarks" / "validate.py"), "--from-csv", "--out", str(foreign)], "no rows this script wrote"),
+        ([str(ROOT / "benchmarks" / "cpu_model_eval.py"), str(bad_json)], "not a readable probe JSON"),
+        ([str(ROOT / "benchmarks" / "cpu_model_eval.py"), "--markdown", str(tmp_path / "no" / "x.md"), str(bad_json)],
+         "does not exist"),
+    ]
+    for args, needle in cases:
+        r = subprocess.run([sys.executable, *args], capture_output=True, text=True)
+        assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+    assert foreign.read_text() == "a,b\n1,2\n" and not (tmp_path / "missing.csv").exists()
