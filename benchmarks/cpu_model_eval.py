@@ -54,7 +54,7 @@ def rows_of(path: Path, estimators: dict) -> list[dict]:
     for s in STAGES:
         m = measured[s].peak_bytes
         lo, hi = (e.ranges or {}).get(s, (e.stages[s], e.stages[s]))
-        out.append({"file": path.name, "model": d["model"], "params": est.inv.params, "quant": d["quant"],
+        out.append({"file": path.name, "model": Path(d["model"]).name, "params": est.inv.params, "quant": d["quant"],
                     "ctx": d["ctx"], "batch": d["batch"], "tokens": d["ctx"] * d["batch"], "stage": s,
                     "measured": m, "estimate": e.stages[s], "lower": lo, "upper": hi,
                     "then": (d.get("estimate") or {}).get("stages", {}).get(s), "wall_s": d.get("wall_s")})

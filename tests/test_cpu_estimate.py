@@ -137,3 +137,22 @@ def test_the_quantized_weights_source_pages_are_said_to_be_reclaimable(tiny_mode
     assert any(f"{cold / MIB:,.0f} MiB of the resident set" in n and "drop" in n for n in e.notes)
     plain = estimate(tiny_models["dense-gqa"], "bf16", ctx=256, device="cpu")
     assert not any("drop" in n for n in plain.notes)  # a plain load reads its pages at every token
+
+
+@pytest.mark.slow
+def test_on_the_cpu_the_lowest_quantization_is_the_smallest_estimate_not_the_last_name():
+    """From fp32 on the CPU, bf16 is the smallest resident set (nf4 keeps the bf16 pages and adds its
+    own): the ladder's 'lowest' steps use bf16, and no label claims a change that did not happen."""
+    from vramcal.calibrate.proposals import propose
+    from vramcal.estimator.correction import CorrectionSet
+    from vramcal.workload import Workload
+
+    source = resolve_model("qwen2.5-0.5b")
+    bf16 = Estimator(source, resolve_quant("bf16", source.config), device="cpu")
+    usable = bf16.estimate(1024, 1, exact=False).peak + 1
+    rows = propose(source, "fp32", Workload(4080, 16, 4), usable, lambda q: CorrectionSet({}), "throughput",
+                   "cpu", limit=10)
+    assert rows and all(r["quant"] == "bf16" for r in rows)
+    same = propose(source, "bf16", Workload(4080, 16, 4), usable, lambda q: CorrectionSet({}), "throughput",
+                   "cpu", limit=10)
+    assert same and not any("quant" in r["change"] for r in same)

@@ -570,3 +570,29 @@ def test_a_probe_that_could_not_be_recorded_is_kept_whole(tmp_path):
         assert got[key] == want[key], key
     strip = lambda st: {k: {c: v for c, v in row.items() if c != "run_id"} for k, row in st.items()}  # noqa: E731
     assert strip(got["stages"]) == strip(want["stages"])
+
+
+def test_cpu_runs_estimated_before_the_resident_set_model_do_not_correct_it(db):
+    """A CPU run recorded with the old estimate (torch's tensors against a resident set) would add
+    its whole difference again to the new estimate, which already holds the mapped pages and the heap."""
+    from vramcal.calibrate import reconcile
+    from vramcal.calibrate.runs import record_probe
+    from vramcal.probes.probe import ProbeResult
+
+    def probe(estimate: dict) -> ProbeResult:
+        stages = {"baseline": {"used_bytes": 100 * MIB, "peak_bytes": 100 * MIB},
+                  **{s: {"used_bytes": 1100 * MIB, "peak_bytes": 1100 * MIB} for s in STAGES}}
+        return ProbeResult("ok", "cpu", "tiny", "nf4", "bnb", "bfloat16", 256, 1, "sdpa", "rss", stages, "end",
+                           None, None, 1, [], 5.0, 0.01, 1.0, "vramcal check tiny", estimate=estimate)
+
+    old = {"stages": dict.fromkeys(STAGES, 200 * MIB), "methods": {"weights": "meta"}}
+    new = {"stages": dict.fromkeys(STAGES, 900 * MIB), "methods": {"weights": "meta", "resident set": "docs"}}
+    fp = {**_fp("cpu-host"), "kind": "cpu", "gpu_name": None, "gpu_uuid": None}
+    with Store(db) as s:
+        mid = s.machine_id(fp)
+        old_id = record_probe(s, mid, probe(old), old)
+        new_id = record_probe(s, mid, probe(new), new)
+        rows = s.stage_rows(mid)
+        corr = reconcile.fit_corrections(rows)
+    assert {r["run_id"] for r in rows} == {old_id, new_id}  # both kept, ...
+    assert corr["end"].source_runs == [new_id] and corr["end"].intercept_bytes == 100 * MIB  # ... one corrects

@@ -32,7 +32,7 @@ def estimate_table(e) -> str:
     else:
         what = ("resident set above the process's baseline; torch tensors in brackets" if e.device == "cpu"
                 else "device memory in use; allocated in brackets")
-        lines += ["", f"stages{corrected} ({what})"]
+        lines += ["", f"stages ({'corrected; ' if e.correction else ''}{what})"]
         for key in STAGES:
             spread = ""
             if e.ranges:
@@ -41,12 +41,15 @@ def estimate_table(e) -> str:
             lines.append(_row(_stage_label(key, e.new_tokens), e.stages[key]) + f"   [{gib(e.allocated[key]):.2f} GiB]"
                          + spread)
         lines.append(_row("PEAK", e.peak) + f"   at {STAGE_LABELS.get(e.peak_stage, e.peak_stage)}")
-        if e.ranges:
+        if e.ranges and not e.correction:
             hi = max(v[1] for v in e.ranges.values())
             lines.append(f"  plan for {gib(hi):.2f} GiB: glibc keeps a different share of bitsandbytes' freed "
                          "temporaries each run (docs/cpu-memory.md)")
+        elif e.ranges:
+            lines.append("  the run-to-run range is the raw estimate's; `fit` plans at the corrected figure plus "
+                         "this machine's p95 residual")
     if e.peak_breakdown:
-        lines += ["", "the peak is made of"]
+        lines += ["", "the raw peak is made of" if e.correction else "the peak is made of"]
         for key, value in e.peak_breakdown.items():
             lines.append(_row(key.replace("_", " "), value))
     lines += ["", "weights by group"]

@@ -90,6 +90,7 @@ def ladder(quant: str, work: Workload, prefer: str, requantize: bool = True,
     elif quants is None:
         quants = lower_quants(quant)
     low = quants[-1] if quants else quant
+    lq = "lowest quant, " if low != quant else ""  # say a quantization changed only where one did
 
     def w(ctx: int = work.ctx, batch: int = work.batch) -> Workload:
         return Workload(ctx - work.new_tokens, work.new_tokens, batch)
@@ -103,16 +104,17 @@ def ladder(quant: str, work: Workload, prefer: str, requantize: bool = True,
         steps += [(q, w(), "auto", f"quant {quant} -> {q}") for q in quants]
     elif prefer == "context":
         steps += [(q, w(), "auto", f"quant {quant} -> {q}") for q in quants]
-        steps += [(low, w(), "fp8", "lowest quant + fp8 KV cache")]
-        steps += [(low, w(), "auto", ("lowest quant, " if low != quant else "") + "offload to CPU", True)]
-        steps += [(low, w(batch=b), "auto", f"lowest quant, batch {work.batch} -> {b}") for b in batches]
-        steps += [(low, w(c, 1), "auto", f"lowest quant, batch 1, ctx {work.ctx} -> {c}") for c in ctxs]
+        steps += [(low, w(), "fp8", ("lowest quant + " if lq else "") + "fp8 KV cache")]
+        steps += [(low, w(), "auto", f"{lq}offload to CPU", True)]
+        steps += [(low, w(batch=b), "auto", f"{lq}batch {work.batch} -> {b}") for b in batches]
+        steps += [(low, w(c, 1), "auto", f"{lq}batch 1, ctx {work.ctx} -> {c}") for c in ctxs]
     else:  # throughput
         steps += [(q, w(), "auto", f"quant {quant} -> {q}") for q in quants]
-        steps += [(low, w(c), "auto", f"lowest quant, ctx {work.ctx} -> {c}") for c in ctxs]
-        steps += [(low, w(ctxs[-1] if ctxs else work.ctx, b), "auto", f"lowest quant and ctx, batch {work.batch} -> {b}")
+        steps += [(low, w(c), "auto", f"{lq}ctx {work.ctx} -> {c}") for c in ctxs]
+        steps += [(low, w(ctxs[-1] if ctxs else work.ctx, b), "auto",
+                   f"{lq.replace(', ', ' and ctx, ') if lq else 'shortest ctx, '}batch {work.batch} -> {b}")
                   for b in batches]
-        steps += [(low, w(), "auto", ("lowest quant, " if low != quant else "") + "offload to CPU", True)]
+        steps += [(low, w(), "auto", f"{lq}offload to CPU", True)]
     return [Step(*s) for s in steps]
 
 
@@ -139,7 +141,8 @@ def propose(source: ModelSource, quant: str, work: Workload, usable: int, correc
     if requantize:  # a step down must save memory here: on the CPU a bitsandbytes load adds to the
         try:        # checkpoint's pages instead of replacing them (docs/cpu-memory.md)
             asked = raw_peak(quant)
-            lower = [q for q in lower_quants(quant) if raw_peak(q) < asked]
+            saves = {q: p for q in lower_quants(quant) if (p := raw_peak(q)) < asked}
+            lower = sorted(saves, key=lambda q: -saves[q])  # the last is the smallest here ("lowest")
         except UserError:
             lower = None
     out = []

@@ -58,7 +58,9 @@ def device_stage_rows(result) -> list[dict]:
 def component_deltas(result) -> dict[str, int | None]:
     """Measured minus estimated where the stages separate the components: the context
     (``context - baseline``), the weights (``post_load`` minus where loading started) and generation
-    (the prefill's peak above ``post_load``, minus the estimated activations and prompt cache). Each
+    (the prefill's peak above ``post_load``, minus the estimated activations and prompt cache). A CPU
+    estimate's stages are the resident set, so there the weights are compared with its ``post_load``
+    stage and generation with its ``first_token - post_load``. Each
     difference of two readings goes through the one delta rule (``StageReading.minus``)."""
     read = result.readings()
     est = (result.estimate or {}).get("components", {})
@@ -66,6 +68,17 @@ def component_deltas(result) -> dict[str, int | None]:
     start = read.get("context") or read.get("baseline")
     if "context" in read and "baseline" in read:
         out["context"] = read["context"].minus(read["baseline"]).used_bytes
+    staged = (result.estimate or {}).get("stages", {})
+    if "resident set" in (result.estimate or {}).get("methods", {}) and staged:
+        # the CPU estimate's stages are the resident set (mapped pages, heap), not the tensors: compare
+        # what loading added with its post_load stage, and the prefill with its first_token - post_load
+        if start is not None and "post_load" in read:
+            added = read["post_load"].minus(start).used_bytes
+            out["weights"] = None if added is None else added - staged["post_load"]
+        if "first_token" in read and "post_load" in read:
+            above = read["first_token"].minus(read["post_load"]).peak_bytes
+            out["generation"] = None if above is None else above - (staged["first_token"] - staged["post_load"])
+        return out
     if start is not None and "post_load" in read and est.get("weights") is not None:
         added = read["post_load"].minus(start).used_bytes
         out["weights"] = None if added is None else added - est["weights"]
@@ -133,13 +146,22 @@ def fit_line(stage: str, points: list[tuple[int, int, int]]) -> Correction:
                       sorted({p[2] for p in points}))
 
 
+def comparable_estimate(row: dict) -> bool:
+    """Whether a stage row's recorded estimate is one the current estimator would make: a CPU run
+    estimated before the resident-set model (docs/cpu-memory.md) compared torch's tensors with a
+    resident set, so its difference would be added to a figure that already holds it."""
+    return not str(row.get("device") or "").startswith("cpu") or row.get("rss_estimate") in (None, True, 1)
+
+
 def fit_corrections(rows: list[dict], exclude_run: int | None = None) -> dict[str, Correction]:
-    """Fit one correction per stage from ``stages`` rows of finished runs (``status == 'ok'``)."""
+    """Fit one correction per stage from ``stages`` rows of finished runs (``status == 'ok'``) whose
+    estimate is comparable (:func:`comparable_estimate`)."""
     out = {}
     for stage in STAGES:
         pts = [(r["ctx"] * r["batch"], r["measured_peak_bytes"] - r["estimated_bytes"], r["run_id"]) for r in rows
                if r["stage"] == stage and r.get("status") == "ok" and r["run_id"] != exclude_run
-               and r["measured_peak_bytes"] is not None and r["estimated_bytes"] is not None]
+               and r["measured_peak_bytes"] is not None and r["estimated_bytes"] is not None
+               and comparable_estimate(r)]
         if pts:
             out[stage] = fit_line(stage, pts)
     return out

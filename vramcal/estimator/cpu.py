@@ -41,11 +41,14 @@ The resident set is not "the tensors". It is, per stage:
     from the dry run, as on CUDA; the freed prefill blocks stay in the heap too, so the prefill's
     share is scaled by ``ACT_RETAINED`` (bf16 Qwen2.5-0.5B ctx 1024: 73 MiB above weights for a dry
     run of 47 MiB), and it is absorbed by ``heap_retained`` holes where those are larger.
-``int8_matmul``
+LLM.int8's CPU matmul (part of ``heap_retained`` at ``first_token`` / ``end``)
     LLM.int8 on a CPU without AVX-512 multiplies in float32: each linear converts its int8 weight
     to a float32 copy (``4 x out x in``) and the int32 product to float32 for every forward; during
     a prefill whose ``tokens x out x 4`` is below glibc's 32 MiB cap these land in the heap and stay
-    (Qwen2.5-0.5B, 1008 tokens: +725 MiB over the load).
+    (Qwen2.5-0.5B, 1008 tokens: +725 MiB over the load); see :func:`int8_prefill_heap`.
+``merged`` MoE experts (in ``checkpoint_pages`` and ``loaded_tensors`` from the load on)
+    transformers stacks a checkpoint's per-expert weights into one 3-D tensor per layer while loading:
+    the per-expert pages are read and the stack is a new allocation.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from dataclasses import dataclass, field
 
 from ..units import MIB
 from .quant import DTYPE_BYTES, config_dtype
-from .resolve import text_config
+from .resolve import checkpoint_tensors, text_config
 
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MIB  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit glibc
 
@@ -86,7 +89,9 @@ class CpuInputs:
     ``checkpoint_elem_bytes``: their element size (2 for a bf16 checkpoint); ``load_elem_bytes``:
     the load dtype's; ``loaded_tensor_bytes``: anonymous bytes the loader allocates (see
     :func:`loaded_tensor_bytes`); ``untouched_bytes``: checkpoint bytes a forward never reads (the
-    rows of an untied input embedding no prompt token selects).
+    rows of an untied input embedding no prompt token selects); ``merged_bytes``: checkpoint bytes the
+    loader reads and copies into new tensors although their dtype stays (per-expert MoE weights that
+    transformers stacks into one 3-D tensor per layer; their copies are in ``loaded_tensor_bytes``).
     """
 
     method: str  # none | bnb4 | bnb8
@@ -96,41 +101,71 @@ class CpuInputs:
     loaded_tensor_bytes: int
     quantized_elements: tuple[int, ...] = ()
     untouched_bytes: int = 0
+    merged_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class CpuStages:
     stages: dict[str, int]  # predicted resident set above the baseline, typical heap retention
     upper: dict[str, int]  # the same with the whole heap-retention bound
-    lower: dict[str, int]  # the same with no heap retention (what MALLOC_MMAP_THRESHOLD_=131072 measures)
+    lower: dict[str, int]  # the same with no heap kept (what MALLOC_MMAP_THRESHOLD_=131072 measures)
     terms: dict[str, dict[str, int]]  # stage -> {term: bytes}, typical
     notes: list[str] = field(default_factory=list)
-    # checkpoint pages read once at load and never again (the 16-bit sources of quantized weights): clean
-    # file-backed pages the kernel may drop under memory pressure without the run reading them back
+    # checkpoint pages read once at load and never again (the sources of quantized, converted or merged
+    # weights): clean file-backed pages the kernel may drop under memory pressure without a re-read
     cold_pages: int = 0
 
 
-def cpu_inputs(inv, quant, config: dict, tokens: int) -> CpuInputs:
+def cpu_inputs(inv, quant, source, tokens: int) -> CpuInputs:
     """:class:`CpuInputs` from an :class:`~vramcal.estimator.inventory.Inventory`, its
-    :class:`~vramcal.estimator.quant.QuantSpec` and the model config; ``tokens`` = batch x prompt (how
-    many rows of an untied input embedding a forward can read)."""
+    :class:`~vramcal.estimator.quant.QuantSpec` and the :class:`~vramcal.estimator.resolve.ModelSource`
+    (its safetensors headers, where it has files, say how the checkpoint stores its tensors); ``tokens``
+    = batch x prompt (how many rows of an untied input embedding a forward can read)."""
     on_the_fly = quant.method in ("bnb4", "bnb8") and not quant.pre_quantized
     method = quant.method if on_the_fly else "none"
     load_el = DTYPE_BYTES.get(inv.dtype, 2)
-    stored_el = DTYPE_BYTES.get(config_dtype(config), load_el)
+    stored = stored_layout(source)
+    stored_el = DTYPE_BYTES.get(stored.dtype or config_dtype(source.config), load_el)
     # every parameter is stored once in the checkpoint (tied ones once, untied copies counted in params)
     checkpoint = inv.params * stored_el if not quant.pre_quantized else inv.tensor_bytes
     converts = stored_el != load_el and not quant.pre_quantized
     elements = tuple(o * i for o, i, n in (inv.quantized_shapes if on_the_fly else ()) for _ in range(n))
+    experts = inv.groups.get("experts", 0)
+    merged = experts // load_el * stored_el if experts and not stored.fused_experts and not converts else 0
     untouched = 0
     emb = inv.groups.get("embeddings", 0)
-    if emb and inv.groups.get("lm_head", 0) and not quant.pre_quantized:  # untied: lm_head does not read it
-        rows = int(text_config(config).get("vocab_size") or 0)
+    if emb and inv.groups.get("lm_head", 0) and not quant.pre_quantized and not converts:
+        rows = int(text_config(source.config).get("vocab_size") or 0)  # untied: only the prompt's rows are read
         if rows > tokens:
             untouched = (emb // load_el) * stored_el * (rows - tokens) // rows
+    loaded = loaded_tensor_bytes(method, inv.groups, inv.tensor_bytes, converts)
     return CpuInputs(method=method, checkpoint_bytes=checkpoint, checkpoint_elem_bytes=stored_el,
                      load_elem_bytes=load_el, untouched_bytes=untouched, quantized_elements=elements,
-                     loaded_tensor_bytes=loaded_tensor_bytes(method, inv.groups, inv.tensor_bytes, converts))
+                     merged_bytes=merged, loaded_tensor_bytes=loaded + (experts if merged else 0))
+
+
+@dataclass(frozen=True)
+class StoredLayout:
+    dtype: str | None  # the floating dtype holding most of the checkpoint's elements; None without files
+    fused_experts: bool  # MoE expert weights stored as 3-D tensors (else one 2-D tensor per expert)
+
+
+def stored_layout(source) -> StoredLayout:
+    """How the checkpoint stores its tensors, from its safetensors headers (no tensor is read). A source
+    without files (a catalog config, a synthetic probe) is stored as the config says, per expert (how
+    the Hub's MoE checkpoints and transformers' own save_pretrained write them)."""
+    if not source.weight_files:
+        return StoredLayout(None, False)
+    elements: dict[str, int] = {}
+    fused = False
+    for name, (dtype, shape) in checkpoint_tensors(source.weight_files).items():
+        n = 1
+        for d in shape:
+            n *= d
+        if dtype.startswith(("float", "bfloat")):
+            elements[dtype] = elements.get(dtype, 0) + n
+        fused = fused or ("expert" in name and len(shape) == 3)
+    return StoredLayout(max(elements, key=elements.get) if elements else None, fused)
 
 
 def out_features(inv) -> tuple[int, ...]:
@@ -164,13 +199,19 @@ def int8_prefill_heap(quantized_elements: tuple[int, ...], tokens: int, out_feat
     and the float32 product ``tokens x out``, where glibc serves each from its heap. Typical: half the
     heap-served weight copies from 512 prompt tokens on (Qwen2.5-0.5B at 1008 tokens: 423-690 MiB of
     heap beyond the load's for 1.33 GiB of copies); most: every heap-served copy and product (Llama-3.2-1B
-    at 1008 tokens kept about 1 GiB for 0.63 GiB of copies and 0.43 GiB of products)."""
-    copies = products = 0
-    for n, out in zip(quantized_elements, out_features):
-        prod = 4 * tokens * out
-        copies += 4 * n if from_heap(4 * n) else 0
-        products += prod if from_heap(prod) else 0
-    return (copies // 2 if tokens >= 512 else 0), copies + products
+    at 1008 tokens kept about 1 GiB for 0.63 GiB of copies and 0.43 GiB of products). A product past
+    32 MiB is mmapped and given back, so the heap-served sum falls at each linear's cliff; ``most`` keeps
+    the largest sum of any shorter prompt (an envelope, never falling as the prompt grows, so that
+    ``fit``'s search over contexts stays sound)."""
+    copies = sum(4 * n for n in quantized_elements if from_heap(4 * n))
+
+    def products(t: int) -> int:
+        return sum(4 * t * out for out in out_features if from_heap(4 * t * out))
+
+    # the sum is largest just below a cliff: the last token count at which some linear's product still fits
+    cliffs = {t for out in set(out_features) if (t := (GLIBC_MMAP_THRESHOLD_MAX - 17) // (4 * out)) < tokens}
+    most = max([products(tokens)] + [products(t) for t in cliffs])
+    return (copies // 2 if tokens >= 512 else 0), copies + most
 
 
 def cpu_resident_stages(inp: CpuInputs, *, kv_prompt: int, kv_end: int, prefill_extra: int, decode_extra: int,
@@ -186,10 +227,8 @@ def cpu_resident_stages(inp: CpuInputs, *, kv_prompt: int, kv_end: int, prefill_
     q_src = sum(inp.quantized_elements) * inp.checkpoint_elem_bytes
     if converts:
         pages_load = inp.checkpoint_bytes
-    elif on_the_fly:
-        pages_load = q_src
     else:
-        pages_load = 0
+        pages_load = (q_src if on_the_fly else 0) + inp.merged_bytes
     pages_run = inp.checkpoint_bytes - inp.untouched_bytes
     bound = heap_retention_bound(m, inp.quantized_elements)
     n_max = max(inp.quantized_elements, default=0)
@@ -200,15 +239,19 @@ def cpu_resident_stages(inp: CpuInputs, *, kv_prompt: int, kv_end: int, prefill_
     if m == "bnb8" and out_features:
         int8_first, int8_most = int8_prefill_heap(inp.quantized_elements, batch * prompt_tokens, out_features)
     notes = []
-    cold = q_src if on_the_fly and not converts else 0
+    cold = pages_load
     if on_the_fly:
         notes.append("glibc heap retention after an on-the-fly bitsandbytes load varies run to run "
-                     f"between 0 and {bound / MIB:.0f} MiB (docs/cpu-memory.md)")
+                     f"between 0 and {bound / MIB:,.0f} MiB after loading"
+                     + (f", and LLM.int8's prefill may keep up to {int8_most / MIB:,.0f} MiB more"
+                        if int8_most else "") + " (docs/cpu-memory.md)")
     if cold:
-        notes.append(f"{cold / MIB:,.0f} MiB of the resident set are the checkpoint's pages of the weights "
-                     "bitsandbytes quantized: read once while loading, never again; they are clean file "
-                     "pages the kernel can drop when memory runs short, so less free RAM than the peak "
-                     "can still be enough")
+        what = ("every tensor the load converted to another dtype" if converts else
+                " and ".join(w for w, b in (("the weights bitsandbytes quantized", q_src),
+                                            ("the MoE experts the loader stacked", inp.merged_bytes)) if b))
+        notes.append(f"{cold / MIB:,.0f} MiB of the resident set are the checkpoint's pages of {what}: read "
+                     "once while loading, never again; they are clean file pages the kernel can drop when "
+                     "memory runs short, so less free RAM than the peak can still be enough")
 
     def build(keep: float, int8_heap: int) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
         retained = int(keep * bound)
@@ -231,5 +274,5 @@ def cpu_resident_stages(inp: CpuInputs, *, kv_prompt: int, kv_end: int, prefill_
 
     stages, terms = build(RETENTION_TYPICAL, int8_first)
     upper, _ = build(1.0, int8_most)
-    lower, _ = build(0.0, int8_first)
+    lower, _ = build(0.0, 0)
     return CpuStages(stages=stages, upper=upper, lower=lower, terms=terms, notes=notes, cold_pages=cold)

@@ -69,7 +69,7 @@ class Estimate:
     prompt: int = 0
     new_tokens: int = NEW_TOKENS
     peak_stage: str = ""
-    peak_breakdown: dict[str, int] = field(default_factory=dict)  # what the peak is made of; sums to it
+    peak_breakdown: dict[str, int] = field(default_factory=dict)  # what the raw peak is made of; sums to it
     warnings: list[str] = field(default_factory=list)  # inputs beyond the model's or the device's limits
     correction: dict | None = None  # raw stages, the correction, its source (when one was applied)
     mode: str = "full"
@@ -316,12 +316,12 @@ class Estimator:
                      "runtime": peak - inv.tensor_bytes - held["kv"] - held["act"]}
         ranges = None
         if cpu is not None:  # the resident set: what it is made of is the CPU model's terms
-            breakdown = dict(cpu.terms[peak_stage])
+            breakdown = {**({"runtime": rt.context_bytes} if rt.context_bytes else {}), **cpu.terms[peak_stage]}
             methods["resident set"] = ("docs/cpu-memory.md: the checkpoint's mapped pages, tensors the loader "
                                        "allocates, glibc heap kept after quantizing, KV and prefill blocks")
             notes += cpu.notes
             if cpu.lower != cpu.upper:
-                ranges = {k: [cpu.lower[k], cpu.upper[k]] for k in STAGES}
+                ranges = {k: [rt.context_bytes + cpu.lower[k], rt.context_bytes + cpu.upper[k]] for k in STAGES}
         formula, diffs = _compare_formula(tc, inv, self.quant, work, components)
         if self.attn_used == "eager":
             notes.append("eager attention materialises batch x heads x seq x seq scores: the prefill grows with ctx^2")
@@ -422,7 +422,7 @@ class Estimator:
               "prefill": {"kv": kv_prompt, "act": max(prefill_extra, 0)},
               "decode": {"kv": kv_end, "act": max(decode_extra, 0)}}
         if rt.device_kind == "cpu":  # the resident set: mapped checkpoint pages, heap, tensors (docs/cpu-memory.md)
-            cpu = cpu_resident_stages(cpu_inputs(inv, self.quant, self.source.config, work.batch * work.prompt),
+            cpu = cpu_resident_stages(cpu_inputs(inv, self.quant, self.source, work.batch * work.prompt),
                                       kv_prompt=kv_prompt, kv_end=kv_end, prefill_extra=max(prefill_extra, 0),
                                       decode_extra=max(decode_extra, 0), prompt_tokens=work.prompt,
                                       batch=work.batch, out_features=out_features(inv))
@@ -477,7 +477,7 @@ class Estimator:
             stages, _, _, cpu = self._stages(rt, *args, work)
             row = {"ctx": work.ctx, "batch": work.batch, "quant": self.quant.name, "peak": max(stages.values()), **stages}
             if cpu is not None and cpu.lower != cpu.upper:  # the run-to-run top (docs/cpu-memory.md)
-                row["upper"] = dict(cpu.upper)
+                row["upper"] = {k: rt.context_bytes + v for k, v in cpu.upper.items()}
             out.append(row)
         return out
 

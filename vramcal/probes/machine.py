@@ -65,10 +65,17 @@ def torch_cuda_version() -> str | None:
     return None if m is None or m.group(1) == "None" else m.group(1)
 
 
+# The CPU estimate's model (vramcal.estimator.cpu): a correction recorded against another model of the
+# resident set is not one for this estimate (corrections record differences, not measurements)
+CPU_ESTIMATE_MODEL = "rss-1"
+
+
 def stack_key(fp: dict) -> str:
-    """The software stack a correction belongs to: device kind and the versions that lay memory out."""
-    return "|".join(f"{k}={fp.get(k)}" for k in ("kind", "torch", "transformers", "bitsandbytes", "accelerate",
-                                                  "driver", "cuda_runtime"))
+    """The software stack a correction belongs to: device kind and the versions that lay memory out
+    (and, on the CPU, which resident-set model the corrected estimate comes from)."""
+    key = "|".join(f"{k}={fp.get(k)}" for k in ("kind", "torch", "transformers", "bitsandbytes", "accelerate",
+                                                 "driver", "cuda_runtime"))
+    return key + (f"|estimate={CPU_ESTIMATE_MODEL}" if fp.get("kind") == "cpu" else "")
 
 
 # ------------------------------------------------------------------------------- free memory

@@ -511,9 +511,11 @@ class Store:
             "GROUP BY m.class_key ORDER BY m.class_key")
 
 
+# ``rss_estimate``: the run's estimate is the CPU resident-set model's (vramcal.estimator.cpu), whose
+# methods name "resident set"; CPU rows estimated before it compared tensors with a resident set
 _STAGE_ROWS = ("SELECT st.*, r.ctx, r.batch, r.model, r.config_hash, r.quant, r.device, r.machine_id, s.status, "
-               "m.hostname FROM stages st JOIN runs r ON r.id = st.run_id JOIN results s ON s.run_id = r.id "
-               "JOIN machines m ON m.id = r.machine_id")
+               "m.hostname, (r.estimate_json LIKE '%\"resident set\"%') AS rss_estimate FROM stages st "
+               "JOIN runs r ON r.id = st.run_id JOIN results s ON s.run_id = r.id JOIN machines m ON m.id = r.machine_id")
 
 
 # ------------------------------------------------------------------------- one transaction's pieces
