@@ -143,10 +143,10 @@ def render(df: pd.DataFrame, plot_path: str | None, published: str = "", cpu_rea
     if gpu.empty and (raw_med > TARGETS["raw median"] or cal_med > TARGETS["calibrated median"]):
         lines += ["Why these CPU rows miss: the targets are meant for GPU rows. On the CPU the estimate is the "
                   "resident-set model of docs/cpu-memory.md, whose fixed terms (library pages, 38 MiB) and "
-                  "run-to-run glibc heap are a large share of a 100 MiB model; two parts of a CPU run are not "
-                  "modelled yet: the mixture-of-experts forward's per-expert temporaries on the CPU (moe rows "
-                  "at 4096 x 4) and LLM.int8's float32 matmul transients at long prefills (int8 rows at 4096 x 4). "
-                  "The per-machine correction is a line in tokens, which these do not follow.", ""]
+                  "run-to-run glibc heap are a large share of a 100 MiB model; two parts of a CPU run are "
+                  "modelled short of the measurement: the mixture-of-experts forward's per-expert temporaries "
+                  "(moe rows at 4096 x 4) and LLM.int8's float32 matmul transients at long prefills (int8 rows "
+                  "at 4096 x 4). The per-machine correction is a line in tokens, which these do not follow.", ""]
     worst = judged.reindex(judged["calibrated_err"].abs().sort_values(ascending=False).index).head(10)
     if len(worst):
         lines += ["Rows furthest from the measurement after calibration:", "",
