@@ -230,6 +230,8 @@ def test_config_fields_transformers_would_choke_on(tmp_path, change, needle):
 def test_quick_mode_refuses_flags_it_would_ignore():
     r = run("estimate", "--params-b", "8", "--bits", "4", "--kv-dtype", "fp8")
     assert r.returncode == 2 and "--kv-bytes (1 for fp8)" in r.stderr
+    r = run("estimate", "--params-b", "8", "--bits", "4", "--device", "cpu")  # a GPU formula, not a resident set
+    assert r.returncode == 2 and "--device cpu" in r.stderr and r.stdout == ""
 
 
 def test_output_to_a_full_disk_is_one_line():

@@ -130,7 +130,8 @@ def cmd_estimate(args) -> int:
                                            ("--kv-dtype", args.kv_dtype != "auto"), ("--attn", args.attn != "auto"),
                                            ("--cache", args.cache != "dynamic"), ("--fast", args.fast),
                                            ("--max-memory", getattr(args, "max_memory", None) is not None),
-                                           ("--device-map", getattr(args, "device_map", None) is not None)) if used]
+                                           ("--device-map", getattr(args, "device_map", None) is not None),
+                                           ("--device cpu", str(args.device).startswith("cpu"))) if used]
         if ignored:
             raise UserError(f"quick mode (--params-b, --bits) does not use {', '.join(ignored)}: say the weights "
                             "with --bits and the cache with --kv-bytes (1 for fp8), or give a MODEL")
