@@ -156,3 +156,21 @@ def test_on_the_cpu_the_lowest_quantization_is_the_smallest_estimate_not_the_las
     same = propose(source, "bf16", Workload(4080, 16, 4), usable, lambda q: CorrectionSet({}), "throughput",
                    "cpu", limit=10)
     assert same and not any("quant" in r["change"] for r in same)
+
+
+def test_the_stored_dtype_comes_from_the_files_not_the_config(tiny_models, tmp_path):
+    """A bf16 checkpoint whose config says float32 is read as stored: a bf16 load of it converts
+    nothing, and its pages are 2 bytes per parameter."""
+    import json
+    import shutil
+
+    d = tmp_path / "says-fp32"
+    shutil.copytree(tiny_models["tied"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = "float32"
+    (d / "config.json").write_text(json.dumps(cfg))
+    e = estimate(str(d), "bf16", ctx=256, device="cpu")
+    plain = estimate(tiny_models["tied"], "bf16", ctx=256, device="cpu")
+    assert e.peak_breakdown["loaded_tensors"] == 0
+    assert e.peak_breakdown["checkpoint_pages"] == plain.peak_breakdown["checkpoint_pages"]

@@ -54,6 +54,7 @@ LLM.int8's CPU matmul (part of ``heap_retained`` at ``first_token`` / ``end``)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from ..units import MIB
 from .quant import DTYPE_BYTES, config_dtype
@@ -156,9 +157,15 @@ def stored_layout(source) -> StoredLayout:
     the Hub's MoE checkpoints and transformers' own save_pretrained write them)."""
     if not source.weight_files:
         return StoredLayout(None, False)
+    return _stored_layout(tuple(source.weight_files))
+
+
+@lru_cache(maxsize=8)
+def _stored_layout(files: tuple[str, ...]) -> StoredLayout:
+    """Read once per process: ``fit`` and ``sweep`` ask at every point of their search."""
     elements: dict[str, int] = {}
     fused = False
-    for name, (dtype, shape) in checkpoint_tensors(source.weight_files).items():
+    for name, (dtype, shape) in checkpoint_tensors(files).items():
         n = 1
         for d in shape:
             n *= d
