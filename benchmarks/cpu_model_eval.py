@@ -22,7 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from vramcal.calibrate.reconcile import fit_line
+from vramcal.calibrate import reconcile
 from vramcal.errors import UserError
 from vramcal.estimator.estimate import Estimator
 from vramcal.files import atomic_write, check_writable
@@ -62,17 +62,21 @@ def rows_of(path: Path, estimators: dict) -> list[dict]:
 
 
 def leave_one_out(rows: list[dict]) -> None:
-    """Scope by scope as `vramcal check` looks a correction up: the other probes of the same model and
-    quantization, else of the same quantization; the same stage, never the row's own probe."""
+    """Each probe corrected by the others, scope by scope as `vramcal check` looks a correction up
+    (:func:`vramcal.calibrate.reconcile.fit_scoped`: the same model and quantization, else the same
+    quantization, else any), never by its own rows."""
+    run = {f: i for i, f in enumerate(sorted({r["file"] for r in rows}))}
+    stage_rows = [{"run_id": run[r["file"]], "stage": r["stage"], "ctx": r["ctx"], "batch": r["batch"],
+                   "status": "ok", "quant": r["quant"], "config_hash": r["model"], "measured_peak_bytes": r["measured"],
+                   "estimated_bytes": r["estimate"]} for r in rows]
+    fits = {}
     for r in rows:
-        r["calibrated"] = r["scope"] = None
-        for scope, same in (("model+quant", ("model", "quant")), ("quant", ("quant",))):
-            others = [(o["tokens"], o["measured"] - o["estimate"], i) for i, o in enumerate(rows)
-                      if o["file"] != r["file"] and o["stage"] == r["stage"] and all(o[k] == r[k] for k in same)]
-            if others:
-                r["calibrated"] = r["estimate"] + fit_line(r["stage"], others).at(r["tokens"])
-                r["scope"] = scope
-                break
+        if r["file"] not in fits:
+            fits[r["file"]] = reconcile.fit_scoped(stage_rows, "", r["quant"], r["model"], exclude_run=run[r["file"]])
+        key, corr = fits[r["file"]]
+        c = corr.get(r["stage"])
+        r["calibrated"] = None if c is None else r["estimate"] + c.at(r["tokens"])
+        r["scope"] = reconcile.scope_label(key) if c is not None else None
 
 
 def err(a: int | None, m: int) -> float | None:

@@ -147,13 +147,14 @@ def write_csv(args) -> int:
 def _estimate_columns(est: dict, quant: str, stage: str, measured: int | None, calibrated: int | None,
                       scope: str | None, loo: dict) -> dict:
     """The CSV columns that come from an estimate and its leave-one-out correction."""
+    from vramcal.calibrate.reconcile import scope_label
+
     e = (est.get("stages") or {}).get(stage)
     params = (est.get("formula") or {}).get("params")
     return {"estimated_bytes": e, "calibrated_bytes": calibrated, "error_raw_pct": _pct(e, measured),
             "error_calibrated_pct": _pct(calibrated, measured),
             "loo_runs": len({x for c in loo.values() for x in c.source_runs}),
-            "loo_scope": "none" if scope is None else ("model+quant" if "model=" in scope else
-                                                        "quant" if "quant=" in scope else "machine"),
+            "loo_scope": scope_label(scope),
             "formula_total_bytes": (est.get("formula") or {}).get("total_bytes"),
             "accelerate_bytes": int(params * BYTES_PER_PARAM.get(quant, 2)) if params else None,
             "weights_estimated_bytes": (est.get("components") or {}).get("weights"),

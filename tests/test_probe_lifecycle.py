@@ -99,6 +99,14 @@ def _probe_folders(tmp) -> list[str]:
     return [n for n in os.listdir(tmp) if n.startswith("vramcal-probe-")]
 
 
+def _probe_folders_left(tmp, within: float = 5.0) -> list[str]:
+    """The probe folders still there after waiting up to ``within`` seconds for them to go."""
+    deadline = time.monotonic() + within
+    while _probe_folders(tmp) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _probe_folders(tmp)
+
+
 def _child_pid(events) -> int:
     return next(e["child_pid"] for e in events if e["event"] == "start")
 
@@ -124,10 +132,7 @@ def test_parent_sigkilled_takes_child_and_synthetic_weights_along(tmp_path, conf
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert _gone(child), "the child outlived its SIGKILLed parent"
-    deadline = time.monotonic() + 5
-    while _probe_folders(tmp) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _probe_folders(tmp) == []
+    assert _probe_folders_left(tmp) == []
     # the journal the parent kept is enough for a record with the last stage and the samples
     r = recover(_events(journal))
     assert r.status == "interrupted" and r.last_stage in ("post_load", "first_token")
@@ -152,10 +157,7 @@ def test_parent_sigkilled_while_writing_synthetic_weights(tmp_path, config_only)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert _gone(writer), "the synthetic writer outlived its SIGKILLed parent"
-    deadline = time.monotonic() + 5
-    while _probe_folders(tmp) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _probe_folders(tmp) == []
+    assert _probe_folders_left(tmp) == []
     assert recover(_events(journal)) is None  # no child ever started: nothing was measured
 
 

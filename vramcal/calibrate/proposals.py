@@ -112,7 +112,7 @@ def ladder(quant: str, work: Workload, prefer: str, requantize: bool = True,
         steps += [(q, w(), "auto", f"quant {quant} -> {q}") for q in quants]
         steps += [(low, w(c), "auto", f"{lq}ctx {work.ctx} -> {c}") for c in ctxs]
         steps += [(low, w(ctxs[-1] if ctxs else work.ctx, b), "auto",
-                   f"{lq.replace(', ', ' and ctx, ') if lq else 'shortest ctx, '}batch {work.batch} -> {b}")
+                   ("lowest quant and ctx, " if lq else "shortest ctx, ") + f"batch {work.batch} -> {b}")
                   for b in batches]
         steps += [(low, w(), "auto", f"{lq}offload to CPU", True)]
     return [Step(*s) for s in steps]

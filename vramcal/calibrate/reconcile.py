@@ -117,6 +117,13 @@ def scopes(stack: str, quant: str, config_hash: str | None) -> list[tuple[str, d
     return out
 
 
+def scope_label(key: str | None) -> str:
+    """A scope key of :func:`scopes` in a word: ``model+quant``, ``quant``, ``machine`` (``none`` for None)."""
+    if key is None:
+        return "none"
+    return "model+quant" if "|model=" in key else "quant" if "|quant=" in key else "machine"
+
+
 def rows_in(rows: list[dict], where: dict) -> list[dict]:
     return [r for r in rows if all(r.get(k) == v for k, v in where.items())]
 

@@ -53,6 +53,7 @@ LLM.int8's CPU matmul (part of ``heap_retained`` at ``first_token`` / ``end``)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -166,11 +167,8 @@ def _stored_layout(files: tuple[str, ...]) -> StoredLayout:
     elements: dict[str, int] = {}
     fused = False
     for name, (dtype, shape) in checkpoint_tensors(files).items():
-        n = 1
-        for d in shape:
-            n *= d
         if dtype.startswith(("float", "bfloat")):
-            elements[dtype] = elements.get(dtype, 0) + n
+            elements[dtype] = elements.get(dtype, 0) + math.prod(shape)
         fused = fused or ("expert" in name and len(shape) == 3)
     return StoredLayout(max(elements, key=elements.get) if elements else None, fused)
 
