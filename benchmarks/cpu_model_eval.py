@@ -32,6 +32,7 @@ from vramcal.probes.readings import StageReading, comparable
 from vramcal.workload import STAGES
 
 MIB = 2**20
+ROOT = Path(__file__).resolve().parent.parent
 REAL_WIDTH_PARAMS = 400_000_000
 # the probes that set constants of vramcal.estimator.cpu (bf16: LOAD_FIXED_BYTES, ACT_RETAINED; nf4 and
 # int8, with five instrumented runs: RETENTION_TYPICAL, the int8 prefill scale): in sample for those
@@ -46,7 +47,10 @@ def rows_of(path: Path, estimators: dict) -> list[dict]:
     measured = comparable(readings, d["series"])
     key = (d["model"], d["quant"])
     if key not in estimators:
-        src = resolve_model(d["model"])
+        model = d["model"]  # a config folder kept in the repository is recorded relative to its root
+        if not Path(model).exists() and (ROOT / model).exists():
+            model = str(ROOT / model)
+        src = resolve_model(model)
         estimators[key] = Estimator(src, resolve_quant(d["quant"], src.config), device="cpu")
     est = estimators[key]
     e = est.estimate(d["ctx"], d["batch"], new_tokens=d.get("new_tokens", 16))
