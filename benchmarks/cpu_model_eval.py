@@ -6,7 +6,7 @@ PROBE.json: what `vramcal probe MODEL --synthetic --device cpu --json` printed. 
 the measured peak above the child's baseline (vramcal.probes.readings' rule), the estimate the
 installed vramcal makes now for the probe's own workload, its run-to-run range where it has one, and
 the estimate the probe carried when it ran (the code of that day). Then, per row, the leave-one-out
-corrected error: a line in tokens (vramcal.calibrate.reconcile.fit_line, the rule `vramcal check`
+corrected error: a line in tokens (vramcal.calibrate.corrections.fit_line, the rule `vramcal check`
 uses) fitted to the other probes of the same quantization on this machine and stage -- the
 calibration scope "same quant" -- is added to the estimate.
 
@@ -22,7 +22,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from vramcal.calibrate import reconcile
+from vramcal.calibrate import corrections
+from vramcal.estimator.stages import model_id
 from vramcal.errors import UserError
 from vramcal.estimator.estimate import Estimator
 from vramcal.files import atomic_write, check_writable
@@ -67,20 +68,21 @@ def rows_of(path: Path, estimators: dict) -> list[dict]:
 
 def leave_one_out(rows: list[dict]) -> None:
     """Each probe corrected by the others, scope by scope as `vramcal check` looks a correction up
-    (:func:`vramcal.calibrate.reconcile.fit_scoped`: the same model and quantization, else the same
+    (:func:`vramcal.calibrate.corrections.fit_scoped`: the same model and quantization, else the same
     quantization, else any), never by its own rows."""
     run = {f: i for i, f in enumerate(sorted({r["file"] for r in rows}))}
+    current = model_id("cpu")  # every row is estimated by the current code here
     stage_rows = [{"run_id": run[r["file"]], "stage": r["stage"], "ctx": r["ctx"], "batch": r["batch"],
                    "status": "ok", "quant": r["quant"], "config_hash": r["model"], "measured_peak_bytes": r["measured"],
-                   "estimated_bytes": r["estimate"]} for r in rows]
+                   "estimated_bytes": r["estimate"], "device": "cpu", "estimator_model": current} for r in rows]
     fits = {}
     for r in rows:
         if r["file"] not in fits:
-            fits[r["file"]] = reconcile.fit_scoped(stage_rows, "", r["quant"], r["model"], exclude_run=run[r["file"]])
+            fits[r["file"]] = corrections.fit_scoped(stage_rows, "", r["quant"], r["model"], exclude_run=run[r["file"]])
         key, corr = fits[r["file"]]
         c = corr.get(r["stage"])
         r["calibrated"] = None if c is None else r["estimate"] + c.at(r["tokens"])
-        r["scope"] = reconcile.scope_label(key) if c is not None else None
+        r["scope"] = corrections.scope_label(key) if c is not None else None
 
 
 def err(a: int | None, m: int) -> float | None:

@@ -75,9 +75,10 @@ def part_offload(args, budget_s: float) -> str:
     est = estimate(model, quant, ctx=1024, max_memory=mm, device="cuda")
     r = run_probe(model, quant, 1024, 1, device=args.device, synthetic=True, keep_samples=False, max_memory=mm,
                   timeout_s=budget_s)
+    measured = r.to_dict(samples=False)
     out = {"command": r.command, "max_memory": mm, "status": r.status, "error": r.error,
            "plan": est.to_dict().get("device_map"), "estimated_devices": est.to_dict().get("devices"),
-           "measured_devices": r.devices, "measured_stages": r.stages, "notes": r.notes}
+           "measured_devices": measured["devices"], "measured_stages": measured["stages"], "notes": r.notes}
     (Path(args.out) / "offload.json").write_text(json.dumps(out, indent=1, default=str))
     return "offload.json"
 

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting new probes after this many seconds")
     args = ap.parse_args(argv)
 
-    from vramcal.estimator.inventory import software_versions
+    from vramcal.versions import software_versions
     from vramcal.estimator.resolve import resolve_model
     from vramcal.probes import nvml
     from vramcal.probes.probe import run_probe
@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     versions = software_versions()
     gpu = "cpu"
     if args.device.startswith("cuda"):
-        info = nvml.device_info(int(args.device.split(":")[1]) if ":" in args.device else 0)
+        from vramcal.workload import parse_device
+
+        info = nvml.device_info(parse_device(args.device).index or 0)
         gpu = f"{info['name']} {info['total_bytes']}"
     started = time.monotonic()
     rows: list[dict] = []
@@ -102,26 +104,26 @@ def main(argv: list[str] | None = None) -> int:
                         t = time.monotonic()
                         r = run_probe(source, quant, ctx, batch, device=args.device, keep_samples=False,
                                       command=f"gpu_validate {model} layers={args.layers} {quant} {ctx} {batch}")
-                        est = r.estimate or {}
+                        est = r.estimate
                         measured = r.measured()  # the readings' one baseline rule (CPU: minus the baseline)
                         for stage in STAGES:
-                            st = r.stages.get(stage, {})
-                            e = (est.get("stages") or {}).get(stage)
+                            st = r.stages.get(stage)
+                            e = est.stages.get(stage) if est else None
                             m = measured.get(stage)
                             peak = m.peak_bytes if m else None
                             used = m.used_bytes if m else None
                             err = None if (e is None or peak is None) else peak - e
                             row = {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": args.device, "gpu": gpu,
-                                   "model": model, "architecture": est.get("architecture"), "layers": cfg.get(
-                                       "num_hidden_layers"), "quant": quant, "ctx": ctx, "batch": batch,
-                                   "attn": est.get("attn"), "status": r.status, "stage": stage, "estimated_bytes": e,
-                                   "measured_peak_bytes": peak, "measured_used_bytes": used,
-                                   "torch_max_allocated": st.get("torch_max_allocated"),
-                                   "torch_max_reserved": st.get("torch_max_reserved"),
-                                   "estimated_allocated_bytes": (est.get("allocated") or {}).get(stage),
+                                   "model": model, "architecture": est.architecture if est else None,
+                                   "layers": cfg.get("num_hidden_layers"), "quant": quant, "ctx": ctx, "batch": batch,
+                                   "attn": est.attn if est else None, "status": r.status, "stage": stage,
+                                   "estimated_bytes": e, "measured_peak_bytes": peak, "measured_used_bytes": used,
+                                   "torch_max_allocated": st.torch_max_allocated if st else None,
+                                   "torch_max_reserved": st.torch_max_reserved if st else None,
+                                   "estimated_allocated_bytes": est.allocated.get(stage) if est else None,
                                    "error_bytes": err,
                                    "error_pct": None if err is None or not peak else round(100 * err / peak, 3),
-                                   "approximate": est.get("approximate"), **{k: versions.get(k) for k in
+                                   "approximate": est.approximate if est else None, **{k: versions.get(k) for k in
                                                                             ("torch", "transformers", "bitsandbytes")},
                                    "command": r.command}
                             writer.writerow(row)

@@ -18,7 +18,7 @@ and compares the SAME counter the source printed:
 Beside it, on the same rows: the source documents' formula ``(params x bits / 8 + KV) x 1.18`` (its
 weights alone for weight counters) and ``params x bytes``. Per source with at least 3 rows, the
 leave-one-out corrected error: a source is one machine and one stack, so each row is corrected by a
-line fitted to the other rows of its source (``vramcal.calibrate.reconcile.fit_line``).
+line fitted to the other rows of its source (``vramcal.calibrate.corrections.fit_line``).
 
 Writes ``published.csv`` and ``published.md`` into --out-dir; ``benchmarks/report.py`` puts the
 section first in docs/validation.md (and is run at the end, unless --no-report).
@@ -82,8 +82,8 @@ def formulas(est, row: dict) -> tuple[int | None, int | None]:
     if not f:
         return None, None
     weights_only = row["counter"] in ("memory_footprint", "weights_only")
-    documents = f["weights_bytes"] if weights_only else f["total_bytes"]
-    return documents, f["weights_bytes"]
+    documents = f.weights_bytes if weights_only else f.total_bytes
+    return documents, f.weights_bytes
 
 
 def run_row(row: dict, corpus_dir: Path) -> dict:
@@ -122,7 +122,7 @@ def _check_note(notes: str) -> str:
 
 def leave_one_out(rows: list[dict]) -> None:
     """Per source with >= 3 rows: each row corrected by a line fitted to the other rows of its source."""
-    from vramcal.calibrate.reconcile import fit_line
+    from vramcal.calibrate.corrections import fit_line
 
     by_source: dict[str, list[dict]] = {}
     for r in rows:

@@ -58,7 +58,7 @@ FIELDS = ["name", "device", "machine", "arch", "model", "quant", "ctx", "batch",
 
 
 def run_matrix(args) -> None:
-    from vramcal.calibrate.runs import record_probe
+    from vramcal.calibrate.runs import record_result
     from vramcal.probes.machine import machine_fingerprint
     from vramcal.probes.probe import run_probe
     from vramcal.records.store import Store
@@ -91,14 +91,17 @@ def run_matrix(args) -> None:
                                               directory=source.directory, weight_files=())
                         r = run_probe(source, quant, ctx, batch, device=args.device, synthetic=True,
                                       command=f"benchmarks/validate.py {arch} {quant} ctx={ctx} batch={batch}")
-                        record_probe(store, mid, r, r.estimate)
+                        record_result(store, fp, r, source.config_hash)
                         print(f"{arch:10s} {quant:7s} ctx={ctx:5d} b={batch}: {r.status} "
                               f"({time.monotonic() - t:.1f}s)", file=sys.stderr)
 
 
 def write_csv(args) -> int:
-    from vramcal.calibrate import reconcile
+    from vramcal.calibrate.corrections import fit_scoped
+    from vramcal.estimator.correction import apply
+    from vramcal.estimator.stages import model_id
     from vramcal.records.store import Store
+    from vramcal.workload import device_kind
 
     rows_out = []
     with Store(args.db, create=False) as store:
@@ -109,24 +112,23 @@ def write_csv(args) -> int:
             estimates = {r["id"]: _estimate_for(store, r, args.re_estimate) for r in runs}
             if args.re_estimate:  # the leave-one-out fits must see the same estimates as the rows
                 stage_rows = [{**row, "estimated_bytes": (estimates[row["run_id"]].get("stages") or {}).get(
-                    row["stage"], row["estimated_bytes"])} if row["run_id"] in estimates else row
-                    for row in stage_rows]
+                    row["stage"], row["estimated_bytes"]), "estimator_model": model_id(device_kind(row["device"]))}
+                    if row["run_id"] in estimates else row for row in stage_rows]
             for run in runs:
                 full = store.run(run["id"])
-                result = json.loads(full["result_json"])
+                result = full.outcome.result
                 est = estimates[run["id"]]
                 # leave-one-out: this run's correction comes only from the machine's other runs, in the
                 # most specific scope that has some (same model and quant, then same quant, then any)
-                scope, loo = reconcile.fit_scoped(stage_rows, "", run["quant"], run["config_hash"],
-                                                  exclude_run=run["id"])
-                measured = {s: (full["stages"].get(s) or {}).get("measured_peak_bytes") for s in STAGES}
+                scope, loo = fit_scoped(stage_rows, "", run["quant"], run["config_hash"], exclude_run=run["id"])
+                measured = {s: full.stages[s].measured_peak_bytes if s in full.stages else None for s in STAGES}
                 peak_stage = max((s for s in STAGES if measured[s] is not None), key=lambda s: measured[s],
                                  default=None)
                 st = result.get("stages", {})
                 for s in STAGES:
                     e = (est.get("stages") or {}).get(s)
                     m = measured[s]
-                    cal = None if e is None else reconcile.apply({s: e}, run["ctx"] * run["batch"], loo)[s]
+                    cal = None if e is None else apply({s: e}, run["ctx"] * run["batch"], loo)[s]
                     rows_out.append({
                         "name": args.name, "device": args.device,
                         "machine": machine.get("gpu_name") or machine.get("cpu_model"), "arch": run["model"],
@@ -147,7 +149,7 @@ def write_csv(args) -> int:
 def _estimate_columns(est: dict, quant: str, stage: str, measured: int | None, calibrated: int | None,
                       scope: str | None, loo: dict) -> dict:
     """The CSV columns that come from an estimate and its leave-one-out correction."""
-    from vramcal.calibrate.reconcile import scope_label
+    from vramcal.calibrate.corrections import scope_label
 
     e = (est.get("stages") or {}).get(stage)
     params = (est.get("formula") or {}).get("params")
@@ -185,7 +187,10 @@ def re_estimate_csv(args) -> int:
     """``--from-csv``: the measurements of an existing CSV (its records database gone) against the current
     code's estimates, the leave-one-out corrections refitted by the same rule as :func:`write_csv`
     (scope by scope: same model and quant, same quant, any). Rewrites the CSV in place."""
-    from vramcal.calibrate import reconcile
+    from vramcal.calibrate.corrections import fit_scoped
+    from vramcal.estimator.correction import apply
+    from vramcal.estimator.stages import model_id
+    from vramcal.workload import device_kind
 
     try:
         with open(args.out, newline="") as fh:
@@ -205,15 +210,16 @@ def re_estimate_csv(args) -> int:
     stage_rows = [{"run_id": int(r["run_id"]), "stage": r["stage"], "ctx": int(r["ctx"]), "batch": int(r["batch"]),
                    "status": r["status"], "quant": r["quant"], "config_hash": r["model"],
                    "measured_peak_bytes": int(r["measured_bytes"]) if r["measured_bytes"] else None,
-                   "estimated_bytes": (estimates[int(r["run_id"])].get("stages") or {}).get(r["stage"])}
+                   "estimated_bytes": (estimates[int(r["run_id"])].get("stages") or {}).get(r["stage"]),
+                   "device": r["device"], "estimator_model": model_id(device_kind(r["device"]))}
                   for r in rows]
     for r in rows:
         rid = int(r["run_id"])
         est = estimates[rid]
         e = (est.get("stages") or {}).get(r["stage"])
         m = int(r["measured_bytes"]) if r["measured_bytes"] else None
-        scope, loo = reconcile.fit_scoped(stage_rows, "", r["quant"], r["model"], exclude_run=rid)
-        cal = None if e is None else reconcile.apply({r["stage"]: e}, int(r["ctx"]) * int(r["batch"]), loo)[r["stage"]]
+        scope, loo = fit_scoped(stage_rows, "", r["quant"], r["model"], exclude_run=rid)
+        cal = None if e is None else apply({r["stage"]: e}, int(r["ctx"]) * int(r["batch"]), loo)[r["stage"]]
         r.update(_estimate_columns(est, r["quant"], r["stage"], m, cal, scope, loo), estimated_with="current code")
     _write(args.out, rows)
     print(f"{len(rows)} rows re-estimated -> {args.out}", file=sys.stderr)
@@ -224,8 +230,7 @@ def _estimate_for(store, run: dict, re_estimate: bool) -> dict:
     """The estimate recorded with the run, or (``--re-estimate``) the current code's estimate of the
     same configuration: estimates are a function of the code, measurements are the data."""
     if not re_estimate:
-        full = store.run(run["id"])
-        return json.loads(full["estimate_json"]) if full["estimate_json"] else {}
+        return store.run(run["id"]).context.estimate or {}
     from vramcal.estimator.estimate import estimate
     from vramcal.estimator.resolve import ModelSource
 

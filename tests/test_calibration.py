@@ -18,7 +18,7 @@ from vramcal.calibrate.runs import record_probe
 from vramcal.cli import config_of_command
 from vramcal.probes.machine import machine_fingerprint
 from vramcal.probes.probe import run_probe
-from vramcal.records.store import Store
+from vramcal.records.store import RunContext, Store
 
 CHECKLIST = ("quantization", "implementation", "context_length", "batch_size", "peak_bytes", "peak_read_from",
              "peak_stage", "gpu_model", "total_memory_bytes", "command")
@@ -40,15 +40,15 @@ def _estimate_json(model, ctx, db, *extra):
 def test_one_check_makes_the_next_estimate_closer(model, tmp_path):
     db = str(tmp_path / "cal.db")
     first = check(model, "bf16", ctx=256, batch=2, device="cpu", db=db)
-    assert first.verdict.fits and first.memo_id and first.corrections["first_token"]["n_runs"] == 1
+    assert first.verdict.fits and first.memo_id and first.corrections["first_token"].n_runs == 1
     # CPU path: no CUDA context stage; the weights' delta is what loading added beyond the estimate's
     # post_load resident set (mapped pages, not the tensors: a bf16 load copies nothing)
     d = first.component_deltas
-    assert d["context"] is None and d["weights"] is not None and d["generation"] is not None
-    run = first.probe["stages"]
-    assert d["weights"] == run["post_load"]["used_bytes"] - run["baseline"]["used_bytes"] - \
-        first.probe["estimate"]["stages"]["post_load"]
-    assert abs(d["weights"]) < 16 * 1024**2  # the tensors' bytes would be off by the whole model
+    assert d.context is None and d.weights is not None and d.generation is not None
+    run = first.probe.stages
+    assert d.weights == run["post_load"].used_bytes - run["baseline"].used_bytes - \
+        first.probe.estimate.stages["post_load"]
+    assert abs(d.weights) < 16 * 1024**2  # the tensors' bytes would be off by the whole model
 
     target_ctx = 1536
     corrected = _estimate_json(model, target_ctx, db)
@@ -94,11 +94,12 @@ def test_a_killed_probe_leaves_a_partial_record(model, tmp_path):
     result = run_probe(model, "bf16", 1024, 4, device="cpu", on_event=kill)
     with Store(tmp_path / "k.db") as s:
         mid = s.machine_id(machine_fingerprint("cpu"))
-        rid = record_probe(s, mid, result, result.estimate)
+        rid = s.begin_run(mid, RunContext(model, "bf16", 1024, 4, "cpu", result.command))
+        record_probe(s, rid, result)
         run = s.run(rid)
-        assert run["status"] == "crashed" and run["last_stage"] == "post_load"
-        assert set(run["stages"]) >= {"baseline", "load_peak", "post_load"} and "end" not in run["stages"]
-        assert run["sample_count"] > 0
+        assert run.status == "crashed" and run.outcome.last_stage == "post_load"
+        assert set(run.stages) >= {"baseline", "load_peak", "post_load"} and "end" not in run.stages
+        assert run.sample_count > 0
         assert memo_for(run)["status"] == "crashed"
 
 
@@ -170,13 +171,6 @@ def test_every_ladder_step_is_a_command_the_parser_accepts():
     assert steps > 20
 
 
-def test_cli_and_proposals_offer_the_same_policies():
-    from vramcal import cli
-    from vramcal.calibrate.proposals import POLICIES
-
-    assert cli.POLICIES == POLICIES
-
-
 def test_memo_recheck_replays_a_prequantized_runs_command(model, tmp_path):
     """The memo's command names --quant as the user gave it, so a run that loaded a checkpoint as stored
     (--quant auto) is rechecked the same way, not with the resolved name the parser would refuse."""
@@ -207,9 +201,12 @@ def _check_until(model, db, stage, tmp_path):
     import time
 
     env = {**os.environ, "TMPDIR": str(tmp_path)}
+    # SIGINT's default disposition first: a suite started in the background of a non-interactive shell has
+    # it ignored, and a Python that starts with SIGINT ignored never raises KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "-m", "vramcal", "check", model, "--quant", "bf16", "--ctx", "2048",
                              "--batch", "4", "--new-tokens", "200", "--device", "cpu", "--db", db],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     journal = db + "-journal.d"
     while time.monotonic() < deadline:
@@ -235,8 +232,8 @@ def test_check_interrupted_is_recorded_with_its_last_stage(model, tmp_path, sig,
     with Store(db, create=False, readonly=True) as s:
         [run] = s.runs()
         full = s.run(run["id"])
-    assert full["status"] == "interrupted" and full["last_stage"] == "first_token", full
-    assert full["sample_count"] > 0
+    assert full.status == "interrupted" and full.outcome.last_stage == "first_token", full
+    assert full.sample_count > 0
     assert not [p for p in os.listdir(tmp_path) if p.startswith("vramcal-probe-")]
 
 
@@ -256,5 +253,5 @@ def test_check_killed_outright_is_recovered_by_the_next_write(model, tmp_path):
     check(model, "bf16", ctx=128, device="cpu", db=db)  # any command that writes folds the journal in
     with Store(db, create=False, readonly=True) as s:
         first = s.run(s.runs()[0]["id"])
-    assert first["status"] == "interrupted" and first["last_stage"] in ("post_load", "first_token"), first
-    assert first["sample_count"] > 0 and "journal" in first["error"]
+    assert first.status == "interrupted" and first.outcome.last_stage in ("post_load", "first_token"), first
+    assert first.sample_count > 0 and "journal" in first.outcome.error

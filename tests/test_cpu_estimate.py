@@ -87,8 +87,8 @@ def test_sweep_and_estimate_agree_on_the_cpu(tiny_models, quant):
     est = Estimator(source, resolve_quant(quant, source.config), device="cpu")
     single = est.estimate(512, exact=False)
     row = est.sweep([(512, 1)])[0]
-    assert {s: row[s] for s in STAGES} == single.stages
-    assert row.get("upper") == ({s: v[1] for s, v in single.ranges.items()} if single.ranges else None)
+    assert row.stages == single.stages
+    assert row.upper == ({s: v[1] for s, v in single.ranges.items()} if single.ranges else None)
 
 
 def test_fit_on_the_cpu_plans_for_the_top_of_the_range(tiny_models, tmp_path):
@@ -97,13 +97,13 @@ def test_fit_on_the_cpu_plans_for_the_top_of_the_range(tiny_models, tmp_path):
     source = resolve_model(tiny_models["dense-gqa"])
     est = Estimator(source, resolve_quant("nf4", source.config), device="cpu")
     at_64 = est.sweep([(64, 1)])[0]  # a short context: the heap range is not yet absorbed by the prefill's
-    budget = max(at_64["upper"].values())
+    budget = max(at_64.upper.values())
     (row,) = fit_contexts(tiny_models["dense-gqa"], budget, device="cpu", db=str(tmp_path / "none.db"), buffer=0,
                           quants=("nf4",), batches=(1,))
-    assert row["peak_bytes"] <= budget and 64 <= row["max_ctx"] < 128
-    after = est.sweep([(row["max_ctx"] + 1, 1)])[0]
-    assert max(after["upper"].values()) > budget  # the range's top decides
-    assert after["peak"] < budget  # the typical figure alone would have let a longer context through
+    assert row.peak_bytes <= budget and 64 <= row.max_ctx < 128
+    after = est.sweep([(row.max_ctx + 1, 1)])[0]
+    assert max(after.upper.values()) > budget  # the range's top decides
+    assert after.peak < budget  # the typical figure alone would have let a longer context through
 
 
 @pytest.mark.slow
@@ -122,7 +122,7 @@ def test_the_ladder_offers_a_lower_quantization_only_where_it_saves_memory():
         nf4 = Estimator(source, resolve_quant("nf4", source.config), device=kind).estimate(1024).peak
         rows = propose(source, "bf16", work, usable=bf16 - 1, corrections_for=none, prefer="context",
                        device=device, limit=10)
-        quants = {r["quant"] for r in rows}
+        quants = {r.quant for r in rows}
         if kind == "cuda":
             assert nf4 < bf16 and "nf4" in quants
         else:
@@ -152,10 +152,10 @@ def test_on_the_cpu_the_lowest_quantization_is_the_smallest_estimate_not_the_las
     usable = bf16.estimate(1024, 1, exact=False).peak + 1
     rows = propose(source, "fp32", Workload(4080, 16, 4), usable, lambda q: CorrectionSet({}), "throughput",
                    "cpu", limit=10)
-    assert rows and all(r["quant"] == "bf16" for r in rows)
+    assert rows and all(r.quant == "bf16" for r in rows)
     same = propose(source, "bf16", Workload(4080, 16, 4), usable, lambda q: CorrectionSet({}), "throughput",
                    "cpu", limit=10)
-    assert same and not any("quant" in r["change"] for r in same)
+    assert same and not any("quant" in r.change for r in same)
 
 
 def test_the_stored_dtype_comes_from_the_files_not_the_config(tiny_models, tmp_path):

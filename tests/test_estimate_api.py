@@ -116,9 +116,9 @@ def test_sweep_agrees_with_estimate_at_traced_points(tiny_models):
     est = Estimator(source, resolve_quant("nf4", source.config))
     single = est.estimate(528, 1)  # traced exactly (prompt 512 is also a fit point)
     rows = est.sweep([(528, 1), (2064, 1), (8208, 1)])
-    assert rows[0]["peak"] == single.peak
-    assert rows[0]["first_token"] == single.stages["first_token"]
-    assert [r["peak"] for r in rows] == sorted(r["peak"] for r in rows)
+    assert rows[0].peak == single.peak
+    assert rows[0].stages["first_token"] == single.stages["first_token"]
+    assert [r.peak for r in rows] == sorted(r.peak for r in rows)
 
 
 def test_estimating_leaves_the_config_untouched():
@@ -136,4 +136,4 @@ def test_sweep_agrees_with_estimate_for_sliding_windows(tiny_models):
     source = resolve_model(tiny_models["sliding"])
     est = Estimator(source, resolve_quant("auto", source.config), device="cpu")
     single = est.estimate(528, 1)
-    assert est.sweep([(528, 1)])[0]["first_token"] == single.stages["first_token"]
+    assert est.sweep([(528, 1)])[0].stages["first_token"] == single.stages["first_token"]

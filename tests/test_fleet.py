@@ -14,6 +14,7 @@ import time
 import uuid
 
 import pytest
+from helpers import context, outcome
 from pg_server import pg_server, pg_url, wait_until  # noqa: F401 (fixtures)
 
 from vramcal.errors import UserError
@@ -41,10 +42,14 @@ def _stages(ctx: int, offset: int) -> list[dict]:
     return out
 
 
-def _context(model: str = "m", ctx: int = 1024, quant: str = "nf4") -> dict:
-    return {"model": model, "config_hash": f"cfg-{model}", "quant": quant, "quant_impl": "bitsandbytes 4-bit",
-            "dtype": "bfloat16", "ctx": ctx, "batch": 1, "kv_dtype": "auto", "attn": "sdpa", "device": "cuda:0",
-            "command": f"vramcal check {model} --ctx {ctx}"}
+def _context(model: str = "m", ctx: int = 1024, quant: str = "nf4", **kw):
+    """A GPU run compared with this vramcal's GPU estimator (its estimator model id)."""
+    from vramcal.estimator.stages import model_id
+
+    args = {"config_hash": f"cfg-{model}", "quant_impl": "bitsandbytes 4-bit", "dtype": "bfloat16",
+            "kv_dtype": "auto", "attn": "sdpa", "device": "cuda:0", "command": f"vramcal check {model} --ctx {ctx}",
+            "estimator_model": model_id("cuda"), **kw}
+    return context(model=model, ctx=ctx, quant=quant, **args)
 
 
 # ----------------------------------------------------------------------------------------- load
@@ -60,15 +65,15 @@ def _load_writer(url: str, w: int, n: int, start, out) -> None:
         start.wait()
         for i in range(n):
             ctx = 256 * (1 + i % 8)
-            run_id = s.begin_run(mid, **_context(ctx=ctx), estimate={"w": w, "i": i},
+            run_id = s.begin_run(mid, _context(ctx=ctx, estimate={"w": w, "i": i}),
                                  uuid=str(uuid.uuid5(NS, f"load-{w}-{i}")))
-            s.finish_run(run_id, {"status": "ok", "series": "nvml"}, _stages(ctx, offset),
-                         [(0.005 * k, "nvml", 1000 * k) for k in range(20)])
+            s.finish_run(run_id, outcome("ok", _stages(ctx, offset), [(0.005 * k, "nvml", 1000 * k) for k in range(20)],
+                                         series="nvml"))
     out.put(("writer", w, n))
 
 
 def _load_refitter(url: str, stop, out) -> None:
-    from vramcal.calibrate.fleet import refit
+    from vramcal.calibrate.corrections import refit
     from vramcal.probes.machine import stack_key
 
     refits = 0
@@ -78,7 +83,7 @@ def _load_refitter(url: str, stop, out) -> None:
                 fp = _fp(host)
                 mid = s.find_machine(fp)
                 if mid is not None:
-                    refit(s, mid, stack_key(fp), "nf4", "cfg-m")
+                    refit(s, mid, stack_key(fp), "nf4", "cfg-m", "cuda")
                     refits += 1
     out.put(("refitter", refits, 0))
 
@@ -131,12 +136,12 @@ def test_sixteen_writers_and_two_refitters(pg_url, capsys):
         assert len(s.machines()) == len(HOSTS) and len({m["class_key"] for m in s.machines()}) == 1
         _check_corrections(s)
     with Store(pg_url) as s:  # one more refit after the last run: it sees every run of its machine
-        from vramcal.calibrate.fleet import refit
+        from vramcal.calibrate.corrections import refit
         from vramcal.probes.machine import stack_key
 
         fp = _fp(HOSTS[0])
         mid = s.find_machine(fp)
-        last = refit(s, mid, stack_key(fp), "nf4", "cfg-m")
+        last = refit(s, mid, stack_key(fp), "nf4", "cfg-m", "cuda")
         assert last.stages["end"].source_runs == sorted(r["id"] for r in s.runs(machine_id=mid))
         _check_corrections(s)
     with capsys.disabled():
@@ -154,8 +159,8 @@ def _batch_writer(url: str, w: int, n: int, out) -> None:
         with Store(url, timeout_s=5) as s:
             for i in range(n):
                 ctx = 128 * (1 + i % 4)
-                s.record_run(fp, {**_context(ctx=ctx), "estimate": {"i": i}}, {"status": "ok", "series": "nvml"},
-                             _stages(ctx, 0), [(0.01 * k, "nvml", k) for k in range(30)],
+                s.record_run(fp, _context(ctx=ctx, estimate={"i": i}),
+                             outcome("ok", _stages(ctx, 0), [(0.01 * k, "nvml", k) for k in range(30)], series="nvml"),
                              uuid=str(uuid.uuid5(NS, f"batch-{w}-{i}")))
                 time.sleep(0.01)
     except UserError as exc:
@@ -192,7 +197,7 @@ def test_server_stopped_mid_batch(pg_server):
         assert 60 <= len(committed) < writers * n
         for r in s.runs():  # none half-written
             run = s.run(r["id"])
-            assert run["status"] == "ok" and list(run["stages"]) == list(STAGES) and run["sample_count"] == 30
+            assert run.status == "ok" and list(run.stages) == list(STAGES) and run.sample_count == 30
     # the retry: the same batches again add exactly what was missing
     procs = [ctx.Process(target=_batch_writer, args=(url, w, n, out)) for w in range(writers)]
     for p in procs:
@@ -211,7 +216,7 @@ def test_server_stopped_mid_batch(pg_server):
 
 def _history(path) -> None:
     """200 runs from two machines, with stages, samples, a few memos and each machine's corrections."""
-    from vramcal.calibrate.fleet import refit
+    from vramcal.calibrate.corrections import refit
     from vramcal.probes.machine import stack_key
 
     with Store(path) as s:
@@ -220,16 +225,16 @@ def _history(path) -> None:
             mid = s.machine_id(fp)
             for i in range(100):
                 ctx = 512 * (1 + i % 5)
-                rid = s.begin_run(mid, **_context(model=f"m{i % 3}", ctx=ctx), estimate={"peak": i})
+                rid = s.begin_run(mid, _context(model=f"m{i % 3}", ctx=ctx, estimate={"peak": i}))
                 if i == 99:
                     continue  # still running when it was pushed
                 status = "oom" if i % 17 == 0 else "ok"
-                s.finish_run(rid, {"status": status, "series": "nvml", "oom": {"stage": "end"} if status == "oom"
-                                   else None}, _stages(ctx, offset + i * 1000)[:3 if status == "oom" else 4],
-                             [(0.01 * k, "nvml", 7 * k + i) for k in range(5 + i % 4)])
+                s.finish_run(rid, outcome(status, _stages(ctx, offset + i * 1000)[:3 if status == "oom" else 4],
+                                          [(0.01 * k, "nvml", 7 * k + i) for k in range(5 + i % 4)], series="nvml",
+                                          oom={"stage": "end"} if status == "oom" else None))
                 if i % 25 == 0:
                     s.add_memo(rid, {"run_id": rid, "peak_bytes": i})
-            refit(s, mid, stack_key(fp), "nf4", "cfg-m0")
+            refit(s, mid, stack_key(fp), "nf4", "cfg-m0", "cuda")
 
 
 def _snapshot(s: Store) -> dict:
@@ -283,8 +288,8 @@ def test_push_twice_then_pull(pg_url, tmp_path):
     with Store(local) as s:
         unfinished = [r for r in s.runs() if r["status"] is None]
         assert len(unfinished) == 2
-        s.finish_run(unfinished[0]["id"], {"status": "ok"}, _stages(512, 0), [(0.0, "nvml", 1)])
-        s.record_run(_fp("laptop", driver="550.2"), _context(ctx=64), {"status": "ok"}, _stages(64, 0), [])
+        s.finish_run(unfinished[0]["id"], outcome("ok", _stages(512, 0), [(0.0, "nvml", 1)]))
+        s.record_run(_fp("laptop", driver="550.2"), _context(ctx=64), outcome("ok", _stages(64, 0)))
     third = push(local, pg_url)
     assert (third.runs_added, third.outcomes_added, third.machines_added) == (1, 2, 0)
 
@@ -306,7 +311,7 @@ def db(request, tmp_path) -> str:
 
 
 def test_a_new_host_of_a_known_class_uses_the_class_correction(db):
-    from vramcal.calibrate.fleet import find_correction, refit
+    from vramcal.calibrate.corrections import find_correction, refit
     from vramcal.estimator.correction import apply
     from vramcal.probes.machine import stack_key
 
@@ -315,9 +320,9 @@ def test_a_new_host_of_a_known_class_uses_the_class_correction(db):
             fp = _fp(host, driver=f"550.{len(host)}")  # same driver major: same class
             mid = s.machine_id(fp)
             for ctx in (1024, 2048, 4096):
-                s.record_run(fp, _context(ctx=ctx), {"status": "ok"}, _stages(ctx, offset), [])
-            refit(s, mid, stack_key(fp), "nf4", "cfg-m")
-        s.record_run(_fp("z", driver="535.1"), _context(ctx=1024), {"status": "ok"}, _stages(1024, 900 * MIB), [])
+                s.record_run(fp, _context(ctx=ctx), outcome("ok", _stages(ctx, offset)))
+            refit(s, mid, stack_key(fp), "nf4", "cfg-m", "cuda")
+        s.record_run(_fp("z", driver="535.1"), _context(ctx=1024), outcome("ok", _stages(1024, 900 * MIB)))
 
     with Store(db, create=False, readonly=True) as s:
         new = _fp("c", driver="550.99")
@@ -362,26 +367,26 @@ def test_corrected_estimate_on_a_new_host_says_it_used_the_class(tmp_path, db):
             for ctx in (128, 256, 512):
                 stages = [{"stage": k, "estimated_bytes": v, "measured_peak_bytes": v + extra}
                           for k, v in raw.stages.items()]
-                s.record_run(fp, {**_context(ctx=ctx), "config_hash": raw.config_hash, "quant": raw.quant,
-                                  "device": "cpu"}, {"status": "ok"}, stages, [])
-            refit(s, s.find_machine(fp), stack_key(fp), raw.quant, raw.config_hash)
+                s.record_run(fp, _context(ctx=ctx, config_hash=raw.config_hash, quant=raw.quant, device="cpu",
+                                          estimator_model=raw.estimator_model), outcome("ok", stages))
+            refit(s, s.find_machine(fp), stack_key(fp), raw.quant, raw.config_hash, "cpu")
         assert s.find_machine(here) is None
     est = corrected_estimate(str(model), "bf16", 256, 1, device="cpu", db=db)
     c = est.correction
-    assert c["scope"].startswith("machine class ") and "same model and quant" in c["scope"], c["scope"]
-    assert c["hosts"] == ["rack-1", "rack-2"] and len(c["source_runs"]) == 6
+    assert c.scope.startswith("machine class ") and "same model and quant" in c.scope, c.scope
+    assert c.hosts == ["rack-1", "rack-2"] and len(c.source_runs) == 6
     assert est.stages["end"] == raw.stages["end"] + 32 * MIB
-    assert c["p95_residual"]["end"] >= 4 * MIB  # the two hosts differ by 4 MiB: the band says so
+    assert c.p95_residual["end"] >= 4 * MIB  # the two hosts differ by 4 MiB: the band says so
 
 
 def test_class_summary(db):
-    from vramcal.calibrate.fleet import class_summary
+    from vramcal.calibrate.corrections import class_summary
 
     with Store(db) as s:
         for host in ("a", "b"):
             for i, ctx in enumerate((1024, 2048, 4096)):
-                s.record_run(_fp(host), _context(ctx=ctx), {"status": "oom" if i == 2 else "ok"},
-                             _stages(ctx, 10 * MIB if host == "a" else 0), [])
+                s.record_run(_fp(host), _context(ctx=ctx), outcome("oom" if i == 2 else "ok",
+                                                                   _stages(ctx, 10 * MIB if host == "a" else 0)))
         s.record_run(_fp("cpu-box", gpu="NVIDIA L4", driver="535.1"), _context(), None)
         rows = {r.label.split(",")[0]: r for r in class_summary(s)}
     h100, l4 = rows["NVIDIA H100 80GB HBM3"], rows["NVIDIA L4"]
@@ -395,7 +400,7 @@ def test_class_summary(db):
 def test_writer_role_cannot_change_history(pg_server):
     import psycopg
 
-    from vramcal.records.fleet import init_fleet
+    from vramcal.records.roles import init_fleet
 
     admin = pg_server.url(pg_server.create_database("fleet"))
     made = init_fleet(admin, writer_password="writer-secret")
@@ -406,11 +411,11 @@ def test_writer_role_cannot_change_history(pg_server):
     writer = admin.replace(f"postgres:{pg_server.password}@", "vramcal_writer:writer-secret@")
 
     with Store(writer) as s:  # hosts write and refit as the writer
-        from vramcal.calibrate.fleet import refit
+        from vramcal.calibrate.corrections import refit
         from vramcal.probes.machine import stack_key
 
-        rid = s.record_run(_fp("w"), _context(), {"status": "ok"}, _stages(1024, 0), [(0.0, "nvml", 1)])
-        refit(s, s.find_machine(_fp("w")), stack_key(_fp("w")), "nf4", "cfg-m")
+        rid = s.record_run(_fp("w"), _context(), outcome("ok", _stages(1024, 0), [(0.0, "nvml", 1)]))
+        refit(s, s.find_machine(_fp("w")), stack_key(_fp("w")), "nf4", "cfg-m", "cuda")
         s.add_memo(rid, {"run_id": rid})
         with pytest.raises(UserError, match="not allowed"):
             s.engine.write(lambda tx: tx.execute("UPDATE runs SET model = 'x'"))
@@ -469,15 +474,15 @@ def test_redact(text, want):
 def test_unrecorded_run_is_kept_and_recorded_once(tmp_path, db):
     from vramcal.records.unrecorded import record_saved, run_payload, save_unrecorded
 
-    payload = run_payload(_fp("h"), {**_context(), "estimate": {"peak": 1}}, {"status": "ok"}, _stages(1024, 0),
-                          [(0.0, "nvml", 5)], error="the server was down")
+    payload = run_payload(_fp("h"), _context(estimate={"peak": 1}), outcome("ok", _stages(1024, 0), [(0.0, "nvml", 5)]),
+                          error="the server was down")
     path = save_unrecorded(payload, tmp_path / "unrecorded")
     assert path.parent == tmp_path / "unrecorded" and path.name == f"run-{payload['uuid']}.json"
     with Store(db) as s:
         rid = record_saved(s, path)
         assert record_saved(s, path) == rid and s.count("runs") == 1
         run = s.run(rid)
-        assert run["uuid"] == payload["uuid"] and list(run["stages"]) == list(STAGES) and run["sample_count"] == 1
+        assert run.uuid == payload["uuid"] and list(run.stages) == list(STAGES) and run.sample_count == 1
 
 
 # ------------------------------------------------------------------------------------ command line
@@ -525,7 +530,7 @@ def test_records_commands_on_a_fleet(pg_server, tmp_path):
 def test_records_import_saved_runs(tmp_path):
     from vramcal.records.unrecorded import run_payload, save_unrecorded
 
-    paths = [save_unrecorded(run_payload(_fp("h"), _context(ctx=64 * (i + 1)), {"status": "ok"}, _stages(64, 0), []),
+    paths = [save_unrecorded(run_payload(_fp("h"), _context(ctx=64 * (i + 1)), outcome("ok", _stages(64, 0))),
                              tmp_path / "saved") for i in range(2)]
     db = tmp_path / "r.db"
     r = _cli("records", "import", *map(str, paths), "--db", str(db))
@@ -535,64 +540,74 @@ def test_records_import_saved_runs(tmp_path):
         assert s.count("runs") == 2 and s.count("stages") == 8
 
 
+def _probe_result(stages: dict, estimate, status: str = "ok", series: str = "rss"):
+    """A probe result as run_probe returns it, from {stage: (used, peak)}."""
+    from vramcal.probes.readings import StageReading
+    from vramcal.probes.result import ProbeResult
+
+    readings = {k: StageReading(k, series, u, p) for k, (u, p) in stages.items()}
+    samples = [{"t": 0.1 * i, series: i} for i in range(3)]
+    return ProbeResult(status, "cpu", "tiny", "bf16", "bf16", "bfloat16", 256, 1, "sdpa", series, readings,
+                       list(stages)[-1], None, None, len(samples), samples, 5.0, 0.01, 1.5, "vramcal check tiny",
+                       estimate=estimate)
+
+
+def _cpu_estimate(stages: dict, model: str):
+    from vramcal.estimator.result import Estimate
+
+    return Estimate("tiny", "LlamaForCausalLM", "bf16", "torch", "bfloat16", 256, 1, "auto", "sdpa", "dynamic", "cpu",
+                    {}, stages, stages, max(stages.values()), False, {"weights": "meta"}, {}, {}, None,
+                    estimator_model=model)
+
+
 def test_a_probe_that_could_not_be_recorded_is_kept_whole(tmp_path):
     """What check keeps when the database fails after the probe: imported later, it is the same record
     record_probe would have written, completing the run whose context was written first."""
-    from vramcal.calibrate.fleet import save_probe_unrecorded
-    from vramcal.calibrate.runs import record_probe
-    from vramcal.probes.probe import ProbeResult
+    from vramcal.calibrate.runs import record_probe, save_probe_unrecorded
     from vramcal.records.store import new_uuid
     from vramcal.records.unrecorded import record_saved
 
-    stages = {"baseline": {"used_bytes": 100 * MIB, "peak_bytes": 100 * MIB},
-              "post_load": {"used_bytes": 400 * MIB, "peak_bytes": 450 * MIB},
-              "end": {"used_bytes": 420 * MIB, "peak_bytes": 500 * MIB}}
-    result = ProbeResult("ok", "cpu", "tiny", "bf16", "bf16", "bfloat16", 256, 1, "sdpa", "rss", stages, "end",
-                         None, None, 3, [{"t": 0.0, "rss": 1}, {"t": 0.1, "rss": 2}, {"t": 0.2, "rss": 3}], 5.0,
-                         0.01, 1.5, "vramcal check tiny", estimate={"stages": {"post_load": 300 * MIB,
-                                                                               "end": 380 * MIB}})
+    est = _cpu_estimate({"load_peak": 300 * MIB, "post_load": 300 * MIB, "first_token": 380 * MIB,
+                         "end": 380 * MIB}, "cpu-rss/2")
+    result = _probe_result({"baseline": (100 * MIB, 100 * MIB), "post_load": (400 * MIB, 450 * MIB),
+                            "end": (420 * MIB, 500 * MIB)}, est)
     fp = _fp("h")
+    ctx = context(model="tiny", quant="bf16", ctx=256, command="vramcal check tiny", estimate=est.to_dict())
     with Store(tmp_path / "a.db") as a:
-        rid = record_probe(a, a.machine_id(fp), result, result.estimate)
+        rid = a.begin_run(a.machine_id(fp), ctx)
+        record_probe(a, rid, result)
         want = a.run(rid)
     run_uuid = new_uuid()
     with Store(tmp_path / "b.db") as b:  # the context was written, then the database failed
-        mid = b.machine_id(fp)
-        first = b.begin_run(mid, model="tiny", config_hash=None, quant="bf16", quant_impl="bf16", dtype="bfloat16",
-                            ctx=256, batch=1, kv_dtype=None, attn="sdpa", device="cpu", command="vramcal check tiny",
-                            estimate=result.estimate, uuid=run_uuid)
-    path = save_probe_unrecorded(fp, result, result.estimate, run_uuid=run_uuid, command="vramcal check tiny",
-                                 error="lost the connection", folder=tmp_path / "kept")
+        first = b.begin_run(b.machine_id(fp), ctx, uuid=run_uuid)
+    path = save_probe_unrecorded(fp, ctx, result, run_uuid=run_uuid, error="lost the connection",
+                                 folder=tmp_path / "kept")
     with Store(tmp_path / "b.db") as b:
         assert record_saved(b, path) == first and b.count("runs") == 1
         got = b.run(first)
-    for key in ("status", "last_stage", "sample_count"):
-        assert got[key] == want[key], key
-    strip = lambda st: {k: {c: v for c, v in row.items() if c != "run_id"} for k, row in st.items()}  # noqa: E731
-    assert strip(got["stages"]) == strip(want["stages"])
+    assert (got.status, got.outcome.last_stage, got.sample_count) == (want.status, want.outcome.last_stage,
+                                                                      want.sample_count)
+    assert got.outcome.stages == want.outcome.stages and got.outcome.result == want.outcome.result
 
 
-def test_cpu_runs_estimated_before_the_resident_set_model_do_not_correct_it(db):
-    """A CPU run recorded with the old estimate (torch's tensors against a resident set) would add
-    its whole difference again to the new estimate, which already holds the mapped pages and the heap."""
-    from vramcal.calibrate import reconcile
+def test_runs_of_another_estimator_model_do_not_correct_it(db):
+    """A run compared with an older estimator's figures (here the first CPU resident-set model) would add
+    its difference again to the current estimate, which already holds what that one missed: only runs of
+    the current estimator model are fitted, and old runs stay in the records."""
+    from vramcal.calibrate import corrections
     from vramcal.calibrate.runs import record_probe
-    from vramcal.probes.probe import ProbeResult
 
-    def probe(estimate: dict) -> ProbeResult:
-        stages = {"baseline": {"used_bytes": 100 * MIB, "peak_bytes": 100 * MIB},
-                  **{s: {"used_bytes": 1100 * MIB, "peak_bytes": 1100 * MIB} for s in STAGES}}
-        return ProbeResult("ok", "cpu", "tiny", "nf4", "bnb", "bfloat16", 256, 1, "sdpa", "rss", stages, "end",
-                           None, None, 1, [], 5.0, 0.01, 1.0, "vramcal check tiny", estimate=estimate)
-
-    old = {"stages": dict.fromkeys(STAGES, 200 * MIB), "methods": {"weights": "meta"}}
-    new = {"stages": dict.fromkeys(STAGES, 900 * MIB), "methods": {"weights": "meta", "resident set": "docs"}}
+    measured = {"baseline": (100 * MIB, 100 * MIB), **{st: (1100 * MIB, 1100 * MIB) for st in STAGES}}
     fp = {**_fp("cpu-host"), "kind": "cpu", "gpu_name": None, "gpu_uuid": None}
+    ids = {}
     with Store(db) as s:
         mid = s.machine_id(fp)
-        old_id = record_probe(s, mid, probe(old), old)
-        new_id = record_probe(s, mid, probe(new), new)
+        for name, model, est_bytes in (("old", "cpu-rss/1", 200 * MIB), ("new", "cpu-rss/2", 900 * MIB)):
+            est = _cpu_estimate(dict.fromkeys(STAGES, est_bytes), model)
+            ids[name] = s.begin_run(mid, context(model="tiny", device="cpu", estimate=est.to_dict(),
+                                                 estimator_model=model))
+            record_probe(s, ids[name], _probe_result(measured, est))
         rows = s.stage_rows(mid)
-        corr = reconcile.fit_corrections(rows)
-    assert {r["run_id"] for r in rows} == {old_id, new_id}  # both kept, ...
-    assert corr["end"].source_runs == [new_id] and corr["end"].intercept_bytes == 100 * MIB  # ... one corrects
+        corr = corrections.fit_corrections(rows)
+    assert {r["run_id"] for r in rows} == set(ids.values())  # both kept, ...
+    assert corr["end"].source_runs == [ids["new"]] and corr["end"].intercept_bytes == 100 * MIB  # ... one corrects

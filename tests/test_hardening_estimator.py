@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from vramcal.cli import main
 from vramcal.estimator.estimate import Estimator, estimate
-from vramcal.estimator.inventory import cache_dir
+from vramcal.paths import cache_dir
 from vramcal.estimator.quant import resolve_quant
 from vramcal.estimator.resolve import resolve_model
 
@@ -145,7 +145,7 @@ def test_random_config_values(tmp_path_factory, hidden, layers, heads, kv, vocab
 
 def test_a_cache_forged_with_negative_numbers_is_not_served(tiny_models):
     """A checksum only catches accidents; figures no model can have are refused as well."""
-    from vramcal.estimator.inventory import _digest
+    from vramcal.estimator.cache import _digest
 
     first = estimate(tiny_models["dense-gqa"], "nf4", ctx=128, device="cpu")
     [inv_file] = _cache_files("inventory")

@@ -44,7 +44,7 @@ def test_kv_cache_equals_generate_with_new_tokens(tiny_models, arch, prompt, new
 def test_sliding_window_caps_the_cache(tiny_models):
     """Window 24 on 3 of 4 layers: at ctx 96 the cache is far below the full-attention formula."""
     e = estimate(tiny_models["sliding"], "auto", ctx=96, batch=1, device="cpu")
-    full = e.formula["kv_cache_bytes"]
+    full = e.formula.kv_cache_bytes
     assert e.components["kv_cache"] < 0.5 * full
     assert e.kv_breakdown["DynamicSlidingWindowLayer"] > 0
 

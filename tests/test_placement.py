@@ -27,19 +27,18 @@ from transformers.integrations.accelerate import _get_device_map, expand_device_
 
 from vramcal.errors import UserError
 from vramcal.estimator.dryrun import DryRunner, cache_keyword, layer_bytes
-from vramcal.estimator.inventory import count_meta_model, import_bitsandbytes, inventory
-from vramcal.estimator.placement import (
-    OFFLOAD_FLAG,
-    REFUSAL_START,
-    Placement,
-    device_key,
-    device_stages,
-    kv_by_device,
-    parse_max_memory,
-    plan_placement,
-)
+from vramcal.estimator.inventory import count_meta_model, inventory
+from vramcal.estimator.meta import import_bitsandbytes
+from vramcal.estimator.placement import OFFLOAD_FLAG, REFUSAL_START, Placement, parse_max_memory, plan_placement
 from vramcal.estimator.quant import resolve_quant
 from vramcal.estimator.resolve import resolve_model
+from vramcal.estimator.runtime import CUDA_DEFAULT, default_profile
+from vramcal.estimator.stages import kv_by_device, placed_stages
+from vramcal.workload import parse_device
+
+
+def device_key(name):
+    return parse_device(name, placement=True).accelerate_key
 
 ARCHS = ["dense-gqa", "tied", "moe", "sliding"]
 QUANTS = ["bf16", "nf4", "int8"]
@@ -299,14 +298,18 @@ def test_device_stages_offload(tiny_models):
     plan = plan_placement(source, spec, _budget(path, "bf16", "gpu+cpu"), use_cache=False)
     assert "cpu" in plan.weights and plan.pcie_bytes_per_token == plan.weights["cpu"]
     n = len(plan.layers)
-    st = device_stages(plan, kv_prompt=[100] * n, kv_end=[200] * n, prefill_extra=1000, decode_extra=10,
-                       on_the_fly=False)
+    st = placed_stages(plan, kv_prompt=[100] * n, kv_end=[200] * n, prefill_extra=1000, decode_extra=10,
+                       on_the_fly=False, runtime=default_profile)
     gpu, cpu = st["cuda:0"], st["cpu"]
     assert gpu.components["kv_cache"] == 200 * n  # offloaded layers run, and keep their cache, on cuda:0
     assert gpu.components["offload_transient"] == max(plan.offloaded_alloc.values()) > 0
     assert gpu.stages["end"] >= gpu.stages["first_token"] >= gpu.stages["post_load"]
     assert cpu.stages["end"] == cpu.components["weights"] == plan.weights["cpu"]
-    assert sum(gpu.components.values()) == max(gpu.stages.values())
+    # what is physically there at the end: weights, the whole cache, the copied block and the CUDA context
+    assert gpu.peak >= plan.weights["cuda:0"] + 200 * n + gpu.components["offload_transient"] + CUDA_DEFAULT.context_bytes
+    # the runtime is the CUDA context, the workspace and at most 511 bytes of rounding per tensor held
+    tensors = sum(plan.alloc_sizes["cuda:0"].values())
+    assert 0 <= gpu.components["runtime"] - CUDA_DEFAULT.context_bytes - CUDA_DEFAULT.workspace_bytes <= 511 * tensors
 
 
 def test_grouped_lines(tiny_models):

@@ -27,9 +27,10 @@ from vramcal.estimator.resolve import resolve_model
 from vramcal.probes import nvml
 from vramcal.probes.child import placed_kwargs
 from vramcal.probes.machine import free_memory
-from vramcal.probes.probe import ProbeResult, _device_stages
+from vramcal.probes.readings import StageReading
+from vramcal.probes.result import ProbeResult, device_readings
 from vramcal.probes.sampler import Sample
-from vramcal.records.store import Store
+from vramcal.records.store import RunContext, Store
 from vramcal.workload import STAGES, Configuration, Workload
 
 VRAMCAL = [sys.executable, "-m", "vramcal"]
@@ -80,7 +81,10 @@ def test_estimate_json_has_the_map_and_one_entry_per_device(deep):
     assert d["device_map"] == plan.device_map and set(d["device_map"].values()) == {"cuda:0", "cuda:1", "cpu"}
     assert set(d["devices"]) == {"cuda:0", "cuda:1", "cpu"}
     for dev, v in d["devices"].items():
-        assert set(v) == {"stages", "allocated", "components"} and set(v["stages"]) == set(STAGES)
+        assert set(v) == {"device", "stages", "allocated", "components", "breakdown"} and set(v["stages"]) == set(STAGES)
+        if dev.startswith("cuda"):  # what the device's peak is made of, from the moment that set it
+            assert sum(v["breakdown"].values()) == max(v["stages"].values())
+            assert min(v["components"].values()) >= 0 and min(v["breakdown"].values()) >= 0
         assert v["components"]["weights"] == plan.weights.get(dev, 0)
     gpus = ("cuda:0", "cuda:1")
     assert d["stages"] == {k: sum(d["devices"][g]["stages"][k] for g in gpus) for k in STAGES}
@@ -116,10 +120,10 @@ def test_refusal_is_said_with_what_loads_instead(deep):
     assert "REFUSED by transformers: Some modules are dispatched on the CPU or the disk" in r.stdout
     assert "llm_int8_enable_fp32_cpu_offload=True" in r.stdout
     e = estimate(deep, "nf4", ctx=256, max_memory=mm)
-    alt = e.placement["alternative"]
-    assert e.placement["refused"] and alt["load_kwargs"]["quantization_config"]["llm_int8_enable_fp32_cpu_offload"]
+    alt = e.placement.alternative
+    assert e.placement.refused and alt.load_kwargs["quantization_config"]["llm_int8_enable_fp32_cpu_offload"]
     # the figures are the alternative's: offloaded modules unquantized
-    assert e.devices["cpu"]["components"]["weights"] == alt["weights"]["cpu"] > e.placement["weights"]["cpu"]
+    assert e.devices["cpu"].components["weights"] == alt.weights["cpu"] > e.placement.weights["cpu"]
 
 
 def test_library_and_sweep_agree(deep):
@@ -129,8 +133,8 @@ def test_library_and_sweep_agree(deep):
     est = Estimator(s, spec)
     e = est.estimate(ctx=512, exact=False, placement=plan)
     row = est.sweep([(512, 1)], placement=plan)[0]
-    assert row["devices"] == {d: v["stages"] for d, v in e.devices.items()}
-    assert e.device_peaks() == {"cuda:0": max(e.devices["cuda:0"]["stages"].values())}
+    assert row.devices == {d: v.stages for d, v in e.devices.items()}
+    assert e.device_peaks() == {"cuda:0": max(e.devices["cuda:0"].stages.values())}
 
 
 # ------------------------------------------------------------------------------------- bad input
@@ -246,7 +250,7 @@ def test_offload_step_fits_the_gpu_and_says_the_pcie_cost(wide, quant):
     found = offload_step(est, w, usable, CorrectionSet({}), "cuda:0", 8 * GIB)
     assert found is not None
     e, peak, mm, plan = found
-    loads = plan.alternative if plan.refused else plan
+    loads = plan.loads
     assert peak <= usable < plain.peak
     assert "cpu" in loads.layer_devices and loads.pcie_bytes_per_token == loads.weights["cpu"] > 0
     assert (plan.refused is not None) == (quant == "nf4")
@@ -269,17 +273,18 @@ def test_device_stages_from_samples():
                [(0.5, 10, 20, 1000), (1.5, 500, 300, 5000), (2.5, 400, 600, 4000)]]
     markers = [("baseline", 1.0), ("load_peak", 2.0), ("end", 3.0)]
     reported = {"baseline": {"rss": 1100}, "load_peak": {"rss": 5100}, "end": {"rss": 3900}}
-    out = _device_stages(samples, markers, reported, [0, 1])
-    assert out["cuda:0"]["load_peak"]["peak_bytes"] == 500 and out["cuda:1"]["end"]["peak_bytes"] == 600
-    assert out["cpu"]["load_peak"] == {"used_bytes": 4000, "peak_bytes": 4000, "samples": 1}
-    assert out["cpu"]["end"]["peak_bytes"] == 2900  # above the child's own baseline reading
+    out = device_readings(samples, markers, reported, [0, 1])
+    assert out["cuda:0"]["load_peak"].peak_bytes == 500 and out["cuda:1"]["end"].peak_bytes == 600
+    cpu = out["cpu"]["load_peak"]
+    assert (cpu.used_bytes, cpu.peak_bytes, cpu.samples) == (4000, 4000, 1)
+    assert out["cpu"]["end"].peak_bytes == 2900  # above the child's own baseline reading
 
 
-def _placed_result(est: dict, peak0: int, peak1: int) -> ProbeResult:
-    stages = {k: {"used_bytes": 1, "peak_bytes": peak0} for k in ("baseline",) + STAGES}
-    devices = {"cuda:0": {k: {"used_bytes": peak0, "peak_bytes": peak0} for k in STAGES},
-               "cuda:1": {k: {"used_bytes": peak1, "peak_bytes": peak1} for k in STAGES},
-               "cpu": {k: {"used_bytes": 7, "peak_bytes": 7} for k in STAGES}}
+def _placed_result(est, peak0: int, peak1: int) -> ProbeResult:
+    stages = {k: StageReading(k, "gpu0", 1, peak0) for k in ("baseline",) + STAGES}
+    devices = {"cuda:0": {k: StageReading(k, "gpu0", peak0, peak0) for k in STAGES},
+               "cuda:1": {k: StageReading(k, "gpu1", peak1, peak1) for k in STAGES},
+               "cpu": {k: StageReading(k, "rss", 7, 7) for k in STAGES}}
     return ProbeResult("ok", "cuda:0", "m", "bf16", "none", "bfloat16", 256, 1, "sdpa", "gpu0", stages, "end", None,
                        None, 2, [{"t": 0.1, "gpu0": 5, "gpu1": 6, "rss": 7}, {"t": 0.2, "gpu0": 5, "gpu1": 6, "rss": 8}],
                        5.0, None, 1.0, "vramcal probe m", estimate=est, devices=devices)
@@ -289,33 +294,33 @@ def test_records_per_device_and_corrections_per_position(deep, tmp_path):
     from vramcal.probes.machine import stack_key
 
     e = estimate(deep, "bf16", ctx=256, max_memory=_mm(deep, "bf16", cuda_0=0.4, cuda_1=0.4, cpu=10.0))
-    est = e.to_dict()
     fp = {"kind": "cuda", "gpu_uuid": "GPU-x", "torch": "t"}
     db = str(tmp_path / "r.db")
     with Store(db) as store:
         mid = store.machine_id(fp)
         for extra in (100, 300):
-            run_id = store.begin_run(mid, model=e.model, config_hash=e.config_hash, quant="bf16", quant_impl="none",
-                                     dtype="bfloat16", ctx=256, batch=1, kv_dtype="auto", attn="sdpa",
-                                     device="cuda:0,cuda:1,cpu", command="vramcal check", estimate=est)
-            peak0 = est["devices"]["cuda:0"]["stages"]["end"] + extra
-            peak1 = est["devices"]["cuda:1"]["stages"]["end"] + 2 * extra
-            record_probe(store, mid, _placed_result(est, peak0, peak1), est, run_id=run_id)
+            run_id = store.begin_run(mid, RunContext(e.model, "bf16", 256, 1, "cuda:0", "vramcal check",
+                                                     config_hash=e.config_hash, estimate=e.to_dict(),
+                                                     estimator_model=e.estimator_model,
+                                                     split_devices=list(e.devices)))
+            peak0 = e.devices["cuda:0"].stages["end"] + extra
+            peak1 = e.devices["cuda:1"].stages["end"] + 2 * extra
+            record_probe(store, run_id, _placed_result(e, peak0, peak1))
         rows = store.device_stage_rows(mid)
         assert {r["device"] for r in rows} == {"cuda:0", "cuda:1", "cpu"}
         got = store.run(run_id)
-        assert len(got["device_stages"]) == 12 and got["sample_count"] == 6  # three series, two samples
-        assert got["stages"]["end"]["estimated_bytes"] == est["devices"]["cuda:0"]["stages"]["end"]
+        assert len(got.outcome.devices) == 12 and got.sample_count == 6  # three series, two samples
+        assert got.stages["end"].estimated_bytes == e.devices["cuda:0"].stages["end"]
         stack = stack_key(fp)
         per = corrections.refit_devices(store, mid, stack, "bf16", e.config_hash, ["cuda:0", "cuda:1"])
         assert per["cuda:0"].stages["end"].intercept_bytes == 200 and per["cuda:1"].stages["end"].intercept_bytes == 400
         # a split run does not feed the single-device corrections
-        assert not corrections.refit(store, mid, stack, "bf16", e.config_hash)
+        assert not corrections.refit(store, mid, stack, "bf16", e.config_hash, "cuda")
         found = corrections.lookup_device(store, fp, "cuda:1", "bf16", e.config_hash)
     fixed = e.corrected_devices({"cuda:0": per["cuda:0"], "cuda:1": found})
-    assert fixed.devices["cuda:1"]["stages"]["end"] == e.devices["cuda:1"]["stages"]["end"] + 400
-    assert fixed.stages["end"] == e.stages["end"] + 600 and fixed.correction["devices"]["cuda:1"]["source_runs"]
-    assert reconcile.device_stage_rows(_placed_result(est, 1, 2))[0]["device"] == "cuda:0"
+    assert fixed.devices["cuda:1"].stages["end"] == e.devices["cuda:1"].stages["end"] + 400
+    assert fixed.stages["end"] == e.stages["end"] + 600 and fixed.correction.devices["cuda:1"].source_runs
+    assert reconcile.device_stage_rows(_placed_result(e, 1, 2))[0].device == "cuda:0"
 
 
 def test_schema_2_records_stay_readable(tmp_path):
@@ -339,7 +344,7 @@ def test_schema_2_records_stay_readable(tmp_path):
     c.close()
     with Store(path) as s:
         run = s.run(1)
-        assert run["stages"]["end"]["measured_peak_bytes"] == 7 and run["device_stages"] == []
+        assert run.stages["end"].measured_peak_bytes == 7 and run.outcome.devices == []
         assert s.stage_rows(1)[0]["estimated_bytes"] == 5 and s.device_stage_rows(1) == []
 
 

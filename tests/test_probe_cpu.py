@@ -31,17 +31,17 @@ def test_probe_nf4_end_to_end(mid_model):
     r = run_probe(mid_model, "nf4", ctx=128, batch=2, device="cpu")
     assert r.status == "ok", r.error
     assert list(r.stages) == ["baseline", "load_peak", "post_load", "first_token", "end"]
-    times = [st["t"] for st in r.stages.values()]
+    times = [st.t for st in r.stages.values()]
     assert times == sorted(times)
-    assert r.sample_count > 20 and all(st["used_bytes"] for st in r.stages.values())
-    weights = r.estimate["components"]["weights"]
+    assert r.sample_count > 20 and all(st.used_bytes for st in r.stages.values())
+    weights = r.estimate.components["weights"]
     assert r.measured()["post_load"].used_bytes >= weights  # the quantized weights really arrived
-    assert r.stages["end"]["generated"] == 16
+    assert r.stages["end"].generated == 16
     # the child counts what it really holds: the estimate's weights and KV cache, to the byte
-    assert r.stages["load_peak"]["weights_bytes"] == weights
-    assert r.stages["end"]["kv_bytes"] == r.estimate["components"]["kv_cache"]
-    assert r.stages["load_peak"]["peak_bytes"] >= r.stages["load_peak"]["used_bytes"]
-    assert r.estimate["quant"] == "nf4" and r.quant_implementation.startswith("bitsandbytes 4-bit")
+    assert r.stages["load_peak"].weights_bytes == weights
+    assert r.stages["end"].kv_bytes == r.estimate.components["kv_cache"]
+    assert r.stages["load_peak"].peak_bytes >= r.stages["load_peak"].used_bytes
+    assert r.estimate.quant == "nf4" and r.quant_implementation.startswith("bitsandbytes 4-bit")
     assert r.sampler_overhead is not None and r.exit_code == 0
 
 
@@ -65,7 +65,7 @@ def test_synthetic_weights_from_config_alone(tmp_path):
         run_probe(str(d), "nf4", ctx=64, device="cpu")
     r = run_probe(str(d), "nf4-dq", ctx=64, device="cpu", synthetic=True)
     assert r.status == "ok", r.error
-    assert r.measured()["post_load"].used_bytes >= r.estimate["components"]["weights"]
+    assert r.measured()["post_load"].used_bytes >= r.estimate.components["weights"]
 
 
 def test_sigkill_mid_generation_leaves_a_crashed_result(mid_model):
@@ -78,8 +78,8 @@ def test_sigkill_mid_generation_leaves_a_crashed_result(mid_model):
     assert r.last_stage == "first_token"
     assert "SIGKILL" in r.error
     assert r.sample_count > 0 and "end" not in r.stages
-    assert r.stages["first_token"]["used_bytes"] > r.stages["baseline"]["used_bytes"]
-    assert r.unfinished["stage"] == "end" and r.unfinished["samples"] >= 1
+    assert r.stages["first_token"].used_bytes > r.stages["baseline"].used_bytes
+    assert r.unfinished.stage == "end" and r.unfinished.samples >= 1
 
 
 def test_a_child_that_fails_reports_error_and_stage(tmp_path, mid_model):

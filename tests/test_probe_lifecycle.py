@@ -14,8 +14,9 @@ import psutil
 import pytest
 
 from vramcal.errors import UserError
-from vramcal.probes.probe import (ProbeInterrupted, _check_device, folder_owner, make_temp_folder, recover,
-                                  run_probe, sweep_stale)
+from vramcal.probes.lifecycle import ProbeInterrupted, folder_owner, make_temp_folder, sweep_stale
+from vramcal.probes.probe import _check_device, run_probe
+from vramcal.probes.result import recover
 from vramcal.probes.readings import StageReading, comparable
 
 # The parent under test: runs one probe with a journal file, writes what it got, exits as a CLI would.
@@ -41,6 +42,10 @@ sys.exit(code)
 """
 
 
+def default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _events(path) -> list[dict]:
     if not os.path.exists(path):
         return []
@@ -60,8 +65,10 @@ def _start_parent(tmp_path, model: str, synthetic: bool = False, ctx: int = 1000
     args = [model, str(journal), str(out), "1" if synthetic else "0", str(ctx), str(new_tokens),
             "1" if ignore_ctrl_c else "0"]
     with open(tmp_path / "stderr.txt", "wb") as err:  # a file, not a pipe nobody reads while it runs
+        # SIGINT's default disposition first: a suite started in the background of a non-interactive shell
+        # has it ignored, and a Python that starts with SIGINT ignored never raises KeyboardInterrupt
         proc = subprocess.Popen([sys.executable, "-c", PARENT, *args], env=env, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=err)
+                                stdout=subprocess.DEVNULL, stderr=err, preexec_fn=default_sigint)
     proc.stderr_path = tmp_path / "stderr.txt"
     return proc, tmp, journal, out
 
@@ -136,7 +143,7 @@ def test_parent_sigkilled_takes_child_and_synthetic_weights_along(tmp_path, conf
     # the journal the parent kept is enough for a record with the last stage and the samples
     r = recover(_events(journal))
     assert r.status == "interrupted" and r.last_stage in ("post_load", "first_token")
-    assert r.sample_count > 0 and r.samples and r.stages["post_load"]["used_bytes"] > 0
+    assert r.sample_count > 0 and r.samples and r.stages["post_load"].used_bytes > 0
     assert "journal" in r.error and r.new_tokens == 900 and r.ctx == 1000
 
 
@@ -215,8 +222,8 @@ def test_sigterm_in_process_restores_the_handler(tmp_path, dense, monkeypatch):
     assert r.status == "interrupted" and r.last_stage == "post_load" and r.sample_count > 0
     assert signal.getsignal(signal.SIGTERM) is before
     assert _gone(seen["pid"], within=2) and _probe_folders(tmp_path) == []
-    assert r.measured()["post_load"].used_bytes == r.stages["post_load"]["used_bytes"] - r.stages[
-        "baseline"]["used_bytes"]
+    assert r.measured()["post_load"].used_bytes == r.stages["post_load"].used_bytes - r.stages[
+        "baseline"].used_bytes
 
 
 def test_stale_folders_of_dead_owners_are_swept(tmp_path):
@@ -242,10 +249,10 @@ def test_new_tokens_generates_that_many_and_the_cache_holds_prompt_plus_new_minu
     assert r.status == "ok", r.error
     assert r.new_tokens == new and "--new-tokens 5" in r.command
     end = r.stages["end"]
-    assert end["generated"] == new and end["prompt_tokens"] == ctx - new
+    assert end.generated == new and end.prompt_tokens == ctx - new
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     # K and V, every layer, every KV head, bf16 (2 bytes), ctx - 1 positions: the last token is never fed back
-    assert end["kv_bytes"] == 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * (ctx - 1) \
+    assert end.kv_bytes == 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * (ctx - 1) \
         * batch * 2
 
 

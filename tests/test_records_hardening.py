@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import context, outcome
 
 from vramcal.errors import UserError
 from vramcal.records.store import Store
@@ -66,10 +67,9 @@ def filled(tmp_path) -> Path:
     with Store(p) as s:
         mid = s.machine_id(FP)
         for i in range(60):
-            rid = s.begin_run(mid, model=f"m{i}", config_hash="c", quant="nf4", quant_impl=None, dtype=None, ctx=64,
-                              batch=1, kv_dtype=None, attn=None, device="cpu", command="c", estimate={"i": i})
-            s.finish_run(rid, {"status": "ok"}, [{"stage": "end", "estimated_bytes": 1, "measured_peak_bytes": 2}],
-                         [(0.01 * k, "rss", k) for k in range(40)])
+            rid = s.begin_run(mid, context(model=f"m{i}", config_hash="c", estimate={"i": i}))
+            s.finish_run(rid, outcome("ok", [{"stage": "end", "estimated_bytes": 1, "measured_peak_bytes": 2}],
+                                      [(0.01 * k, "rss", k) for k in range(40)]))
     assert not Path(f"{p}-wal").exists()
     return p
 
@@ -239,9 +239,8 @@ def test_pull_from_a_source_damaged_inside_creates_nothing(tmp_path):
     with Store(src) as s:
         mid = s.machine_id(fp)
         for i in range(5):
-            rid = s.begin_run(mid, model=f"m{i}", config_hash="c", quant="nf4", quant_impl="bnb", dtype="bfloat16",
-                              ctx=100, batch=1, kv_dtype="auto", attn="sdpa", device="cpu", command="x", estimate=None)
-            s.finish_run(rid, {"status": "ok", "series": "rss"}, [], [(0.1, "rss", 1000)])
+            rid = s.begin_run(mid, context(model=f"m{i}", config_hash="c", ctx=100, command="x"))
+            s.finish_run(rid, outcome("ok", samples=[(0.1, "rss", 1000)], series="rss"))
     c = sqlite3.connect(src)
     c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     machines_page = dict(c.execute("SELECT name, rootpage FROM sqlite_master WHERE type = 'table'"))["machines"]

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import context, outcome
 from pg_server import pg_server, pg_url  # noqa: F401 (fixtures)
 
 from vramcal.errors import UserError
@@ -34,19 +35,15 @@ def _writer(db: str, worker: int, n: int) -> None:
     with Store(db) as s:
         mid = s.machine_id(FP)
         for i in range(n):
-            rid = s.begin_run(mid, model=f"m{worker}", config_hash="c", quant="nf4", quant_impl="bnb", dtype="bfloat16",
-                              ctx=100 + i, batch=1, kv_dtype="auto", attn="sdpa", device="cpu", command="x",
-                              estimate={"peak": i})
-            s.finish_run(rid, {"status": "ok", "series": "rss"},
-                         [{"stage": "end", "estimated_bytes": 10, "measured_peak_bytes": 12}],
-                         [(0.1 * k, "rss", 1000 + k) for k in range(20)])
+            rid = s.begin_run(mid, context(model=f"m{worker}", config_hash="c", quant_impl="bnb", dtype="bfloat16",
+                                           ctx=100 + i, kv_dtype="auto", attn="sdpa", command="x",
+                                           estimate={"peak": i}))
+            s.finish_run(rid, outcome("ok", [{"stage": "end", "estimated_bytes": 10, "measured_peak_bytes": 12}],
+                                      [(0.1 * k, "rss", 1000 + k) for k in range(20)], series="rss"))
 
 
-def _run(s: Store, **kw) -> int:
-    args = dict(model="m", config_hash=None, quant="nf4", quant_impl=None, dtype=None, ctx=64, batch=1, kv_dtype=None,
-                attn=None, device="cpu", command="c", estimate=None)
-    args.update(kw)
-    return s.begin_run(s.machine_id(args.pop("fp", FP)), **args)
+def _run(s: Store, fp=FP, uuid=None, **kw) -> int:
+    return s.begin_run(s.machine_id(fp), context(**kw), uuid=uuid)
 
 
 def test_eight_processes_write_at_once(db):
@@ -77,13 +74,13 @@ def test_a_retried_run_appears_once(db):
         assert first == again and s.count("runs") == 1
         stages = [{"stage": "load_peak", "estimated_bytes": 5, "measured_peak_bytes": 7},
                   {"stage": "end", "estimated_bytes": 6, "measured_peak_bytes": 9}]
-        assert s.finish_run(first, {"status": "ok"}, stages, [(0.0, "rss", 1), (0.1, "rss", 2)]) is True
-        assert s.finish_run(first, {"status": "ok"}, stages, [(0.0, "rss", 1), (0.1, "rss", 2)]) is False
+        assert s.finish_run(first, outcome("ok", stages, [(0.0, "rss", 1), (0.1, "rss", 2)])) is True
+        assert s.finish_run(first, outcome("ok", stages, [(0.0, "rss", 1), (0.1, "rss", 2)])) is False
         assert (s.count("results"), s.count("stages"), s.count("samples")) == (1, 2, 2)
-        assert list(s.run(first)["stages"]) == ["load_peak", "end"]  # in the order they were recorded
-        whole = {"model": "w", "quant": "nf4", "ctx": 32, "batch": 1, "device": "cpu", "command": "c"}
-        a = s.record_run(FP, whole, {"status": "oom"}, stages[:1], [], uuid="whole-run")
-        b = s.record_run(FP, whole, {"status": "oom"}, stages[:1], [], uuid="whole-run")
+        assert list(s.run(first).stages) == ["load_peak", "end"]  # in the order they were recorded
+        whole = context(model="w", ctx=32)
+        a = s.record_run(FP, whole, outcome("oom", stages[:1]), uuid="whole-run")
+        b = s.record_run(FP, whole, outcome("oom", stages[:1]), uuid="whole-run")
         assert a == b and s.count("runs") == 2 and s.count("stages") == 3
         memo = s.add_memo(first, {"x": 1}, uuid="memo-1")
         assert s.add_memo(first, {"x": 1}, uuid="memo-1") == memo and len(s.memos()) == 1
@@ -95,7 +92,7 @@ def test_history_cannot_be_changed(db, statement):
     """Append-only is the database's rule too, not only the code's: even the owner's UPDATE/DELETE fails."""
     with Store(db) as s:
         rid = _run(s)
-        s.finish_run(rid, {"status": "ok"}, [{"stage": "end", "estimated_bytes": 1}], [(0.0, "rss", 1)])
+        s.finish_run(rid, outcome("ok", [{"stage": "end", "estimated_bytes": 1}], [(0.0, "rss", 1)]))
         with pytest.raises((UserError, sqlite3.IntegrityError), match="append-only"):
             s.engine.write(lambda tx: tx.execute(statement))
         assert s.runs()[0]["model"] == "m" and s.count("samples") == 1 and s.count("results") == 1
@@ -104,8 +101,8 @@ def test_history_cannot_be_changed(db, statement):
 def test_missing_values_stay_null_not_zero(db):
     with Store(db) as s:
         rid = _run(s, fp={"kind": "cuda", "gpu_name": None, "total_bytes": None}, quant="bf16", device="cuda:0")
-        s.finish_run(rid, {"status": "crashed"}, [{"stage": "load_peak", "estimated_bytes": 5,
-                                                   "measured_peak_bytes": None}], [])
+        s.finish_run(rid, outcome("crashed", [{"stage": "load_peak", "estimated_bytes": 5,
+                                               "measured_peak_bytes": None}]))
         row = s.query("SELECT measured_peak_bytes, torch_max_allocated FROM stages")[0]
         assert (row["measured_peak_bytes"], row["torch_max_allocated"]) == (None, None)
         assert s.query("SELECT total_bytes FROM machines")[0]["total_bytes"] is None
@@ -129,7 +126,7 @@ def test_list_filters_across_machines(db):
                                          (h100, "llama", "nf4", "ok"), (h100, "llama", "int8", None)):
             rid = _run(s, fp=fp, model=model, quant=quant, device="cuda:0")
             if status:
-                s.finish_run(rid, {"status": status}, [], [])
+                s.finish_run(rid, outcome(status))
     with Store(db, create=False, readonly=True) as s:
         assert len(s.runs()) == 4
         assert [r["hostname"] for r in s.runs(model="llama")] == ["a", "b", "b"]
@@ -234,10 +231,15 @@ def test_older_schema_is_upgraded_keeping_rows(tmp_path):
         assert len({r["uuid"] for r in runs}) == 2 and all(r["uuid"] for r in runs)
         assert s.memos()[0]["uuid"] and s.corrections()[0]["uuid"]
         assert s.machines()[0]["class_key"].startswith("kind=cpu|device_model=x|memory_gib=16|")
-        assert list(s.run(2)["stages"]) == ["post_load", "end"]
+        assert list(s.run(2).stages) == ["post_load", "end"]
+        # runs without an estimate name no estimator; the old correction is the GPU stages' (its stack says
+        # nothing of a CPU resident-set model)
+        assert [r["estimator_model"] for r in runs] == [None, None]
+        assert s.corrections()[0]["estimator_model"] == "gpu-stages/1"
         s.add_corrections(1, "stack", [{"stage": "end", "intercept_bytes": 5, "slope_bytes_per_token": 0.0,
-                                        "n_runs": 1, "source_runs": [1]}])
-        assert s.latest_corrections(1, "stack")["end"]["intercept_bytes"] == 5
+                                        "n_runs": 1, "source_runs": [1], "uuid": "c-1"}], "cpu-rss/2")
+        assert s.latest_corrections(1, "stack", "cpu-rss/2")["end"]["intercept_bytes"] == 5
+        assert s.latest_corrections(1, "stack", "gpu-stages/1")["end"]["intercept_bytes"] == 1
         with pytest.raises(sqlite3.IntegrityError, match="append-only"):
             s.engine.write(lambda tx: tx.execute("DELETE FROM runs WHERE id = 1"))
 

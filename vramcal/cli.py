@@ -17,10 +17,9 @@ import shlex
 import sys
 
 from .errors import UserError
-from .workload import ATTNS, CACHES, KV_DTYPES, NEW_TOKENS, QUANTS, Configuration, parse_dtype, workload
+from .workload import ATTNS, CACHES, KV_DTYPES, NEW_TOKENS, POLICIES, QUANTS, Configuration, parse_dtype, workload
 
 EX_SOFTWARE = 70
-POLICIES = ("quality", "context", "throughput")  # vramcal.calibrate.proposals.POLICIES (a test keeps them equal)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -154,7 +153,10 @@ def cmd_estimate(args) -> int:
         from .calibrate.corrections import machine_correction, machine_device_corrections
 
         if e.devices:
-            e = e.corrected_devices(machine_device_corrections(e, args.db))
+            per, why = machine_device_corrections(e, args.db)
+            e = e.corrected_devices(per)
+            if why:
+                e.notes.append(why)
         else:
             e = e.corrected(machine_correction(e.device, e.quant, e.config_hash, args.db))
     if args.json:
@@ -219,19 +221,21 @@ def _probe_extra(args) -> list[str]:
 
 
 def _show_probe(r, args) -> None:
+    """The result first (it is what was measured), then the plot; a plot that cannot be drawn is said in
+    one line after the result (exit 2)."""
     from . import present
 
-    if args.timeline and r.samples:
-        from .probes.timeline import write_timeline
-
-        write_timeline(r, args.timeline)
     if args.json:
-        out = r.to_dict()
+        out = r.to_dict(samples=args.samples)
         if not args.samples:
             out.pop("samples")
         _out(json.dumps(out))
     else:
         _out(present.probe_table(r))
+    if args.timeline:
+        from .probes.timeline import write_timeline
+
+        write_timeline(r, args.timeline)
 
 
 def _config(args, work) -> Configuration:
@@ -354,7 +358,7 @@ def cmd_fit(args) -> int:
     rows = fit_contexts(args.model, budget, device=device, db=args.db, buffer=buffer, new_tokens=new_tokens,
                         max_memory=max_memory, device_map=device_map)
     _out(json.dumps({"budget_bytes": budget, "buffer_bytes": buffer, "new_tokens": new_tokens, "free": others,
-                     "rows": rows})
+                     "rows": [r.to_dict() for r in rows]})
          if args.json else present.fit_table(args.model, budget, buffer, rows, others))
     return 0
 
@@ -398,9 +402,9 @@ def cmd_records(args) -> int:
             run = store.run(int(args.target[0]))
             if run is None:
                 raise UserError(f"no run {args.target[0]}: `vramcal records list` shows the runs")
-            _out(json.dumps(run, default=str, indent=1))
+            _out(json.dumps(run.to_dict(), default=str, indent=1) if args.json else present.run_table(run))
         elif action == "summary":
-            from .calibrate.fleet import class_summary
+            from .calibrate.corrections import class_summary
 
             rows = class_summary(store)
             _out(json.dumps([r.to_dict() for r in rows]) if args.json else present.class_summary_table(rows))
@@ -460,7 +464,7 @@ def _records_copy(args, present) -> int:
         return 0
     else:  # init-fleet
         from .records.engines import is_url
-        from .records.fleet import init_fleet
+        from .records.roles import init_fleet
 
         if not args.db or not is_url(args.db):
             raise UserError("records init-fleet needs --db postgresql://ADMIN@HOST/DATABASE (an administrator)")
@@ -591,6 +595,10 @@ def _out(text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
+    if not debug:  # third-party chatter is not the user's business (--debug shows it)
+        from .quiet import quiet_third_party
+
+        quiet_third_party()
     try:
         parser = build_parser()
         args = parser.parse_args(argv)

@@ -57,10 +57,10 @@ def estimate_table(e) -> str:
         lines.append(_row(key.replace("_", " "), value))
     if e.formula:
         f = e.formula
-        lines += ["", f"the usual formula (params x {f['bits']:g} bits / 8 + KV, x 1.18)"]
-        lines.append(_row("weights", f["weights_bytes"]))
-        lines.append(_row("kv cache", f["kv_cache_bytes"]))
-        lines.append(_row("total", f["total_bytes"]))
+        lines += ["", f"the usual formula (params x {f.bits:g} bits / 8 + KV, x 1.18)"]
+        lines.append(_row("weights", f.weights_bytes))
+        lines.append(_row("kv cache", f.kv_cache_bytes))
+        lines.append(_row("total", f.total_bytes))
         lines += ["", "why vramcal differs"] + ["  " + d for d in e.differences]
     lines += ["", "how"] + [f"  {k}: {v}" for k, v in e.methods.items()] + [f"  runtime: {e.runtime_source}"]
     if e.notes:
@@ -77,41 +77,35 @@ def _cell(n: int | None, width: int = 12) -> str:
 def placement_lines(e, corrected: str = "") -> list[str]:
     """The grouped map, what loads if transformers refuses it, and one column per device."""
     p = e.placement
-    loads = p["alternative"] if p.get("refused") and p.get("alternative") else p
-    mm = ", ".join(f"{d}={gib(b):.2f} GiB" for d, b in p["max_memory"].items())
-    lines = [f"placement: device_map={p['strategy']!r}, max_memory {mm} (the installed transformers' own map)"]
-    lines += ["  " + line for line in _grouped(p)]
-    if p.get("refused"):
-        lines += ["  REFUSED by transformers: " + p["refused"].split(". ")[0] + ".",
+    loads = p.loads
+    mm = ", ".join(f"{d}={gib(b):.2f} GiB" for d, b in p.max_memory.items())
+    lines = [f"placement: device_map={p.strategy!r}, max_memory {mm} (the installed transformers' own map)"]
+    lines += ["  " + line for line in p.grouped()]
+    if p.refused:
+        lines += ["  REFUSED by transformers: " + p.refused.split(". ")[0] + ".",
                   "  what loads instead: this map as a custom device_map, with "
-                  + ", ".join(f"{k}=True" for k, v in loads["load_kwargs"].get("quantization_config", {}).items()
+                  + ", ".join(f"{k}=True" for k, v in loads.load_kwargs.get("quantization_config", {}).items()
                               if v is True and k.startswith("llm_int8_enable")) + " (figures below are for it)"]
     devs = list(e.devices)
     gpus = [d for d in devs if d.startswith("cuda")]
     head = f"  {'':<26}" + "".join(f"{d:>14}" for d in devs) + (f"{'GPUs total':>14}" if len(gpus) > 1 else "")
     lines += ["", f"stages per device{corrected} (GPU: memory in use; cpu / disk: weights held there)", head]
     for key in STAGES:
-        row = f"  {_stage_label(key, e.new_tokens):<26}" + "".join(f"{_cell(e.devices[d]['stages'][key], 14)}"
+        row = f"  {_stage_label(key, e.new_tokens):<26}" + "".join(f"{_cell(e.devices[d].stages[key], 14)}"
                                                                   for d in devs)
         lines.append(row + (_cell(e.stages[key], 14) if len(gpus) > 1 else ""))
-    lines.append(f"  {'PEAK':<26}" + "".join(_cell(max(e.devices[d]["stages"].values()), 14) for d in devs)
+    lines.append(f"  {'PEAK':<26}" + "".join(_cell(e.devices[d].peak, 14) for d in devs)
                  + (_cell(e.peak, 14) if len(gpus) > 1 else ""))
     lines += ["", "components per device"]
     for key in ("weights", "kv_cache", "activations", "offload_transient", "runtime"):
-        lines.append(f"  {key.replace('_', ' '):<26}" + "".join(_cell(e.devices[d]["components"][key], 14)
+        lines.append(f"  {key.replace('_', ' '):<26}" + "".join(_cell(e.devices[d].components[key], 14)
                                                                 for d in devs))
-    if loads.get("pcie_bytes_per_token"):
-        lines.append(f"  PCIe per generated token: {fmt_gib_gb(loads['pcie_bytes_per_token'])} copied from cpu "
-                     f"to {loads['main_device']}")
-    if loads.get("disk_bytes_per_token"):
-        lines.append(f"  disk per generated token: {fmt_gib_gb(loads['disk_bytes_per_token'])} read and copied")
+    if loads.pcie_bytes_per_token:
+        lines.append(f"  PCIe per generated token: {fmt_gib_gb(loads.pcie_bytes_per_token)} copied from cpu "
+                     f"to {loads.main_device}")
+    if loads.disk_bytes_per_token:
+        lines.append(f"  disk per generated token: {fmt_gib_gb(loads.disk_bytes_per_token)} read and copied")
     return lines
-
-
-def _grouped(p: dict) -> list[str]:
-    from .estimator.placement import Placement
-
-    return Placement.from_dict(p).grouped()
 
 
 def probe_table(r) -> str:
@@ -119,14 +113,15 @@ def probe_table(r) -> str:
     head = [f"{r.model}  quant={r.quant} ({r.quant_implementation})  ctx={r.ctx} ({r.new_tokens} new)  "
             f"batch={r.batch}  device={r.device}",
             f"status: {r.status.upper()}"
-            + (f" at {r.oom['stage']}, asked for {fmt_gib_gb(r.oom['requested_bytes'])}" if r.oom else "")
+            + (f" at {r.oom.stage}, asked for {fmt_gib_gb(r.oom.requested_bytes)}" if r.oom else "")
             + (f" ({r.error})" if r.error else ""),
             f"{r.sample_count} samples every {r.interval_ms:g} ms on {r.series or 'no series'}"
             + (f"; sampler cost {r.sampler_overhead:.2%} of a core" if r.sampler_overhead is not None else ""),
             ""]
     what = "above baseline" if cpu else "memory.used"
     lines = [f"  {'stage':<12} {'measured ' + what:>26} {'peak in interval':>26} {'estimate':>26} {'diff':>10}"]
-    est = (r.estimate or {}).get("stages", {})
+    # a split run's main series is set beside its main device's estimate, not the sum over GPUs
+    est = r.estimate.main_stages() if r.estimate is not None else {}
     for name, m in r.measured().items():
         e = est.get(name)
         diff = f"{gib(m.peak_bytes - e):+8.3f} GiB" if (e is not None and m.peak_bytes is not None) else ""
@@ -134,16 +129,17 @@ def probe_table(r) -> str:
     u = r.measured_unfinished()
     if u is not None:
         lines.append(f"  {u.stage + ' *':<12} {'':>26} {_g(u.peak_bytes):>26}   (* under way when the run stopped)")
-    lines.append("  (estimate is the stage's peak; diff = measured peak - estimate)")
-    if getattr(r, "devices", None):
-        est_dev = (r.estimate or {}).get("devices") or {}
+    lines.append("  (estimate is the stage's peak" + (f" on {r.device}" if r.devices else "")
+                 + "; diff = measured peak - estimate)")
+    if r.devices:
+        est_dev = (r.estimate.devices if r.estimate is not None else None) or {}
         lines += ["", "  per device (GPU: NVML memory.used peak; cpu: the child's resident set above its baseline)",
                   f"  {'stage':<12}" + "".join(f"{d + ' meas.':>18}{'est.':>12}" for d in r.devices)]
-        for name in ("load_peak", "post_load", "first_token", "end"):
+        for name in STAGES:
             row = f"  {name:<12}"
             for d, st in r.devices.items():
-                e = est_dev.get(d, {}).get("stages", {}).get(name)
-                row += f"{_cell(st.get(name, {}).get('peak_bytes'), 18)}{_cell(e, 12)}"
+                e = est_dev[d].stages.get(name) if d in est_dev else None
+                row += f"{_cell(st[name].peak_bytes if name in st else None, 18)}{_cell(e, 12)}"
             lines.append(row)
     for n in r.notes:
         lines.append("  note: " + n)
@@ -189,12 +185,14 @@ def models_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def correction_table(c: dict) -> str:
-    lines = [f"correction ({c.get('scope') or 'this machine'}; runs " + ", ".join(map(str, c["source_runs"]))
-             + (f"; hosts {', '.join(c['hosts'])}" if c.get("hosts") else "") + ")",
+def correction_table(c) -> str:
+    """An :class:`~vramcal.estimator.result.AppliedCorrection`: raw, correction and corrected per stage."""
+    lines = [f"correction ({c.scope or 'this machine'}; runs " + ", ".join(map(str, c.source_runs))
+             + (f"; hosts {', '.join(c.hosts)}" if c.hosts else "") + ")",
              f"  {'stage':<14} {'raw':>22} {'correction':>14} {'corrected':>22}"]
-    for k, raw in c["raw"].items():
-        lines.append(f"  {k:<14} {fmt_gib_gb(raw):>22} {c['delta'][k] / 1024**3:>+10.3f} GiB {fmt_gib_gb(c['corrected'][k]):>22}")
+    delta = c.delta
+    for k, raw in c.raw.items():
+        lines.append(f"  {k:<14} {fmt_gib_gb(raw):>22} {delta[k] / 1024**3:>+10.3f} GiB {fmt_gib_gb(c.corrected[k]):>22}")
     return "\n".join(lines)
 
 
@@ -209,23 +207,23 @@ def check_table(r) -> str:
         if v.held_by_others_bytes:
             lines.append(f"  the measured peak above excludes the {fmt_gib_gb(v.held_by_others_bytes)} others held")
     for dev, d in (v.devices or {}).items():
-        lines.append(f"  {dev}: peak {fmt_gib_gb(d['peak_bytes'])} at {d['peak_stage']}, budget "
-                     f"{fmt_gib_gb(d['budget_bytes'])}: " + ("fits" if d["fits"] else "DOES NOT FIT"))
-    deltas = {k: v for k, v in (r.component_deltas or {}).items() if v is not None}
+        lines.append(f"  {dev}: peak {fmt_gib_gb(d.peak_bytes)} at {d.peak_stage}, budget "
+                     f"{fmt_gib_gb(d.budget_bytes)}: " + ("fits" if d.fits else "DOES NOT FIT"))
+    deltas = {k: v for k, v in r.component_deltas.items() if v is not None}
     if deltas:
         lines.append("  measured - estimated: " + ", ".join(f"{k} {v / 1024**3:+.3f} GiB" for k, v in deltas.items()))
     if r.corrections:
         lines.append("  correction now: " + ", ".join(
-            f"{k} {c['intercept_bytes'] / 1024**3:+.3f} GiB from {c['n_runs']} run(s)" for k, c in r.corrections.items()))
+            f"{k} {c.intercept_bytes / 1024**3:+.3f} GiB from {c.n_runs} run(s)" for k, c in r.corrections.items()))
     if r.proposals:
         lines.append("")
         lines.append("next configurations to try (corrected estimate, p95 margin):")
         for p in r.proposals:
-            lines.append(f"  {p['change']:<40} peak {fmt_gib_gb(p['corrected_peak_bytes'])}   {p['command']}")
-            if p.get("grouped"):
-                lines += [f"  {'':<40}   {g}" for g in p["grouped"]]
-            if p.get("warning"):
-                lines.append(f"  {'':<40}   WARNING {p['warning']}")
+            lines.append(f"  {p.change:<40} peak {fmt_gib_gb(p.corrected_peak_bytes)}   {p.command}")
+            if p.grouped:
+                lines += [f"  {'':<40}   {g}" for g in p.grouped]
+            if p.warning:
+                lines.append(f"  {'':<40}   WARNING {p.warning}")
     elif not v.fits:
         lines.append("  no configuration within reach fits: a smaller model, or a larger device")
     return "\n".join(lines)
@@ -239,21 +237,22 @@ def fit_table(model: str, budget, buffer: int, rows: list[dict], free: list[str]
     lines += ["  free now: " + line for line in free or []]
     lines.append(f"  {'quant':<8} {'batch':>5} {'max ctx':>9} {'peak':>22}")
     for r in rows:
-        ctx = "none" if r["max_ctx"] is None else f"{r['max_ctx']:,}"
-        peak = f"{fmt_gib_gb(r['peak_bytes']):>22}"
-        if r.get("device_peaks"):
-            peak += "   " + ", ".join(f"{d} {gib(b):.2f} GiB" for d, b in r["device_peaks"].items())
-        if r.get("error"):
-            peak += "   " + r["error"]
-        lines.append(f"  {r['quant']:<8} {r['batch']:>5} {ctx:>9} {peak}")
+        ctx = "none" if r.max_ctx is None else f"{r.max_ctx:,}"
+        peak = f"{fmt_gib_gb(r.peak_bytes):>22}"
+        if r.device_peaks:
+            peak += "   " + ", ".join(f"{d} {gib(b):.2f} GiB" for d, b in r.device_peaks.items())
+        if r.error:
+            peak += "   " + r.error
+        lines.append(f"  {r.quant:<8} {r.batch:>5} {ctx:>9} {peak}")
     return "\n".join(lines)
 
 
 def runs_table(runs: list[dict]) -> str:
     lines = [f"{'id':>4} {'model':<30} {'quant':<8} {'ctx':>7} {'batch':>5} {'device':<8} status"]
     for r in runs:
+        device = ",".join(r["split_devices"]) if r.get("split_devices") else r["device"]
         lines.append(f"{r['id']:>4} {str(r['model'])[-30:]:<30} {r['quant']:<8} {r['ctx']:>7} {r['batch']:>5} "
-                     f"{r['device']:<8} {r['status'] or 'interrupted'}")
+                     f"{device:<8} {r['status'] or 'interrupted'}")
     return "\n".join(lines)
 
 
@@ -327,3 +326,66 @@ def memo_markdown(m: dict) -> str:
         "",
         "Recheck after a change: `vramcal memo --recheck` re-runs the command and compares the peak.",
     ]) + "\n"
+
+
+def run_table(run) -> str:
+    """One recorded run (:class:`~vramcal.records.store.RunRecord`) for a person: what ran, where, how it
+    ended, each stage estimated beside measured, per device for a split run, and the corrections it fed."""
+    import time
+
+    c, m = run.context, run.machine
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.created_at))
+    device = ",".join(c.split_devices) + f" (main {c.device})" if c.split_devices else c.device
+    est = c.estimate or {}
+    lines = [f"run {run.id}  {run.status.upper()}" + (f" after {run.outcome.last_stage}" if run.outcome and
+                                                       run.outcome.last_stage and run.status != "ok" else "")
+             + f"  recorded {when}",
+             f"  model       {c.model}" + (f"  (config {c.config_hash})" if c.config_hash else ""),
+             f"  quant       {c.quant}" + (f" ({c.quant_impl})" if c.quant_impl else "") + f"  dtype {c.dtype}",
+             f"  workload    ctx {c.ctx:,}" + (f" (prompt {est['prompt']:,} + {est['new_tokens']} new)"
+                                              if est.get("prompt") else "") + f"  batch {c.batch}"
+             + f"  kv-dtype {c.kv_dtype}  attn {c.attn}",
+             f"  device      {device}",
+             f"  command     {c.command}"]
+    if m.get("kind") == "cpu":
+        machine = f"{m.get('cpu_model') or 'CPU'}, {fmt_gib_gb(m.get('total_bytes'))} RAM"
+    else:
+        machine = (f"{m.get('gpu_name') or 'GPU'}, {fmt_gib_gb(m.get('total_bytes'))}, driver {m.get('driver')}, "
+                   f"CUDA {m.get('cuda_runtime')}")
+    lines += [f"  machine     {m.get('hostname')}: {machine}",
+              f"  software    torch {m.get('torch')}, transformers {m.get('transformers')}, bitsandbytes "
+              f"{m.get('bitsandbytes')}, accelerate {m.get('accelerate')}",
+              f"  estimate    {c.estimator_model or 'none recorded'}"
+              + (f" (vramcal {c.vramcal_version})" if c.vramcal_version else "")]
+    o = run.outcome
+    if o is not None and o.error:
+        lines.append(f"  error       {o.error}")
+    if o is not None and o.oom:
+        lines.append(f"  out of memory at {o.oom.get('stage')}, asked for {fmt_gib_gb(o.oom.get('requested_bytes'))}")
+    if o is None:
+        lines.append("  no outcome recorded: the run was interrupted before its result was written")
+        return "\n".join(lines)
+    what = "above the process's baseline" if o.series == "rss" else "NVML memory.used"
+    lines += ["", f"stages ({what}; {run.sample_count:,} samples on {o.series or 'no series'})",
+              f"  {'stage':<14} {'estimated':>14} {'measured peak':>14} {'measured used':>14} {'peak - est.':>14}"]
+    for s in o.stages:
+        diff = (f"{gib(s.measured_peak_bytes - s.estimated_bytes):+10.3f} GiB"
+                if s.measured_peak_bytes is not None and s.estimated_bytes is not None else f"{'':>14}")
+        lines.append(f"  {s.stage:<14} {_cell(s.estimated_bytes, 14)} {_cell(s.measured_peak_bytes, 14)} "
+                     f"{_cell(s.measured_used_bytes, 14)} {diff}")
+    if o.devices:
+        lines += ["", "per device (GPU: NVML memory.used peak; cpu: the child's resident set above its baseline)",
+                  f"  {'device':<8} {'stage':<14} {'estimated':>14} {'measured peak':>14} {'peak - est.':>14}"]
+        for d in o.devices:
+            diff = (f"{gib(d.measured_peak_bytes - d.estimated_bytes):+10.3f} GiB"
+                    if d.measured_peak_bytes is not None and d.estimated_bytes is not None else "")
+            lines.append(f"  {d.device:<8} {d.stage:<14} {_cell(d.estimated_bytes, 14)} "
+                         f"{_cell(d.measured_peak_bytes, 14)} {diff:>14}")
+    if run.corrections:
+        lines += ["", "corrections this run fed (intercept + slope x tokens, per stage)"]
+        for corr in run.corrections:
+            scope = corr["stack"].split("|quant=", 1)
+            label = ("quant=" + scope[1]) if len(scope) > 1 else "any run on this stack"
+            lines.append(f"  {corr['stage']:<14} {corr['intercept_bytes'] / 1024**3:+8.3f} GiB "
+                         f"{corr['slope_bytes_per_token']:+10.1f} B/token from {corr['n_runs']} run(s)   {label}")
+    return "\n".join(lines)

@@ -33,6 +33,7 @@ STAGE_LABELS = {"load_peak": "load peak", "post_load": "after load", "first_toke
                 "end": "end"}
 
 QUANTS = ("auto", "bf16", "fp16", "fp32", "int8", "nf4", "nf4-dq", "fp4", "fp4-dq")
+POLICIES = ("quality", "context", "throughput")  # orders of the what-to-change ladder (calibrate.proposals)
 ATTNS = ("auto", "sdpa", "eager", "flash_attention_2")
 CACHES = ("dynamic", "static")
 KV_DTYPES = ("auto", "fp8")
@@ -71,27 +72,61 @@ def choice(value: str, choices: tuple[str, ...], flag: str) -> str:
     return value
 
 
-_DEVICE = re.compile(r"(cpu)|cuda(?::(0|[1-9][0-9]{0,2}))?")
+_DEVICE = re.compile(r"(cpu)|(disk)|cuda(?::(0|[1-9][0-9]{0,2}))?|(0|[1-9][0-9]{0,2})")
 
 
 @dataclass(frozen=True)
 class Device:
-    """A device as vramcal means it: ``cpu`` or ``cuda:N``."""
+    """A device as vramcal means it: ``cpu``, ``cuda:N`` or, in a placement, ``disk``."""
 
-    kind: str  # cpu | cuda
+    kind: str  # cpu | cuda | disk
     index: int | None = None
 
     def __str__(self) -> str:
         return self.kind if self.index is None else f"{self.kind}:{self.index}"
 
+    @property
+    def accelerate_key(self) -> int | str:
+        """accelerate's and transformers' key in ``max_memory`` / ``device_map``: 0, "cpu", "disk"."""
+        return self.index if self.kind == "cuda" else self.kind
 
-def parse_device(text: str | None, default: str = "cuda:0") -> Device:
-    """``cpu``, ``cuda`` (= ``cuda:0``) or ``cuda:N``; anything else is refused in one line."""
+    @property
+    def order(self) -> tuple[int, int]:
+        """GPUs first by index, then cpu, then disk (accelerate's order)."""
+        return (0, self.index) if self.kind == "cuda" else ((1, 0) if self.kind == "cpu" else (2, 0))
+
+
+def parse_device(text, default: str = "cuda:0", *, placement: bool = False, flag: str = "device") -> Device:
+    """``cpu``, ``cuda`` (= ``cuda:0``) or ``cuda:N``; with ``placement`` also ``disk`` and accelerate's bare
+    GPU index (``0``, as a ``max_memory`` key). Anything else is refused in one line. The one parser of
+    device strings: every other unit asks it."""
+    if isinstance(text, Device):
+        return text
+    if isinstance(text, int) and not isinstance(text, bool) and placement and text >= 0:
+        return Device("cuda", text)
     text = default if text is None else str(text)
+    if placement:  # a max_memory key as accelerate reads it: case and spaces around it do not matter
+        text = text.strip().lower()
     m = _DEVICE.fullmatch(text)
-    if m is not None:
-        return Device("cpu") if m.group(1) == "cpu" else Device("cuda", int(m.group(2) or 0))
-    raise UserError(f"unknown device {text!r}: use cpu, cuda or cuda:N (e.g. cuda:1)")
+    if m is not None and (placement or not (m.group(2) or m.group(4))):
+        if m.group(1):
+            return Device("cpu")
+        if m.group(2):
+            return Device("disk")
+        return Device("cuda", int(m.group(3) or m.group(4) or 0))
+    if placement:
+        raise UserError(f"unknown {flag} {text!r}: use cuda:N, cpu or disk")
+    raise UserError(f"unknown {flag} {text!r}: use cpu, cuda or cuda:N (e.g. cuda:1)")
+
+
+def device_name(text) -> str:
+    """The canonical name of a device string or accelerate key: ``cuda:0``, ``cpu``, ``disk``."""
+    return str(parse_device(text, placement=True))
+
+
+def device_kind(text) -> str:
+    """``cpu`` for the CPU path, ``cuda`` for anything that runs on a GPU."""
+    return "cpu" if str(text).strip().lower().startswith("cpu") else "cuda"
 
 
 def count(value, flag: str, minimum: int = 1, maximum: int | None = None) -> int:

@@ -12,20 +12,30 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..errors import UserError
+from ..estimator.correction import Correction
 from ..estimator.estimate import estimate as _estimate
+from ..estimator.estimate import placement_request
 from ..estimator.quant import resolve_quant
 from ..estimator.resolve import resolve_model
-from ..records.store import Store, new_uuid
+from ..probes.result import ProbeResult
+from ..records.store import Store
 from ..units import GIB, fmt_gib_gb
-from ..workload import NEW_TOKENS, Configuration, choice, parse_device, parse_dtype, workload
+from ..workload import NEW_TOKENS, Configuration, choice, device_kind, parse_device, parse_dtype, workload
 from . import reconcile
 from .corrections import lookup, refit, refit_devices
-from .fleet import save_probe_unrecorded
 from .memo import memo_for
-from .proposals import POLICIES, propose
-from .runs import Journal, begin_run, budget_for, measured_peak, record_failure, record_probe, recover_journals
+from .proposals import POLICIES, Proposal, propose
+from .runs import budget_for, measured_peak, probe_and_record
 
 DEFAULT_BUFFER = 2 * GIB
+
+
+@dataclass
+class DeviceVerdict:
+    budget_bytes: int
+    peak_bytes: int | None
+    peak_stage: str | None
+    fits: bool
 
 
 @dataclass
@@ -41,7 +51,7 @@ class Verdict:
     reason: str
     held_by_others_bytes: int = 0  # with a budget read from free memory: what others held when it was read
     others: list[str] = field(default_factory=list)  # one line per device: free memory and who holds the rest
-    devices: dict[str, dict] | None = None  # a split run: per GPU {budget_bytes, peak_bytes, fits}
+    devices: dict[str, DeviceVerdict] | None = None  # a split run: per GPU
 
 
 @dataclass
@@ -49,26 +59,31 @@ class CheckResult:
     run_id: int
     machine_id: int
     verdict: Verdict
-    probe: dict
-    corrections: dict[str, dict]
-    component_deltas: dict[str, int | None] = field(default_factory=dict)  # measured - estimated
-    proposals: list[dict] = field(default_factory=list)
+    probe: ProbeResult
+    corrections: dict[str, Correction]  # the refitted correction per stage ("cuda:1 end" for a split)
+    component_deltas: reconcile.ComponentDeltas = field(default_factory=reconcile.ComponentDeltas)
+    proposals: list[Proposal] = field(default_factory=list)
     memo_id: int | None = None
     command: str = ""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"run_id": self.run_id, "machine_id": self.machine_id, "verdict": asdict(self.verdict),
+                "probe": self.probe.to_dict(samples=False), "corrections": {k: asdict(c) for k, c in
+                                                                             self.corrections.items()},
+                "component_deltas": dict(self.component_deltas.items()),
+                "proposals": [p.to_dict() for p in self.proposals], "memo_id": self.memo_id,
+                "command": self.command}
 
 
-def verdict_for(result, total: int, buffer: int, held: int = 0) -> Verdict:
+def verdict_for(result: ProbeResult, total: int, buffer: int, held: int = 0) -> Verdict:
     """Fits when the measured peak, less what other processes ``held`` when the budget was read from
     free memory (NVML's memory.used counts them), stays ``buffer`` below the budget ``total``."""
     peak, stage = measured_peak(result)
     if peak is not None and held:
         peak -= held
     if result.status == "oom":
-        return Verdict(False, result.status, total, buffer, peak, stage, None, result.oom.get("stage"),
-                       f"out of memory at {result.oom.get('stage')}")
+        return Verdict(False, result.status, total, buffer, peak, stage, None, result.oom.stage,
+                       f"out of memory at {result.oom.stage}")
     if result.status != "ok":
         return Verdict(False, result.status, total, buffer, peak, stage, None, None,
                        f"the probe did not finish: {result.error}")
@@ -79,34 +94,33 @@ def verdict_for(result, total: int, buffer: int, held: int = 0) -> Verdict:
                    f"of {fmt_gib_gb(total)}")
 
 
-def placed_verdict(result, budgets: dict[str, int], buffer: int, held: dict[str, int]) -> Verdict:
+def placed_verdict(result: ProbeResult, budgets: dict[str, int], buffer: int, held: dict[str, int]) -> Verdict:
     """A split run fits when every GPU of the map, on its own, fits its budget minus the buffer."""
-    per: dict[str, dict] = {}
+    per: dict[str, DeviceVerdict] = {}
     for dev, total in budgets.items():
-        stages = (getattr(result, "devices", None) or {}).get(dev, {})
-        peaks = [(st.get("peak_bytes"), name) for name, st in stages.items()
-                 if name not in ("baseline", "context") and st.get("peak_bytes") is not None]
+        stages = (result.devices or {}).get(dev, {})
+        peaks = [(r.peak_bytes, name) for name, r in stages.items()
+                 if name not in ("baseline", "context") and r.peak_bytes is not None]
         peak, stage = max(peaks) if peaks else (None, None)
         if peak is not None:
             peak -= held.get(dev, 0)
-        per[dev] = {"budget_bytes": total, "peak_bytes": peak, "peak_stage": stage,
-                    "fits": peak is not None and peak <= total - buffer}
+        per[dev] = DeviceVerdict(total, peak, stage, peak is not None and peak <= total - buffer)
     main = verdict_for(result, budgets[result.device], buffer, held.get(result.device, 0))
-    worst = max(per, key=lambda d: (per[d]["peak_bytes"] or 0) - per[d]["budget_bytes"])
+    worst = max(per, key=lambda d: (per[d].peak_bytes or 0) - per[d].budget_bytes)
     if result.status == "ok":
-        fits = all(v["fits"] for v in per.values())
+        fits = all(v.fits for v in per.values())
         w = per[worst]
         main.fits = fits
-        main.peak_bytes, main.peak_stage, main.budget_bytes = w["peak_bytes"], w["peak_stage"], w["budget_bytes"]
-        main.headroom_bytes = None if w["peak_bytes"] is None else w["budget_bytes"] - w["peak_bytes"]
+        main.peak_bytes, main.peak_stage, main.budget_bytes = w.peak_bytes, w.peak_stage, w.budget_bytes
+        main.headroom_bytes = None if w.peak_bytes is None else w.budget_bytes - w.peak_bytes
         main.reason = (f"every GPU fits; the tightest, {worst}, with {fmt_gib_gb(main.headroom_bytes)} headroom" if fits
-                       else f"{worst} peaks at {fmt_gib_gb(w['peak_bytes'])}, over its {fmt_gib_gb(w['budget_bytes'])} "
+                       else f"{worst} peaks at {fmt_gib_gb(w.peak_bytes)}, over its {fmt_gib_gb(w.budget_bytes)} "
                             f"less the {fmt_gib_gb(buffer)} buffer")
     main.devices = per
     return main
 
 
-def budgets_for(devices: list[str], fp: dict, budget: int | None, buffer: int) -> tuple[dict[str, int], dict, list]:
+def budgets_for(devices: list[str], budget: int | None, buffer: int) -> tuple[dict[str, int], dict, list]:
     """The budget of each GPU: ``budget`` when given (each GPU), else its free memory now (NVML, the one
     door), with what others held and one line per device saying who. Returns (budgets, held, lines)."""
     from ..probes.machine import budget_from_free
@@ -130,9 +144,8 @@ def check(model: str, quant: str = "auto", ctx: int | None = None, batch: int = 
     """``budget`` None: each GPU's free memory when the check starts (other processes' share named in the
     verdict). ``max_memory`` / ``device_map`` split the model (docs/placement.md): every GPU of the map
     is measured and must fit its own budget; corrections are refitted per device position."""
-    from ..estimator.estimate import placement_request
     from ..probes.machine import free_memory, machine_fingerprint, stack_key
-    from ..probes.probe import ProbeInterrupted, preflight, run_probe
+    from ..probes.probe import preflight
 
     # ---- validate everything first: nothing is written for bad input
     work = workload(ctx, batch, new_tokens, prompt)
@@ -143,19 +156,17 @@ def check(model: str, quant: str = "auto", ctx: int | None = None, batch: int = 
     spec = resolve_quant(quant, source.config, dtype)
     placed = placement_request(max_memory, device_map, dev)
     preflight(source, spec, dev, synthetic, interval_ms, kv_dtype, cache, max_memory, device_map)
-    est_obj = _estimate(source, quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens, dtype=dtype,
-                        attn=attn, kv_dtype=kv_dtype, cache=cache, device="cpu" if dev == "cpu" else "cuda",
-                        max_memory=max_memory, device_map=device_map)
-    est = est_obj.to_dict()
-    gpus = [d for d in (est_obj.devices or {}) if d.startswith("cuda")]
+    est = _estimate(source, quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens, dtype=dtype,
+                    attn=attn, kv_dtype=kv_dtype, cache=cache, device=device_kind(dev),
+                    max_memory=max_memory, device_map=device_map)
+    gpus = [d for d in (est.devices or {}) if d.startswith("cuda")]
     if placed is not None:
-        dev = est_obj.placement["main_device"] if not est_obj.placement.get("alternative") \
-            else est_obj.placement["alternative"]["main_device"]
+        dev = est.main_device
     fp = machine_fingerprint(dev)
     if dev == "cpu" or budget is not None and placed is None:
         budgets, held, others = {dev: budget_for(dev, fp, budget)}, {}, []
     else:
-        budgets, held, others = budgets_for(gpus or [dev], fp, budget, buffer)
+        budgets, held, others = budgets_for(gpus or [dev], budget, buffer)
     total = budgets[dev]
     if buffer >= min(budgets.values()):
         raise UserError(f"--buffer {fmt_gib_gb(buffer)} leaves nothing of the {fmt_gib_gb(min(budgets.values()))} budget")
@@ -166,56 +177,20 @@ def check(model: str, quant: str = "auto", ctx: int | None = None, batch: int = 
     cmd = config.command("check")
 
     with Store(db) as store:
-        recover_journals(store)
-        machine_id = store.machine_id(fp)
-        run_uuid = new_uuid()
-        run_id = begin_run(store, machine_id, {"model": source.name, "config_hash": source.config_hash,
-                                               "quant": spec.name, "quant_implementation": spec.implementation,
-                                               "dtype": spec.dtype, "ctx": work.ctx, "batch": work.batch,
-                                               "attn": attn, "kv_dtype": kv_dtype,
-                                               "device": ",".join(est_obj.devices) if placed else dev}, est, cmd,
-                           uuid=run_uuid)
-        journal = Journal(store, run_id)
-
-        def keep(result) -> None:
-            """Record the result; if the store cannot take it, keep it in a file and say where."""
-            result.estimate = est  # estimated once, above, and recorded with the run before the probe started
-            try:
-                record_probe(store, machine_id, result, est, run_id=run_id)
-            except UserError as exc:
-                path = save_probe_unrecorded(fp, result, est, run_uuid=run_uuid, command=cmd, error=str(exc),
-                                             config_hash=source.config_hash, kv_dtype=kv_dtype)
-                raise UserError(f"{exc}; the measurement is kept in {path}: `vramcal records import {path}` "
-                                "records it once the database is back") from None
-            journal.close()
-
-        try:
-            result = run_probe(source, quant, work.ctx, work.batch, device=dev, synthetic=synthetic,
-                               interval_ms=interval_ms, dtype=dtype, attn=attn, command=cmd, with_estimate=False,
-                               new_tokens=work.new_tokens, kv_dtype=kv_dtype, cache=cache, journal=journal,
-                               on_event=on_event, max_memory=max_memory, device_map=device_map)
-        except ProbeInterrupted as exc:  # Ctrl-C or SIGTERM: the record keeps what was measured
-            keep(exc.result)
-            raise
-        except UserError as exc:
-            record_failure(store, run_id, "error", str(exc))
-            journal.close()
-            raise
-        keep(result)
+        run_id, machine_id, result = probe_and_record(store, fp, config, source, spec, est, command=cmd,
+                                                      interval_ms=interval_ms, on_event=on_event)
         stack = stack_key(fp)
         if placed is None:
-            corr = refit(store, machine_id, stack, spec.name, source.config_hash)
+            corrections = refit(store, machine_id, stack, spec.name, source.config_hash, device_kind(dev)).stages
             verdict = verdict_for(result, total, buffer, held.get(dev, 0))
-            corrections = {k: asdict(v) for k, v in corr.stages.items()}
         else:  # a correction per device position
             per = refit_devices(store, machine_id, stack, spec.name, source.config_hash, gpus)
             verdict = placed_verdict(result, budgets, buffer, held)
-            corrections = {f"{d} {k}": asdict(v) for d, c in per.items() for k, v in c.stages.items()}
+            corrections = {f"{d} {k}": v for d, c in per.items() for k, v in c.stages.items()}
         verdict.others = others
         verdict.held_by_others_bytes = held.get(dev, 0)
-        out = CheckResult(run_id, machine_id, verdict, result.to_dict(), corrections,
-                          reconcile.component_deltas(result), command=cmd)
-        out.probe.pop("samples", None)
+        out = CheckResult(run_id, machine_id, verdict, result, corrections, reconcile.component_deltas(result),
+                          command=cmd)
         if verdict.fits:
             out.memo_id = store.add_memo(run_id, memo_for(store.run(run_id)))
         elif placed is None:

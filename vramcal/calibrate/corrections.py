@@ -1,19 +1,164 @@
-"""Corrections: fitted from this machine's recorded runs, looked up for an estimate (this machine's,
-else its machine class's across the fleet), refitted after a run (docs/calibration.md, docs/fleet.md). The arithmetic of applying one lives in :mod:`vramcal.estimator.correction`.
+"""Corrections, in one module: what a machine measured beyond the estimate, fitted from its recorded
+runs, recorded, looked up for the next estimate, and shared across the hosts of a machine class
+(docs/calibration.md, docs/fleet.md). Applying one is arithmetic of the estimator
+(:mod:`vramcal.estimator.correction`).
+
+**The line.** Per stage, ``measured - estimated = intercept + slope x tokens`` (tokens = ctx x batch),
+fitted by least squares (``statistics.linear_regression``) over the finished runs of a scope; one run,
+or runs at a single token count, give an intercept only. The residuals' p50 and p95 say how far a
+corrected estimate is likely to be off.
+
+**What is comparable.** A correction belongs to one machine and one software stack
+(:func:`vramcal.probes.machine.stack_key`), and to the estimator model that made the estimates it was
+fitted against (``estimator_model``, recorded with every run and every correction): runs compared with
+another model's figures are left out, and a correction recorded for another model is never applied.
+
+**Scopes**, most specific first (:func:`scopes`): the same model and quantization (the source documents'
+"reuse the difference when only the context or batch changes"), then the same quantization on any
+model, then any run on the stack. An estimate takes the most specific scope that has runs.
+
+**The fleet.** :func:`find_correction` looks, scope by scope, first for this machine's recorded
+correction, then for its *machine class* (:func:`vramcal.records.machines.machine_class`): the finished
+runs of every host of the class in that scope, fitted together, with the p95 band widened by the spread
+between hosts (a new host is another draw from the class, not one of the runs). Scope before source: a
+class correction for the same model and quant wins over this machine's correction fitted on other
+models; within one scope this machine's own wins.
+
+**Splits.** A run split across devices feeds a correction per device position (``cuda:1`` of a split is
+not ``cuda:0`` of it), kept on the machine that measured it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import statistics
+import uuid as _uuid
+from dataclasses import asdict, dataclass, field
 
-from ..estimator.correction import CorrectionSet
-from ..records.store import Store, open_existing
-from . import reconcile
+from ..errors import UserError
+from ..estimator.correction import Correction, CorrectionSet
+from ..estimator.stages import model_id
+from ..records.machines import class_key, class_label
+from ..records.store import Store, new_uuid, open_existing
+from ..workload import STAGES, device_kind
+
+SCOPE_NAMES = ("same model and quant", "same quant", "any run")
+LOOKUP_TIMEOUT_S = 3.0  # an estimate is offline work: a records server that does not answer soon is skipped
 
 
-def placed(device: str | None) -> bool:
-    """A run split across devices records its devices joined (``cuda:0,cuda:1,cpu``) as its device."""
-    return "," in (device or "")
+# ------------------------------------------------------------------------------------ fitting
+
+def scopes(stack: str, quant: str, config_hash: str | None) -> list[tuple[str, dict]]:
+    """(scope key, row filter) from the most specific to the least."""
+    out = []
+    if config_hash:
+        out.append((f"{stack}|quant={quant}|model={config_hash}", {"quant": quant, "config_hash": config_hash}))
+    out.append((f"{stack}|quant={quant}", {"quant": quant}))
+    out.append((stack, {}))
+    return out
+
+
+def scope_names(config_hash: str | None) -> tuple[str, ...]:
+    return SCOPE_NAMES if config_hash else SCOPE_NAMES[1:]
+
+
+def scope_label(key: str | None) -> str:
+    """A scope key of :func:`scopes` in a word: ``model+quant``, ``quant``, ``machine`` (``none`` for None)."""
+    if key is None:
+        return "none"
+    return "model+quant" if "|model=" in key else "quant" if "|quant=" in key else "machine"
+
+
+def rows_in(rows: list[dict], where: dict) -> list[dict]:
+    return [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+
+
+def comparable_estimate(row: dict) -> bool:
+    """Whether a stage row's recorded estimate came from the estimator model this vramcal uses for its
+    device kind (older arithmetic's differences would be added to a figure that no longer needs them)."""
+    return row.get("estimator_model") == model_id(device_kind(row.get("device") or "cuda"))
+
+
+def fit_line(stage: str, points: list[tuple[int, int, int]]) -> Correction:
+    """``measured - estimated = intercept + slope x tokens`` by least squares over ``(tokens, delta,
+    run id)`` points; one point, or points at one token count, give an intercept only."""
+    xs = [float(p[0]) for p in points]
+    ys = [float(p[1]) for p in points]
+    try:
+        slope, intercept = statistics.linear_regression(xs, ys)
+    except statistics.StatisticsError:  # fewer than two points, or all at one token count
+        slope, intercept = 0.0, statistics.fmean(ys)
+    res = [abs(y - (intercept + slope * x)) for x, y in zip(xs, ys)]
+    return Correction(stage, int(round(intercept)), slope, len(points), int(_percentile(res, 0.5)),
+                      int(_percentile(res, 0.95)), sorted({p[2] for p in points}))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The q-quantile with linear interpolation between order statistics (numpy's default)."""
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return float(values[0])
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if 0 < q < 1 else \
+        float(min(values) if q <= 0 else max(values))
+
+
+def fit_corrections(rows: list[dict], exclude_run: int | None = None) -> dict[str, Correction]:
+    """One correction per stage from ``stages`` rows of finished runs (``status == 'ok'``) whose estimate
+    is comparable (:func:`comparable_estimate`)."""
+    out = {}
+    for stage in STAGES:
+        pts = [(r["ctx"] * r["batch"], r["measured_peak_bytes"] - r["estimated_bytes"], r["run_id"]) for r in rows
+               if r["stage"] == stage and r.get("status") == "ok" and r["run_id"] != exclude_run
+               and r["measured_peak_bytes"] is not None and r["estimated_bytes"] is not None
+               and comparable_estimate(r)]
+        if pts:
+            out[stage] = fit_line(stage, pts)
+    return out
+
+
+def fit_scoped(rows: list[dict], stack: str, quant: str, config_hash: str | None,
+               exclude_run: int | None = None) -> tuple[str | None, dict[str, Correction]]:
+    """The corrections of the most specific scope that has finished runs (other than ``exclude_run``)."""
+    for key, where in scopes(stack, quant, config_hash):
+        corr = fit_corrections(rows_in(rows, where), exclude_run=exclude_run)
+        if corr:
+            return key, corr
+    return None, {}
+
+
+def corrections_from_rows(rows: dict[str, dict]) -> dict[str, Correction]:
+    return {stage: Correction(stage, r["intercept_bytes"], r["slope_bytes_per_token"], r["n_runs"],
+                              r.get("residual_p50_bytes") or 0, r.get("residual_p95_bytes") or 0, r["source_runs"])
+            for stage, r in rows.items()}
+
+
+def _rows_with_ids(token: str, key: str, corr: dict[str, Correction]) -> list[dict]:
+    """Correction rows with ids derived from a token made before the transaction: a retried transaction
+    (a dropped connection) writes the same ids, so nothing is recorded twice."""
+    base = _uuid.UUID(token)
+    return [{**asdict(c), "uuid": str(_uuid.uuid5(base, f"{key}|{c.stage}"))} for c in corr.values()]
+
+
+# ------------------------------------------------------------------------------------ this machine
+
+def refit(store: Store, machine_id: int, stack: str, quant: str, config_hash: str | None,
+          kind: str) -> CorrectionSet:
+    """Refit every scope a run of (``quant``, ``config_hash``) belongs to, under the machine's refit
+    lock, and record them; return the most specific scope's corrections. ``kind``: the device kind,
+    whose current estimator model the corrections are fitted for."""
+    pairs = list(zip(scopes(stack, quant, config_hash), scope_names(config_hash)))
+    token = new_uuid()
+
+    def fit(rows: list[dict]):
+        writes, best = [], CorrectionSet({})
+        for (key, where), name in pairs:
+            corr = fit_corrections(rows_in(rows, where))
+            if corr:
+                writes.append((key, _rows_with_ids(token, key, corr)))
+                best = best or CorrectionSet(corr, scope=f"this machine, {name}")
+        return writes, best
+
+    return store.refit(machine_id, fit, model_id(kind))
 
 
 def device_stack(stack: str, position: str) -> str:
@@ -21,37 +166,20 @@ def device_stack(stack: str, position: str) -> str:
     return f"{stack}|device={position}"
 
 
-def refit(store: Store, machine_id: int, stack: str, quant: str, config_hash: str | None) -> CorrectionSet:
-    """Refit every scope this run belongs to and record them, holding the machine's refit lock (two
-    hosts refitting at once both see every run: :func:`vramcal.calibrate.fleet.refit`); return the most
-    specific one."""
-    from .fleet import refit as _refit
-
-    return _refit(store, machine_id, stack, quant, config_hash)
-
-
-def lookup(store: Store, fingerprint: dict, quant: str, config_hash: str | None) -> CorrectionSet:
-    """The recorded corrections of the most specific scope that has any: this machine's, else its
-    machine class's across hosts (:func:`vramcal.calibrate.fleet.find_correction`); empty when none."""
-    from .fleet import find_correction
-
-    return find_correction(store, fingerprint, quant, config_hash).as_set()
-
-
 def refit_devices(store: Store, machine_id: int, stack: str, quant: str, config_hash: str | None,
                   devices: list[str]) -> dict[str, CorrectionSet]:
-    """Per device position of a split run: refit from the placed runs' per-device rows, record, return.
-    A split's corrections stay on the machine that measured them (a class shares single-device runs)."""
+    """Per device position of a split run: refit from the split runs' per-device rows, record, return."""
     rows = store.device_stage_rows(machine_id)
+    estimator = model_id("cuda")
     out = {}
+    token = new_uuid()
     for d in devices:
         mine = [r for r in rows if r["device"] == d]
         best = CorrectionSet({})
-        for (key, where), label in zip(reconcile.scopes(device_stack(stack, d), quant, config_hash),
-                                       ("same model and quant", "same quant", "any run")[-3 if config_hash else -2:]):
-            corr = reconcile.fit_corrections(reconcile.rows_in(mine, where))
+        for (key, where), label in zip(scopes(device_stack(stack, d), quant, config_hash), scope_names(config_hash)):
+            corr = fit_corrections(rows_in(mine, where))
             if corr:
-                store.add_corrections(machine_id, key, [asdict(c) for c in corr.values()])
+                store.add_corrections(machine_id, key, _rows_with_ids(token, key, corr), estimator)
                 best = best or CorrectionSet(corr, scope=f"this machine, {d} of a split, {label}")
         out[d] = best
     return out
@@ -65,28 +193,183 @@ def lookup_device(store: Store, fingerprint: dict, position: str, quant: str, co
     mid = store.find_machine(fingerprint)
     if mid is None:
         return CorrectionSet({})
-    for key, _ in reconcile.scopes(device_stack(stack_key(fingerprint), position), quant, config_hash):
-        rows = store.latest_corrections(mid, key)
+    for key, _ in scopes(device_stack(stack_key(fingerprint), position), quant, config_hash):
+        rows = store.latest_corrections(mid, key, model_id("cuda"))
         if rows:
-            return CorrectionSet(reconcile.corrections_from_rows(rows), scope=f"this machine, {position} of a split")
+            return CorrectionSet(corrections_from_rows(rows), scope=f"this machine, {position} of a split")
     return CorrectionSet({})
 
 
-def existing_store(db: str | None) -> Store | None:
-    """The records database opened read-only, or None when there is none yet (nothing is created)."""
-    return open_existing(db)
+# ------------------------------------------------------------------------------------ the fleet
+
+@dataclass
+class FoundCorrection:
+    corrections: dict[str, Correction]
+    source: str | None  # "machine", "class", or None (nothing recorded)
+    scope: str | None  # one of SCOPE_NAMES
+    scope_key: str | None
+    machine_class: str
+    hosts: list[str] = field(default_factory=list)
+    runs: list[int] = field(default_factory=list)
+    host_spread_bytes: dict[str, int] = field(default_factory=dict)  # per stage; class corrections only
+
+    def label(self) -> str:
+        if not self.source:
+            return "no correction recorded for this machine or its class"
+        hosts = ", ".join(self.hosts) or "?"
+        runs = len(self.runs)
+        if self.source == "machine":
+            return f"this machine ({hosts}), {self.scope}, {runs} run{'s' * (runs != 1)}"
+        return (f"machine class {class_label(self.machine_class)}: {len(self.hosts)} host"
+                f"{'s' * (len(self.hosts) != 1)} ({hosts}), {self.scope}, {runs} run{'s' * (runs != 1)}, "
+                "band widened by the spread between hosts")
+
+    def as_set(self) -> CorrectionSet:
+        """What the estimator applies and shows: the stages, where they came from, the hosts."""
+        if not self.source:
+            return CorrectionSet({})
+        if self.source == "machine":
+            return CorrectionSet(self.corrections, scope=f"this machine, {self.scope}", hosts=list(self.hosts))
+        widest = max(self.host_spread_bytes.values(), default=0)
+        return CorrectionSet(self.corrections, hosts=list(self.hosts),
+                             scope=f"machine class {class_label(self.machine_class)}, {self.scope}: "
+                                   f"{len(self.hosts)} host{'s' * (len(self.hosts) != 1)}, p95 band widened by "
+                                   f"their spread (up to {widest / 1024**2:.0f} MiB)")
+
+
+def find_correction(store: Store, fingerprint: dict, quant: str, config_hash: str | None) -> FoundCorrection:
+    """This machine's correction, else its class's, scope by scope (see the module's docstring)."""
+    from ..probes.machine import stack_key
+
+    ckey = class_key(fingerprint)
+    mid = store.find_machine(fingerprint)
+    estimator = model_id(device_kind(fingerprint.get("kind") or "cuda"))
+    class_rows: list[dict] | None = None
+    for (key, where), scope in zip(scopes(stack_key(fingerprint), quant, config_hash), scope_names(config_hash)):
+        if mid is not None:
+            rows = store.latest_corrections(mid, key, estimator)
+            if rows:
+                corr = corrections_from_rows(rows)
+                return FoundCorrection(corr, "machine", scope, key, ckey, [fingerprint.get("hostname") or "?"],
+                                       sorted({r for c in corr.values() for r in c.source_runs}))
+        if class_rows is None:
+            class_rows = [r for r in store.stage_rows(class_key=ckey) if comparable_estimate(r)]
+        pooled = rows_in(class_rows, where)
+        corr = fit_corrections(pooled)
+        if corr:
+            spread = widen_by_host_spread(corr, pooled)
+            used = [r for r in pooled if r["run_id"] in {x for c in corr.values() for x in c.source_runs}]
+            return FoundCorrection(corr, "class", scope, key, ckey, sorted({r["hostname"] or "?" for r in used}),
+                                   sorted({r["run_id"] for r in used}), spread)
+    return FoundCorrection({}, None, None, None, ckey)
+
+
+def widen_by_host_spread(corr: dict[str, Correction], rows: list[dict]) -> dict[str, int]:
+    """Per stage, the spread between hosts (max - min of each host's mean residual against the pooled
+    fit), added to the correction's p95 residual in place; returns the spreads."""
+    spreads = {}
+    for stage, c in corr.items():
+        by_host: dict[str, list[float]] = {}
+        for r in rows:
+            if r["stage"] != stage or r.get("status") != "ok" or r["measured_peak_bytes"] is None \
+                    or r["estimated_bytes"] is None or not comparable_estimate(r):
+                continue
+            residual = r["measured_peak_bytes"] - r["estimated_bytes"] - c.at(r["ctx"] * r["batch"])
+            by_host.setdefault(r["hostname"] or "?", []).append(residual)
+        means = [sum(v) / len(v) for v in by_host.values()]
+        spread = int(round(max(means) - min(means))) if len(means) > 1 else 0
+        c.residual_p95_bytes += spread
+        spreads[stage] = spread
+    return spreads
+
+
+def lookup(store: Store, fingerprint: dict, quant: str, config_hash: str | None) -> CorrectionSet:
+    """The recorded corrections of the most specific scope that has any: this machine's, else its
+    machine class's across hosts; empty when none."""
+    return find_correction(store, fingerprint, quant, config_hash).as_set()
+
+
+@dataclass
+class ClassSummary:
+    machine_class: str
+    label: str
+    hosts: list[str]
+    machines: int
+    runs: int
+    ok: int
+    ooms: int
+    failed: int
+    interrupted: int
+    corrections: dict[str, dict]  # per stage: intercept, slope, n_runs, p50, p95 (widened), host spread
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def class_summary(store: Store) -> list[ClassSummary]:
+    """Per machine class: hosts, runs, OOMs, and the class-wide correction with its band per stage
+    (every finished run of the class, any model: the least specific scope)."""
+    out = []
+    for row in store.class_counts():
+        key = row["class_key"]
+        rows = store.stage_rows(class_key=key)
+        corr = fit_corrections(rows)
+        spread = widen_by_host_spread(corr, rows)
+        hosts = sorted({m["hostname"] or "?" for m in store.machines(class_key=key)})
+        out.append(ClassSummary(
+            key, class_label(key), hosts, int(row["machines"]), int(row["runs"]), int(row["ok"]), int(row["ooms"]),
+            int(row["failed"]), int(row["interrupted"]),
+            {stage: {"intercept_bytes": c.intercept_bytes, "slope_bytes_per_token": c.slope_bytes_per_token,
+                     "n_runs": c.n_runs, "residual_p50_bytes": c.residual_p50_bytes,
+                     "residual_p95_bytes": c.residual_p95_bytes, "host_spread_bytes": spread[stage]}
+             for stage, c in corr.items()}))
+    return out
+
+
+# ------------------------------------------------------------------------------------ for an estimate
+
+def _lookup_store(db: str | None) -> tuple[Store | None, str | None]:
+    """The records database for a lookup, read-only and quickly: (store or None, why not)."""
+    try:
+        return open_existing(db, timeout_s=LOOKUP_TIMEOUT_S), None
+    except UserError as exc:
+        return None, f"no correction applied: {exc}"
 
 
 def machine_correction(device: str, quant: str, config_hash: str | None, db: str | None = None) -> CorrectionSet:
-    """This machine's correction for an estimate on ``device``, read without writing anything."""
+    """This machine's correction for an estimate on ``device``, read without writing anything. A
+    records database that cannot be read (a server that does not answer within
+    :data:`LOOKUP_TIMEOUT_S`, a damaged file) gives no correction and says why (``CorrectionSet.note``)."""
     from ..probes.machine import machine_fingerprint
 
-    store = existing_store(db)
+    store, why = _lookup_store(db)
     if store is None:
-        return CorrectionSet({})
-    fp = machine_fingerprint("cpu" if str(device).startswith("cpu") else (device if ":" in device else "cuda:0"))
-    with store:
-        return lookup(store, fp, quant, config_hash)
+        return CorrectionSet({}, note=why)
+    fp = machine_fingerprint("cpu" if device_kind(device) == "cpu" else (device if ":" in device else "cuda:0"))
+    try:
+        with store:
+            return lookup(store, fp, quant, config_hash)
+    except UserError as exc:
+        return CorrectionSet({}, note=f"no correction applied: {exc}")
+
+
+def machine_device_corrections(e, db: str | None = None) -> tuple[dict[str, CorrectionSet], str | None]:
+    """This machine's per-device-position corrections for a placed estimate (empty when none), and why
+    none could be read, if so."""
+    from ..probes.machine import machine_fingerprint
+
+    gpus = [d for d in (e.devices or {}) if d.startswith("cuda")]
+    if not gpus:
+        return {}, None
+    store, why = _lookup_store(db)
+    if store is None:
+        return {}, why
+    fp = machine_fingerprint(e.main_device)
+    try:
+        with store:
+            return {d: lookup_device(store, fp, d, e.quant, e.config_hash) for d in gpus}, None
+    except UserError as exc:
+        return {}, f"no correction applied: {exc}"
 
 
 def corrected_estimate(model, quant: str = "auto", ctx: int | None = None, batch: int = 1, *, db: str | None = None,
@@ -96,17 +379,10 @@ def corrected_estimate(model, quant: str = "auto", ctx: int | None = None, batch
     from ..estimator.estimate import estimate
 
     raw = estimate(model, quant, ctx, batch, device=device, **kwargs)
+    if raw.devices:
+        per, why = machine_device_corrections(raw, db)
+        out = raw.corrected_devices(per)
+        if why:
+            out.notes.append(why)
+        return out
     return raw.corrected(machine_correction(device, raw.quant, raw.config_hash, db))
-
-
-def machine_device_corrections(e, db: str | None = None) -> dict[str, CorrectionSet]:
-    """This machine's per-device-position corrections for a placed estimate (empty sets when none)."""
-    from ..probes.machine import machine_fingerprint
-
-    store = existing_store(db)
-    gpus = [d for d in (e.devices or {}) if d.startswith("cuda")]
-    if store is None or not gpus:
-        return {}
-    fp = machine_fingerprint((e.placement or {}).get("main_device") or gpus[0])
-    with store:
-        return {d: lookup_device(store, fp, d, e.quant, e.config_hash) for d in gpus}

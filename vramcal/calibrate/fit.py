@@ -9,20 +9,47 @@ correction of its device position when this machine has one.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 from ..estimator.correction import apply
 from ..estimator.estimate import Estimator, placement_request
 from ..estimator.quant import resolve_quant
-from ..estimator.resolve import resolve_model, text_config
-from ..workload import MAX_TOKENS, NEW_TOKENS, STAGES, Workload
-from .corrections import existing_store, lookup, lookup_device
+from ..estimator.resolve import resolve_model, size_field, text_config
+from ..records.store import open_existing
+from ..workload import MAX_TOKENS, NEW_TOKENS, STAGES, Workload, device_kind
+from .corrections import lookup, lookup_device
 
 FIT_QUANTS = ("bf16", "int8", "nf4-dq", "nf4")
 FIT_BATCHES = (1, 2, 4, 8)
 
 
+@dataclass
+class FitRow:
+    """The largest context of one quantization and batch within the budget (``max_ctx`` None: not even the
+    shortest fits, or the placement is impossible, said in ``error``)."""
+
+    quant: str
+    batch: int
+    max_ctx: int | None
+    new_tokens: int
+    peak_bytes: int | None
+    device_peaks: dict[str, int] | None = None  # a placement: each GPU's peak at max_ctx
+    error: str | None = None
+
+    @property
+    def workload(self) -> list[str] | None:
+        """The flags that reproduce the row's workload, when it has one."""
+        if self.max_ctx is None:
+            return None
+        return Workload(self.max_ctx - self.new_tokens, self.new_tokens, self.batch).args()
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "workload": self.workload}
+
+
 def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: str | None, buffer: int,
                  quants=FIT_QUANTS, batches=FIT_BATCHES, new_tokens: int = NEW_TOKENS,
-                 max_memory: dict | str | None = None, device_map: str | None = None) -> list[dict]:
+                 max_memory: dict | str | None = None, device_map: str | None = None) -> list[FitRow]:
     """The largest ctx (prompt + ``new_tokens``) per quant and batch whose corrected estimate, at the p95
     of this machine's residuals, stays within ``budget - buffer``; searched up to the model's
     ``max_position_embeddings``. ``budget`` is one figure, or with a placement one per GPU
@@ -35,7 +62,7 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
     fp = machine_fingerprint(main)
     gpus = [d for d in placed[0] if d.startswith("cuda")] if placed else [device]
     corr_by_quant: dict[str, dict[str, dict]] = {}
-    store = existing_store(db)
+    store = open_existing(db)
     if store is not None:
         with store:
             for q in quants:
@@ -44,8 +71,8 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
                 else:
                     corr_by_quant[q] = {d: lookup_device(store, fp, d, q, source.config_hash).stages for d in gpus}
     budgets = budget if isinstance(budget, dict) else {d: budget for d in gpus}
-    max_ctx = min(int(text_config(source.config).get("max_position_embeddings") or 131072), MAX_TOKENS)
-    kind = "cpu" if device.startswith("cpu") else "cuda"
+    max_ctx = min(int(size_field(text_config(source.config), "max_position_embeddings") or 131072), MAX_TOKENS)
+    kind = device_kind(device)
     rows = []
     for q in quants:
         spec = resolve_quant(q, source.config)
@@ -58,8 +85,7 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
             try:
                 plan = plan_placement(source, spec, placed[0], placed[1])
             except UserError as exc:  # e.g. no layer of this quantization fits the GPUs: said in the row
-                rows += [{"quant": q, "batch": b, "max_ctx": None, "new_tokens": new_tokens, "peak_bytes": None,
-                          "error": str(exc)} for b in batches]
+                rows += [FitRow(q, b, None, new_tokens, None, error=str(exc)) for b in batches]
                 continue
         corr = corr_by_quant.get(q, {})
 
@@ -68,8 +94,8 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
             pt = est.sweep([(c, b)], new_tokens=new_tokens, placement=plan)[0]
             # a CPU range (glibc heap kept run to run) is planned at its top until this machine has measured
             # where its runs land (a correction, with its p95 margin)
-            raw = pt["upper"] if "upper" in pt and not corr.get(device) else pt
-            per = pt["devices"] if plan is not None else {device: {k: raw[k] for k in STAGES}}
+            raw = pt.upper if pt.upper is not None and not corr.get(device) else pt.stages
+            per = pt.devices if plan is not None else {device: {k: raw[k] for k in STAGES}}
             peaks = {d: max(apply({k: st[k] for k in STAGES}, c * b, corr.get(d, {}), margin="p95").values())
                      for d, st in per.items() if d.startswith("cuda") or plan is None}
             return any(p > budgets.get(d, 0) - buffer for d, p in peaks.items()), max(peaks.values()), peaks
@@ -78,8 +104,7 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
             lo, hi = new_tokens + 1, max(max_ctx, new_tokens + 1)
             bad, peak, per = over(lo, b)
             if bad:
-                rows.append({"quant": q, "batch": b, "max_ctx": None, "new_tokens": new_tokens, "peak_bytes": peak,
-                             **({"device_peaks": per} if plan is not None else {})})
+                rows.append(FitRow(q, b, None, new_tokens, peak, per if plan is not None else None))
                 continue
             while lo < hi:  # largest ctx within every budget
                 mid_c = (lo + hi + 1) // 2
@@ -88,7 +113,5 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
                 else:
                     hi = mid_c - 1
             _, peak, per = over(lo, b)
-            rows.append({"quant": q, "batch": b, "max_ctx": lo, "new_tokens": new_tokens, "peak_bytes": peak,
-                         "workload": Workload(lo - new_tokens, new_tokens, b).args(),
-                         **({"device_peaks": per} if plan is not None else {})})
+            rows.append(FitRow(q, b, lo, new_tokens, peak, per if plan is not None else None))
     return rows

@@ -36,6 +36,7 @@ Each proposal carries its corrected estimate (at the p95 of this machine's resid
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 from ..errors import UserError
@@ -44,9 +45,8 @@ from ..estimator.estimate import Estimator
 from ..estimator.quant import resolve_quant
 from ..estimator.resolve import ModelSource
 from ..units import MIB, fmt_gib_gb
-from ..workload import Configuration, Workload
+from ..workload import POLICIES, Configuration, Workload, device_kind
 
-POLICIES = ("quality", "context", "throughput")
 # Weight quantizations from most to least memory: what "lower the quantization" steps through
 QUANT_LADDER = ("fp32", "bf16", "int8", "nf4-dq", "nf4")
 
@@ -118,14 +118,39 @@ def ladder(quant: str, work: Workload, prefer: str, requantize: bool = True,
     return [Step(*s) for s in steps]
 
 
+@dataclass
+class Proposal:
+    """One next configuration to try, with its corrected estimate (p95 margin) and the command that
+    tries it; an offload proposal also has its weight budget per device, the map it gives and what each
+    generated token copies over PCIe."""
+
+    quant: str
+    ctx: int
+    batch: int
+    new_tokens: int
+    kv_dtype: str
+    change: str
+    corrected_peak_bytes: int
+    raw_peak_bytes: int
+    command: str
+    max_memory: dict[str, int] | None = None
+    device_map: dict[str, str] | None = None
+    grouped: list[str] | None = None
+    pcie_bytes_per_token: int | None = None
+    warning: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 def propose(source: ModelSource, quant: str, work: Workload, usable: int, corrections_for, prefer: str,
             device: str, attn: str = "auto", synthetic: bool = False, limit: int = 3,
-            requantize: bool = True, cpu_bytes: int | None = None) -> list[dict]:
+            requantize: bool = True, cpu_bytes: int | None = None) -> list[Proposal]:
     """Concrete next configurations, in the policy's order, whose corrected estimate (p95 margin) fits
     ``usable`` bytes; ``corrections_for(quant)`` gives this machine's corrections for a quantization.
     ``cpu_bytes``: RAM available for offloaded layers (no offload rung when None or on the CPU)."""
     estimators: dict[tuple[str, str], Estimator] = {}
-    kind = "cpu" if device.startswith("cpu") else "cuda"
+    kind = device_kind(device)
 
     def estimator(q: str, kv: str = "auto") -> Estimator:
         if (q, kv) not in estimators:
@@ -168,17 +193,15 @@ def propose(source: ModelSource, quant: str, work: Workload, usable: int, correc
         if peak <= usable:
             cfg = Configuration(source.name, w, quant=q, device=device, kv_dtype=kv, attn=attn, synthetic=synthetic,
                                 max_memory=max_memory)
-            row = {"quant": q, "ctx": w.ctx, "batch": w.batch, "new_tokens": w.new_tokens, "kv_dtype": kv,
-                   "change": what, "corrected_peak_bytes": peak, "raw_peak_bytes": e.peak,
-                   "command": cfg.command("check")}
+            row = Proposal(q, w.ctx, w.batch, w.new_tokens, kv, what, peak, e.peak, cfg.command("check"))
             if plan is not None:
-                loads = plan.alternative if plan.refused and plan.alternative else plan
-                row.update(max_memory=max_memory, device_map=dict(loads.device_map), grouped=loads.grouped(),
-                           pcie_bytes_per_token=loads.pcie_bytes_per_token,
-                           warning=f"slow: every generated token copies {fmt_gib_gb(loads.pcie_bytes_per_token)} of "
-                                   f"offloaded weights over PCIe to {loads.main_device}"
-                                   + (f"; they stay unquantized ({loads.weights.get('cpu', 0):,} bytes in RAM)"
-                                      if plan.refused else ""))
+                loads = plan.loads
+                row.max_memory, row.device_map, row.grouped = max_memory, dict(loads.device_map), loads.grouped()
+                row.pcie_bytes_per_token = loads.pcie_bytes_per_token
+                row.warning = (f"slow: every generated token copies {fmt_gib_gb(loads.pcie_bytes_per_token)} of "
+                               f"offloaded weights over PCIe to {loads.main_device}"
+                               + (f"; they stay unquantized ({loads.weights.get('cpu', 0):,} bytes in RAM)"
+                                  if plan.refused else ""))
             out.append(row)
             if len(out) >= limit:
                 break
@@ -186,7 +209,7 @@ def propose(source: ModelSource, quant: str, work: Workload, usable: int, correc
 
 
 def _offloaded_layers(plan) -> str:
-    loads = plan.alternative if plan.refused and plan.alternative else plan
+    loads = plan.loads
     n = sum(1 for d in loads.layer_devices if d in ("cpu", "disk"))
     return f"{n} of {len(loads.layers)} layers" if n else "the modules that do not fit"
 
@@ -209,7 +232,7 @@ def offload_step(est: Estimator, w: Workload, usable: int, corrections, device: 
         e = est.estimate(batch=w.batch, prompt=w.prompt, new_tokens=w.new_tokens, exact=False, placement=plan)
         if "cpu" not in e.devices and "disk" not in e.devices:
             return None  # nothing spilled: the plain rungs already cover this
-        peak = max(apply(e.devices[device]["stages"], w.tokens, corrections.stages, margin="p95").values())
+        peak = max(apply(e.devices[device].stages, w.tokens, corrections.stages, margin="p95").values())
         if peak <= usable:
             return e, peak, mm, plan
         share -= peak - usable + MIB

@@ -33,6 +33,7 @@ class CorrectionSet:
     stages: dict[str, Correction]
     scope: str = ""  # e.g. "this machine, same model and quant"
     hosts: list[str] = field(default_factory=list)
+    note: str | None = None  # why no correction could be had (the records could not be read)
 
     def __bool__(self) -> bool:
         return bool(self.stages)

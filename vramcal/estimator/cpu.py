@@ -53,13 +53,12 @@ LLM.int8's CPU matmul (part of ``heap_retained`` at ``first_token`` / ``end``)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from ..units import MIB
+from .checkpoint import stored_layout
 from .quant import DTYPE_BYTES, config_dtype
-from .resolve import checkpoint_tensors, text_config
+from .resolve import text_config
 
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MIB  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit glibc
 
@@ -89,7 +88,8 @@ class CpuInputs:
     ``quantized_elements``: element count of every weight bitsandbytes quantizes (one entry per
     tensor); ``checkpoint_bytes``: bytes of the tensors in the safetensors files as stored;
     ``checkpoint_elem_bytes``: their element size (2 for a bf16 checkpoint); ``load_elem_bytes``:
-    the load dtype's; ``loaded_tensor_bytes``: anonymous bytes the loader allocates (see
+    the load dtype's; ``converts``: whether the load converts the stored dtype to another (bf16 to
+    fp16 converts although both take 2 bytes); ``loaded_tensor_bytes``: anonymous bytes the loader allocates (see
     :func:`loaded_tensor_bytes`); ``untouched_bytes``: checkpoint bytes a forward never reads (the
     rows of an untied input embedding no prompt token selects); ``merged_bytes``: checkpoint bytes the
     loader reads and copies into new tensors although their dtype stays (per-expert MoE weights that
@@ -101,6 +101,7 @@ class CpuInputs:
     checkpoint_elem_bytes: int
     load_elem_bytes: int
     loaded_tensor_bytes: int
+    converts: bool = False
     quantized_elements: tuple[int, ...] = ()
     untouched_bytes: int = 0
     merged_bytes: int = 0
@@ -113,9 +114,6 @@ class CpuStages:
     lower: dict[str, int]  # the same with no heap kept (what MALLOC_MMAP_THRESHOLD_=131072 measures)
     terms: dict[str, dict[str, int]]  # stage -> {term: bytes}, typical
     notes: list[str] = field(default_factory=list)
-    # checkpoint pages read once at load and never again (the sources of quantized, converted or merged
-    # weights): clean file-backed pages the kernel may drop under memory pressure without a re-read
-    cold_pages: int = 0
 
 
 def cpu_inputs(inv, quant, source, tokens: int) -> CpuInputs:
@@ -127,10 +125,12 @@ def cpu_inputs(inv, quant, source, tokens: int) -> CpuInputs:
     method = quant.method if on_the_fly else "none"
     load_el = DTYPE_BYTES.get(inv.dtype, 2)
     stored = stored_layout(source)
-    stored_el = DTYPE_BYTES.get(stored.dtype or config_dtype(source.config), load_el)
+    stored_dtype = stored.dtype or config_dtype(source.config)
+    stored_el = DTYPE_BYTES.get(stored_dtype, load_el)
     # every parameter is stored once in the checkpoint (tied ones once, untied copies counted in params)
     checkpoint = inv.params * stored_el if not quant.pre_quantized else inv.tensor_bytes
-    converts = stored_el != load_el and not quant.pre_quantized
+    # a dtype conversion copies every tensor, whatever the element sizes (bf16 -> fp16 is 2 -> 2 bytes)
+    converts = stored_dtype != inv.dtype and not quant.pre_quantized
     elements = tuple(o * i for o, i, n in (inv.quantized_shapes if on_the_fly else ()) for _ in range(n))
     experts = inv.groups.get("experts", 0)
     merged = experts // load_el * stored_el if experts and not stored.fused_experts and not converts else 0
@@ -143,34 +143,7 @@ def cpu_inputs(inv, quant, source, tokens: int) -> CpuInputs:
     loaded = loaded_tensor_bytes(method, inv.groups, inv.tensor_bytes, converts)
     return CpuInputs(method=method, checkpoint_bytes=checkpoint, checkpoint_elem_bytes=stored_el,
                      load_elem_bytes=load_el, untouched_bytes=untouched, quantized_elements=elements,
-                     merged_bytes=merged, loaded_tensor_bytes=loaded + (experts if merged else 0))
-
-
-@dataclass(frozen=True)
-class StoredLayout:
-    dtype: str | None  # the floating dtype holding most of the checkpoint's elements; None without files
-    fused_experts: bool  # MoE expert weights stored as 3-D tensors (else one 2-D tensor per expert)
-
-
-def stored_layout(source) -> StoredLayout:
-    """How the checkpoint stores its tensors, from its safetensors headers (no tensor is read). A source
-    without files (a catalog config, a synthetic probe) is stored as the config says, per expert (how
-    the Hub's MoE checkpoints and transformers' own save_pretrained write them)."""
-    if not source.weight_files:
-        return StoredLayout(None, False)
-    return _stored_layout(tuple(source.weight_files))
-
-
-@lru_cache(maxsize=8)
-def _stored_layout(files: tuple[str, ...]) -> StoredLayout:
-    """Read once per process: ``fit`` and ``sweep`` ask at every point of their search."""
-    elements: dict[str, int] = {}
-    fused = False
-    for name, (dtype, shape) in checkpoint_tensors(files).items():
-        if dtype.startswith(("float", "bfloat")):
-            elements[dtype] = elements.get(dtype, 0) + math.prod(shape)
-        fused = fused or ("expert" in name and len(shape) == 3)
-    return StoredLayout(max(elements, key=elements.get) if elements else None, fused)
+                     merged_bytes=merged, loaded_tensor_bytes=loaded + (experts if merged else 0), converts=converts)
 
 
 def out_features(inv) -> tuple[int, ...]:
@@ -228,7 +201,7 @@ def cpu_resident_stages(inp: CpuInputs, *, kv_prompt: int, kv_end: int, prefill_
     LLM.int8's prefill term uses it)."""
     m = inp.method
     on_the_fly = m in ("bnb4", "bnb8")
-    converts = inp.checkpoint_elem_bytes != inp.load_elem_bytes
+    converts = inp.converts
     q_src = sum(inp.quantized_elements) * inp.checkpoint_elem_bytes
     if converts:
         pages_load = inp.checkpoint_bytes
@@ -280,4 +253,4 @@ def cpu_resident_stages(inp: CpuInputs, *, kv_prompt: int, kv_end: int, prefill_
     stages, terms = build(RETENTION_TYPICAL, int8_first)
     upper, _ = build(1.0, int8_most)
     lower, _ = build(0.0, 0)
-    return CpuStages(stages=stages, upper=upper, lower=lower, terms=terms, notes=notes, cold_pages=cold)
+    return CpuStages(stages=stages, upper=upper, lower=lower, terms=terms, notes=notes)

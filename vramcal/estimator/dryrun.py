@@ -188,7 +188,7 @@ def cuda_kernels(model, quant_method: str, compute_dtype, target: str = "cuda"):
     patched = []
     bnb = None
     if quant_method in ("bnb4", "bnb8"):
-        from .inventory import import_bitsandbytes
+        from .meta import import_bitsandbytes
 
         bnb = import_bitsandbytes()
     if bnb is not None:
@@ -282,7 +282,7 @@ class DryRunner:
 
         self.target = target
         from ..errors import UserError
-        from .inventory import build_meta_model
+        from .meta import build_meta_model
 
         self.cache_kind = cache
         self.kv_dtype = kv_dtype

@@ -11,21 +11,20 @@ be imported or does not know the architecture; layout formulas for pre-quantized
 libraries are not installed (GPTQ, AWQ, fp8) unless the checkpoint's safetensors headers are present,
 in which case the stored tensors are counted as stored.
 
-The result is cached on disk, keyed by config hash, quantization and software versions, so a later
-estimate of the same model needs no torch import (:func:`load_cached`).
+The result is cached on disk (:mod:`vramcal.estimator.cache`), so a later estimate of the same model
+needs no torch import. The model itself is built by :mod:`vramcal.estimator.meta`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
-from pathlib import Path
 
 from ..errors import UserError
+from ..versions import software_versions
+from .cache import CACHE_PROBLEMS, load_cached, store_cached
+from .checkpoint import checkpoint_tensors, tensor_bytes
+from .meta import UnknownArchitecture, build_meta_model, import_bitsandbytes
 from .quant import (
     DTYPE_BYTES,
     QuantSpec,
@@ -34,9 +33,7 @@ from .quant import (
     ceil_div,
     packed_int_tensors,
 )
-from .resolve import ModelSource, checkpoint_tensors, tensor_bytes, text_config
-
-INVENTORY_VERSION = 3  # 2: payloads wrapped with key and sha256; 3: quantized_shapes
+from .resolve import ModelSource, text_config
 GROUPS = ("quantized", "quant_state", "embeddings", "lm_head", "experts", "norms", "dense", "buffers")
 
 
@@ -51,7 +48,6 @@ class Inventory:
     tensor_bytes: int  # exact bytes of every tensor held after load
     alloc_sizes: dict[int, int]  # {tensor bytes: how many tensors}, for allocator rounding
     groups: dict[str, int]  # bytes per group (GROUPS)
-    unquantized_linear: list[str]  # linear-like weights the quantizer left in 16-bit, by module path pattern
     largest_source_bytes: int  # bytes of the largest weight as read from the checkpoint before conversion
     warmup_bytes: int | None  # what transformers' caching_allocator_warmup pre-reserves, None if not known
     method: str  # meta | checkpoint | formula
@@ -72,130 +68,6 @@ class Inventory:
         d = dict(d)
         d["alloc_sizes"] = {int(k): v for k, v in d["alloc_sizes"].items()}
         return cls(**d)
-
-
-# --------------------------------------------------------------------------------------------- cache
-
-STACK = ("torch", "transformers", "bitsandbytes", "accelerate")
-
-
-def software_versions() -> dict[str, str | None]:
-    """Installed versions of the stack that lays memory out (no import, so no torch start-up cost).
-    Read once per process: every cache key and record carries them, and a cached estimate must stay
-    fast (docs/performance.md)."""
-    return dict(_versions())
-
-
-@lru_cache(maxsize=1)
-def _versions() -> tuple[tuple[str, str | None], ...]:
-    found = dist_info_versions(STACK)
-    missing = [n for n in STACK if n not in found]
-    if missing:  # an egg-info, editable or odd install: ask importlib.metadata (50 ms to import)
-        from importlib import metadata
-
-        for name in missing:
-            try:
-                found[name] = metadata.version(name)
-            except metadata.PackageNotFoundError:
-                found[name] = None
-    return tuple((n, found[n]) for n in STACK)
-
-
-def dist_info_versions(names) -> dict[str, str]:
-    """Versions from the ``NAME-VERSION.dist-info`` folder names on ``sys.path`` (the wheel spec's
-    layout), first match in path order as importlib.metadata finds them. A name with two such folders in
-    one directory, or none, is left out for importlib.metadata to settle."""
-    import sys
-
-    want = {n.lower().replace("-", "_"): n for n in names}
-    found: dict[str, str] = {}
-    for entry in sys.path:
-        try:
-            listing = os.listdir(entry or ".")
-        except OSError:
-            continue
-        here: dict[str, list[str]] = {}
-        for item in listing:
-            if item.endswith(".dist-info"):
-                name, _, version = item[:-len(".dist-info")].partition("-")
-                key = name.lower().replace("-", "_").replace(".", "_")
-                if key in want and want[key] not in found and version:
-                    here.setdefault(want[key], []).append(version)
-        for name, versions in here.items():
-            if len(versions) == 1:
-                found[name] = versions[0]
-            else:
-                found[name] = None  # ambiguous here: placeholder so later entries do not win
-        if len(found) == len(want):
-            break
-    return {k: v for k, v in found.items() if v is not None}
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("VRAMCAL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vramcal")
-    return Path(root)
-
-
-def _cache_key(source: ModelSource, quant: QuantSpec, kind: str) -> str:
-    return json.dumps([INVENTORY_VERSION, kind, source.config_hash, quant.key(), software_versions(),
-                       [os.path.basename(f) for f in source.weight_files]], sort_keys=True)
-
-
-def _cache_path(source: ModelSource, quant: QuantSpec, kind: str) -> Path:
-    import hashlib
-
-    key = _cache_key(source, quant, kind)
-    return cache_dir() / kind / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
-
-
-def _digest(payload) -> str:
-    import hashlib
-
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-# Problems found in cache files during this process, reported as notes by whoever reads them.
-CACHE_PROBLEMS: list[str] = []
-
-
-def load_cached(source: ModelSource, quant: QuantSpec, kind: str = "inventory") -> dict | None:
-    """The cached payload, or None. A file is trusted only if it parses, names this cache's schema,
-    key and kind, and its payload matches its sha256; anything else is ignored (and recomputed by the
-    caller), and the reason is kept in :data:`CACHE_PROBLEMS`."""
-    path = _cache_path(source, quant, kind)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        CACHE_PROBLEMS.append(f"cache file {path} unreadable ({exc.strerror}); recomputed")
-        return None
-    try:
-        doc = json.loads(raw)
-        ok = (isinstance(doc, dict) and doc.get("schema") == INVENTORY_VERSION and doc.get("kind") == kind
-              and doc.get("key") == _cache_key(source, quant, kind) and doc.get("sha256") == _digest(doc.get("payload")))
-    except (ValueError, UnicodeDecodeError):
-        ok = False
-    if not ok or not isinstance(doc.get("payload"), dict):
-        CACHE_PROBLEMS.append(f"cache file {path} was damaged or altered (checksum or schema mismatch); recomputed")
-        return None
-    return doc["payload"]
-
-
-def store_cached(source: ModelSource, quant: QuantSpec, data: dict, kind: str = "inventory") -> None:
-    """Write a payload with its key and checksum, atomically (temp file + rename)."""
-    path = _cache_path(source, quant, kind)
-    doc = {"schema": INVENTORY_VERSION, "kind": kind, "key": _cache_key(source, quant, kind),
-           "sha256": _digest(data), "payload": data}
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, path)
-    except OSError:  # a cache that cannot be written only costs time
-        with contextlib.suppress(OSError):
-            tmp.unlink()
 
 
 def inventory(source: ModelSource, quant: QuantSpec, use_cache: bool = True, progress=None) -> Inventory:
@@ -228,142 +100,10 @@ def _compute(source: ModelSource, quant: QuantSpec) -> Inventory:
         inv = formula_inventory(source, quant)
         inv.notes.append(f"transformers could not be used ({exc}); weights from a formula")
         return inv
-    except _UnknownArchitecture as exc:
+    except UnknownArchitecture as exc:
         inv = formula_inventory(source, quant)
         inv.notes.append(f"the installed transformers does not know this architecture ({exc}); weights from a formula")
         return inv
-
-
-class _UnknownArchitecture(Exception):
-    pass
-
-
-# ---------------------------------------------------------------------------------------- meta model
-
-def clean_config(config: dict) -> dict:
-    """A deep copy without vramcal's own keys: transformers' config classes edit nested dicts in place
-    (``rope_scaling``), and the caller's config must stay as read, or its hash would change."""
-    import copy
-
-    return copy.deepcopy({k: v for k, v in config.items() if not k.startswith("_vramcal")})
-
-
-def import_bitsandbytes():
-    """Import bitsandbytes without compiling its kernels.
-
-    bitsandbytes wraps several CPU kernels in ``torch.compile`` at import time, which loads dynamo and
-    inductor: about 1.9 s on two cores, more than the whole meta inventory of a 70B model. The
-    estimator never runs those kernels, so the first import here swaps ``torch.compile`` for the
-    identity; the kernels behave the same, uncompiled, if this process later runs them. A process that
-    imported bitsandbytes earlier keeps its compiled kernels."""
-    import sys
-
-    if "bitsandbytes" in sys.modules:
-        return sys.modules["bitsandbytes"]
-    import torch
-
-    real_compile = torch.compile
-
-    def identity(fn=None, **_kwargs):
-        return fn if fn is not None else (lambda f: f)
-
-    torch.compile = identity
-    try:
-        import bitsandbytes
-    finally:
-        torch.compile = real_compile
-    return bitsandbytes
-
-
-_META_MODELS: dict[tuple, tuple] = {}  # the last few meta models built in this process
-
-
-def build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None = None, device=None, *,
-                     device_map=None, bnb_extra: dict | None = None):
-    """The installed transformers' model for ``source``, on ``meta`` (or under ``device``, e.g. a fake
-    mode), with the quantizer's module replacement applied. Returns ``(model, hf_quantizer, dtype)``.
-
-    ``device_map`` is what ``from_pretrained`` hands the quantizer's ``preprocess_model`` (a custom map
-    changes which modules bitsandbytes converts); ``bnb_extra`` adds ``BitsAndBytesConfig`` arguments
-    (``llm_int8_enable_fp32_cpu_offload``).
-
-    A meta model holds no memory, so the plain one the inventory counted is kept and handed to the dry
-    run of the same model, quantization and attention (building it is most of an inventory's cost)."""
-    plain = device is None and device_map is None and not bnb_extra
-    key = (source.config_hash, quant.key(), attn)
-    if plain and key in _META_MODELS:
-        return _META_MODELS[key]
-    out = _build_meta_model(source, quant, attn, device, device_map, bnb_extra)
-    if plain:
-        while len(_META_MODELS) >= 4:
-            _META_MODELS.pop(next(iter(_META_MODELS)))
-        _META_MODELS[key] = out
-    return out
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
-
-
-def _known_model_types() -> set[str]:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    return set(CONFIG_MAPPING_NAMES)
-
-
-def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, device, device_map, bnb_extra):
-    import torch
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    raw = clean_config(source.config)
-    if quant.method in ("bnb4", "bnb8") and not quant.pre_quantized:
-        raw.pop("quantization_config", None)
-    elif quant.method == "none":
-        raw.pop("quantization_config", None)
-    model_type = raw.get("model_type")
-    try:
-        cfg = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
-    except (ValueError, KeyError) as exc:
-        if model_type in _known_model_types():  # a known architecture whose config transformers rejects
-            raise UserError(f"{source.name}: transformers rejects this {model_type} config "
-                            f"({_first_line(exc)}): fix the config.json") from None
-        raise _UnknownArchitecture(f"model_type {model_type!r} is not one this transformers knows") from None
-    except (TypeError, AttributeError, StrictDataclassError) as exc:  # a field of the wrong kind (rope_scaling: "yes")
-        raise UserError(f"{source.name}: transformers rejects this config ({_first_line(exc)}): "
-                        "fix the config.json") from None
-    dtype = getattr(torch, quant.dtype)
-    hf_quantizer = None
-    if quant.method in ("bnb4", "bnb8"):
-        import_bitsandbytes()
-        from transformers import BitsAndBytesConfig
-        from transformers.quantizers.auto import AutoHfQuantizer
-
-        kwargs = {**quant.bnb_config_kwargs(), **(bnb_extra or {})}
-        if "bnb_4bit_compute_dtype" in kwargs:
-            kwargs["bnb_4bit_compute_dtype"] = dtype
-        hf_quantizer = AutoHfQuantizer.from_config(BitsAndBytesConfig(**kwargs), pre_quantized=quant.pre_quantized)
-        dtype = hf_quantizer.update_dtype(dtype)
-    ctx = device if device is not None else torch.device("meta")
-    try:
-        with ctx:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **({"attn_implementation": attn} if attn else {}))
-    except ValueError as exc:
-        raise _UnknownArchitecture(str(exc).splitlines()[0]) from None
-    if hf_quantizer is not None:
-        # from_pretrained runs the module replacement inside ``local_torch_dtype``: the new Linear layers
-        # create their bias in the load dtype, not float32 (device maps size them so)
-        before = torch.get_default_dtype()
-        try:
-            if dtype.is_floating_point:
-                torch.set_default_dtype(dtype)
-            with torch.device("meta"):
-                hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map=device_map, checkpoint_files=None,
-                                              use_kernels=False)
-        finally:
-            torch.set_default_dtype(before)
-    return model, hf_quantizer, dtype
 
 
 def _group(name: str, module, param, output_embeddings, input_embeddings) -> str:
@@ -406,7 +146,6 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
     params = quantized_params = 0
     largest_source = 0
     shapes: Counter[tuple[int, int]] = Counter()
-    unquantized: set[str] = set()
     seen: set[int] = set()
     linear_types = (torch.nn.Linear,)
     for mod_name, module in model.named_modules():
@@ -435,9 +174,6 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
                 note(full, b)
                 sizes[b] += 1
                 groups[_group(full, module, p, out_emb, in_emb)] += b
-                if quant.method in ("bnb4", "bnb8") and pname == "weight" and (
-                        isinstance(module, linear_types) or p.dim() == 3):
-                    unquantized.add(_pattern(full))
                 continue
             quantized_params += n
             shapes[(module.out_features, module.in_features)] += 1
@@ -480,7 +216,7 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
         model_type=tc.get("model_type", "?"), architecture=type(model).__name__, quant_key=quant.key(),
         dtype=str(dtype).removeprefix("torch."), params=params, quantized_params=quantized_params,
         tensor_bytes=sum(k * v for k, v in sizes.items()), alloc_sizes=dict(sizes), groups=groups,
-        unquantized_linear=sorted(unquantized), largest_source_bytes=largest_source, warmup_bytes=warmup,
+        largest_source_bytes=largest_source, warmup_bytes=warmup,
         method="meta", approximate=quant.method not in ("none", "bnb4", "bnb8"), notes=notes,
         software=software_versions(), quantized_shapes=[[o, i, c] for (o, i), c in sorted(shapes.items())])
 
@@ -516,10 +252,6 @@ def _planned_dtype(name: str, plan: dict):
     return None
 
 
-def _pattern(name: str) -> str:
-    return ".".join("*" if part.isdigit() else part for part in name.removesuffix(".weight").split("."))
-
-
 def _warmup_bytes(model, hf_quantizer) -> int | None:
     """What ``caching_allocator_warmup`` would pre-allocate on a single accelerator, or None."""
     try:
@@ -536,18 +268,37 @@ def _warmup_bytes(model, hf_quantizer) -> int | None:
 
 # ------------------------------------------------------------------------------ checkpoint / formula
 
+# Tensors a pre-quantized checkpoint keeps beside its packed weights: quantization state, not parameters
+QUANT_STATE_SUFFIXES = ("scales", "qzeros", "g_idx", "scale_inv", "weight_scale", "input_scale", "SCB", "absmax",
+                        "quant_map", "nested_absmax", "nested_quant_map", "quant_state.bitsandbytes__nf4",
+                        "quant_state.bitsandbytes__fp4")
+PACKED_INT_DTYPES = ("int32",)
+
+
 def checkpoint_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
-    """Count the tensors of a pre-quantized checkpoint as stored (safetensors headers only)."""
+    """Count the tensors of a pre-quantized checkpoint as stored (safetensors headers only). Parameters
+    are the unquantized model's: a packed int32 ``qweight`` holds ``32 / bits`` of them per element, and
+    scales, zeros and indices hold none."""
     tensors = checkpoint_tensors(source.weight_files)
     sizes: Counter[int] = Counter()
     groups = dict.fromkeys(GROUPS, 0)
-    params = 0
+    params = quantized = 0
+    per_int = 32 // (quant.bits or 4)
     for name, (dt, shape) in tensors.items():
         b = tensor_bytes(dt, shape)
+        n = b // DTYPE_BYTES.get(dt, 2)
         sizes[b] += 1
-        if dt in ("int32", "uint8", "int8", "float8_e4m3fn") or name.endswith(("scales", "qzeros", "g_idx", "scale_inv")):
-            groups["quantized" if name.endswith(("qweight", "weight")) else "quant_state"] += b
-        elif "embed" in name:
+        if name.endswith(QUANT_STATE_SUFFIXES):
+            groups["quant_state"] += b
+            continue
+        if name.endswith("qweight") or (dt in ("uint8", "int8", "float8_e4m3fn", "float8_e5m2")
+                                        and name.endswith("weight")):
+            count = n * per_int if dt in PACKED_INT_DTYPES else n
+            groups["quantized"] += b
+            params += count
+            quantized += count
+            continue
+        if "embed" in name:
             groups["embeddings"] += b
         elif "lm_head" in name:
             groups["lm_head"] += b
@@ -555,13 +306,13 @@ def checkpoint_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
             groups["norms"] += b
         else:
             groups["dense"] += b
-        params += b // DTYPE_BYTES.get(dt, 2)
+        params += n
     tc = text_config(source.config)
     return Inventory(
         model_type=tc.get("model_type", "?"), architecture=(tc.get("architectures") or ["?"])[0],
-        quant_key=quant.key(), dtype=quant.dtype, params=params, quantized_params=0,
+        quant_key=quant.key(), dtype=quant.dtype, params=params, quantized_params=quantized,
         tensor_bytes=sum(k * v for k, v in sizes.items()), alloc_sizes=dict(sizes), groups=groups,
-        unquantized_linear=[], largest_source_bytes=max(sizes, default=0), warmup_bytes=None, method="checkpoint",
+        largest_source_bytes=max(sizes, default=0), warmup_bytes=None, method="checkpoint",
         approximate=True, notes=[f"{quant.implementation}: counted from the checkpoint's safetensors headers as stored; "
                                  "kernels that repack at load (exllama, marlin) can differ"],
         software=software_versions())
@@ -614,7 +365,7 @@ def formula_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
         model_type=tc.get("model_type", "?"), architecture=(tc.get("architectures") or ["?"])[0], quant_key=quant.key(),
         dtype=quant.dtype, params=params, quantized_params=qparams * layers,
         tensor_bytes=sum(k * v for k, v in sizes.items()), alloc_sizes=dict(sizes), groups=groups,
-        unquantized_linear=["lm_head", "embed_tokens"], largest_source_bytes=max(inter * h * el, emb),
+        largest_source_bytes=max(inter * h * el, emb),
         warmup_bytes=None, method="formula", approximate=True,
         notes=["weights from a Llama-shaped formula over the config's fields"], software=software_versions(),
         quantized_shapes=[[o, i, layers] for o, i in linears + mlp] if quant.method != "none" else [])

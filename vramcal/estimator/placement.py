@@ -2,11 +2,13 @@
 what each device then holds at every stage (docs/placement.md).
 
 The module -> device map is the installed transformers' own: :func:`plan_placement` builds the same meta
-model the inventory builds (:func:`~vramcal.estimator.inventory.build_meta_model`) and hands it to
-``transformers.integrations.accelerate._get_device_map`` -- the very function ``from_pretrained`` calls
-with ``device_map="auto"|"balanced"|"balanced_low_0"|"sequential"`` and ``max_memory`` -- so balancing,
-the quantizer's ``adjust_max_memory`` (bitsandbytes keeps 10 % back), no-split module classes, tied
-parameters and the quantizer's 0.5 / 1 byte per quantized element are this version's.
+model the inventory builds (:func:`~vramcal.estimator.meta.build_meta_model`) and calls the public
+functions of ``transformers.integrations.accelerate`` in the order ``from_pretrained`` calls them for
+``device_map="auto"|"balanced"|"balanced_low_0"|"sequential"`` with ``max_memory``: ``get_balanced_memory``
+(or ``get_max_memory`` for ``sequential``), the quantizer's ``adjust_max_memory`` (bitsandbytes keeps
+10 % back), ``infer_auto_device_map``, then the quantizer's ``validate_environment``, which refuses
+bitsandbytes modules on cpu / disk. So balancing, no-split module classes, tied parameters and the
+quantizer's 0.5 / 1 byte per quantized element are this version's.
 
 Why this runs for GPUs the machine does not have: with an explicit ``max_memory``, accelerate's
 ``get_max_memory`` keeps the integer (GPU) keys it was given and only logs "Device N is not available";
@@ -17,7 +19,8 @@ the "not available" log line is silenced.
 
 Weights per device are the inventory's own tensor bytes
 (:func:`~vramcal.estimator.inventory.count_meta_model` with ``per_tensor``), each tensor sent to a
-device by transformers' ``expand_device_map``, the function the loader uses.
+device by transformers' ``expand_device_map``, the function the loader uses. What each device then
+holds at every stage is :func:`vramcal.estimator.stages.placed_stages`.
 
 Nothing here imports torch at import time; a plan is JSON and is cached on disk like the inventory.
 """
@@ -30,45 +33,33 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import UserError
 from ..units import fmt_gib_gb, parse_size
+from ..versions import software_versions
+from ..workload import device_name, parse_device
+from .cache import load_cached, store_cached
 from .dryrun import round_alloc
-from .inventory import build_meta_model, load_cached, software_versions, store_cached
+from .meta import build_meta_model
 from .quant import QuantSpec
 from .resolve import ModelSource
-from .runtime import RuntimeProfile, default_profile
 
 PLACEMENT_VERSION = 1
 DEVICE_MAP_CHOICES = ("auto", "balanced", "balanced_low_0", "sequential")
 OFFLOAD_FLAG = "llm_int8_enable_fp32_cpu_offload"
 REFUSAL_START = "Some modules are dispatched on the CPU or the disk"
-_DEVICE_RE = re.compile(r"^(?:cuda:(\d+)|(\d+)|(cpu)|(disk))$")
 
 
 # ----------------------------------------------------------------------------------------- devices
 
-def _fmt(n: int) -> str:
+def fmt_size(n: int) -> str:
     return fmt_gib_gb(n) if n >= 10 * 1024**2 else f"{n:,} bytes"
 
 
-def device_key(name: str) -> int | str:
-    """``cuda:0`` / ``0`` -> 0, ``cpu`` -> "cpu", ``disk`` -> "disk" (accelerate's keys); UserError otherwise."""
-    m = _DEVICE_RE.match(name.strip().lower())
-    if not m:
-        raise UserError(f"unknown device {name!r} in --max-memory: use cuda:N, cpu or disk")
-    gpu = m.group(1) or m.group(2)
-    return int(gpu) if gpu is not None else (m.group(3) or m.group(4))
-
-
-def device_name(key: int | str) -> str:
-    """accelerate's key -> the name vramcal prints and writes to JSON (``cuda:0``, ``cpu``, ``disk``)."""
-    if isinstance(key, int):
-        return f"cuda:{key}"
-    s = str(key)
-    return f"cuda:{s}" if s.isdigit() else s
+def _key(name) -> int | str:
+    """accelerate's key of a device name: ``cuda:0`` -> 0, ``cpu``, ``disk``."""
+    return parse_device(name, placement=True, flag="device in --max-memory").accelerate_key
 
 
 def _device_order(name: str) -> tuple[int, int]:
-    k = device_key(name)
-    return (0, k) if isinstance(k, int) else ((1, 0) if k == "cpu" else (2, 0))
+    return parse_device(name, placement=True).order
 
 
 def parse_max_memory(text: str) -> dict[str, int]:
@@ -81,7 +72,7 @@ def parse_max_memory(text: str) -> dict[str, int]:
         name, sep, size = item.partition("=")
         if not item.strip() or not sep or not name.strip() or not size.strip():
             raise UserError(f"cannot read {item.strip()!r} in --max-memory: write DEVICE=SIZE, e.g. cuda:0=24GiB")
-        dev = device_name(device_key(name))
+        dev = str(parse_device(name, placement=True, flag="device in --max-memory"))
         if dev in out:
             raise UserError(f"--max-memory names {dev} twice: give each device once")
         try:
@@ -91,12 +82,14 @@ def parse_max_memory(text: str) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: _device_order(kv[0])))
 
 
-def _normalise(max_memory: dict | str) -> dict[str, int]:
+def normalise_max_memory(max_memory: dict | str) -> dict[str, int]:
+    """``max_memory`` as text or a dict (``{"cuda:0": bytes or "24GiB", 0: ..., "cpu": ...}``) -> the
+    canonical ``{"cuda:0": bytes, ...}`` in accelerate's order; one-line UserError otherwise."""
     if isinstance(max_memory, str):
         return parse_max_memory(max_memory)
     out: dict[str, int] = {}
     for k, v in max_memory.items():
-        dev = device_name(device_key(str(k)) if not isinstance(k, int) else k)
+        dev = str(parse_device(k, placement=True, flag="device in max_memory"))
         if dev in out:
             raise UserError(f"max_memory names {dev} twice: give each device once")
         if isinstance(v, str):
@@ -150,6 +143,11 @@ class Placement:
     @property
     def gpus(self) -> list[str]:
         return [d for d in self.devices if d.startswith("cuda")]
+
+    @property
+    def loads(self) -> Placement:
+        """The plan that loads: this one, or the alternative that loads instead of a refused one."""
+        return self.alternative if self.refused and self.alternative is not None else self
 
     def grouped(self) -> list[str]:
         """The map as lines: ``embed_tokens, layers 0–17 → cuda:0``, one line per device."""
@@ -224,7 +222,7 @@ def plan_placement(source: ModelSource, quant: QuantSpec, max_memory: dict | str
     no decoder layer fits on any GPU, or modules that would spill to a disk the user did not name."""
     if device_map not in DEVICE_MAP_CHOICES:
         raise UserError(f"unknown --device-map {device_map!r}: choose one of {', '.join(DEVICE_MAP_CHOICES)}")
-    mm = _normalise(max_memory)
+    mm = normalise_max_memory(max_memory)
     if not any(d.startswith("cuda") for d in mm):
         raise UserError("--max-memory names no GPU: give at least one cuda:N=SIZE (the CPU path runs unplaced)")
     if quant.method not in ("none", "bnb4", "bnb8"):
@@ -245,45 +243,53 @@ def plan_placement(source: ModelSource, quant: QuantSpec, max_memory: dict | str
 def _compute(source: ModelSource, quant: QuantSpec, mm: dict[str, int], strategy: str) -> Placement:
     import logging
 
-    import transformers.integrations.accelerate as hf_acc
-
     model, hf_quantizer, dtype = build_meta_model(source, quant)
-    accel_mm = {device_key(k): v for k, v in mm.items()}
-    seen: dict = {}
-    real_infer = hf_acc.infer_auto_device_map
-
-    def recording_infer(*args, **kwargs):  # records the budgets _get_device_map settled on, changes nothing
-        seen["max_memory"] = dict(kwargs.get("max_memory") or {})
-        seen["map"] = real_infer(*args, **kwargs)
-        return seen["map"]
-
+    accel_mm = {_key(k): v for k, v in mm.items()}
     quiet = logging.getLogger("accelerate.utils.modeling")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # "Device N is not available": the point of planning for absent GPUs
-    hf_acc.infer_auto_device_map = recording_infer
-    refused = None
     try:
+        effective, accel_map = _device_map(model, strategy, accel_mm, hf_quantizer)
+    finally:
+        quiet.setLevel(level)
+    refused = None
+    if hf_quantizer is not None:
         try:
-            hf_acc._get_device_map(model, strategy, dict(accel_mm), hf_quantizer)
+            hf_quantizer.validate_environment(device_map=dict(accel_map))
         except ValueError as exc:
-            if not str(exc).startswith(REFUSAL_START) or "map" not in seen:
+            if not str(exc).startswith(REFUSAL_START):
                 raise UserError(f"transformers cannot place {source.name}: {str(exc).splitlines()[0]}") from None
             refused = " ".join(str(exc).split(" Check ")[0].split())
-    finally:
-        hf_acc.infer_auto_device_map = real_infer
-        quiet.setLevel(level)
-    accel_map = dict(seen["map"])
     edge_map = {name: device_name(dev) for name, dev in accel_map.items()}
     _check_budget(source, mm, edge_map, model, hf_quantizer)
 
-    plan = _describe(source, quant, model, hf_quantizer, dtype, strategy, mm, seen["max_memory"], accel_map, edge_map)
+    plan = _describe(source, quant, model, hf_quantizer, dtype, strategy, mm, effective, accel_map, edge_map)
     plan.load_kwargs = {"device_map": strategy, "max_memory": dict(mm)}
     if quant.method in ("bnb4", "bnb8"):
         plan.load_kwargs["quantization_config"] = quant.bnb_config_kwargs()
     if refused is not None:
         plan.refused = refused
-        plan.alternative = _alternative(source, quant, strategy, mm, seen["max_memory"], accel_map, edge_map)
+        plan.alternative = _alternative(source, quant, strategy, mm, effective, accel_map, edge_map)
     return plan
+
+
+def _device_map(model, strategy: str, max_memory: dict, hf_quantizer) -> tuple[dict, dict]:
+    """(the budgets the map was inferred with, the map), by transformers' public device-map functions in
+    the order ``from_pretrained`` calls them for a strategy name."""
+    from transformers.integrations.accelerate import get_balanced_memory, get_max_memory, infer_auto_device_map
+
+    no_split = model._no_split_modules
+    if strategy != "sequential":
+        budgets = get_balanced_memory(model, max_memory=dict(max_memory), no_split_module_classes=no_split,
+                                      hf_quantizer=hf_quantizer, low_zero=strategy == "balanced_low_0")
+    else:
+        budgets = get_max_memory(dict(max_memory))
+    if hf_quantizer is not None:
+        budgets = hf_quantizer.adjust_max_memory(budgets)
+    device_map = infer_auto_device_map(model, max_memory=budgets, no_split_module_classes=no_split,
+                                       hf_quantizer=hf_quantizer,
+                                       no_placement_params=getattr(model, "_no_placement_params", None))
+    return dict(budgets), dict(device_map)
 
 
 def _check_budget(source: ModelSource, mm: dict[str, int], edge_map: dict[str, str], model, hf_quantizer) -> None:
@@ -296,8 +302,8 @@ def _check_budget(source: ModelSource, mm: dict[str, int], edge_map: dict[str, s
         sizes, _ = compute_module_sizes(model, hf_quantizer)
         one = int(max(sizes.get(n, 0) for n in layers))
         raise UserError(f"{source.name}: no decoder layer fits on {', '.join(d for d in mm if d.startswith('cuda'))} "
-                        f"({', '.join(f'{d}={_fmt(v)}' for d, v in mm.items() if d.startswith('cuda'))}); "
-                        f"one layer counts {_fmt(one)} to transformers, and accelerate keeps room for the largest "
+                        f"({', '.join(f'{d}={fmt_size(v)}' for d, v in mm.items() if d.startswith('cuda'))}); "
+                        f"one layer counts {fmt_size(one)} to transformers, and accelerate keeps room for the largest "
                         "layer free on the first GPU" + (", after bitsandbytes keeps 10 % back" if hf_quantizer else "")
                         + ": give the GPUs more memory")
     if "disk" in values and "disk" not in mm:
@@ -427,7 +433,7 @@ def _largest_source(model, quant: QuantSpec, dtype, edge_map) -> dict[str, int]:
     out: dict[str, int] = {}
     if quant.method not in ("bnb4", "bnb8") or quant.pre_quantized:
         return out
-    from .inventory import import_bitsandbytes
+    from .meta import import_bitsandbytes
 
     bnb = import_bitsandbytes()
     for name, module in model.named_modules():
@@ -455,86 +461,3 @@ def _alternative(source, quant, strategy, mm, effective, accel_map, edge_map) ->
     if "cpu" in mm and cpu > mm["cpu"]:
         plan.notes.append(f"cpu holds {fmt_gib_gb(cpu)} unquantized, more than cpu={fmt_gib_gb(mm['cpu'])}")
     return plan
-
-
-# ----------------------------------------------------------------------------------- device stages
-
-@dataclass
-class DeviceStages:
-    device: str
-    stages: dict[str, int]  # load_peak, post_load, first_token, end (memory in use, as the probe sees it)
-    allocated: dict[str, int]  # live tensor bytes at the same moments
-    components: dict[str, int]  # weights, kv_cache, activations, offload_transient, runtime
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def kv_by_device(plan: Placement, per_layer: list[int]) -> dict[str, int]:
-    """Cache bytes per device: layer i's cache lives where layer i runs. A cache whose layer count differs
-    from the decoder's is put on the device of lm_head's input (stated in the docs)."""
-    out: dict[str, int] = {}
-    if len(per_layer) != len(plan.layer_exec):
-        out[plan.lm_head_device] = sum(per_layer)
-        return out
-    for dev, b in zip(plan.layer_exec, per_layer):
-        out[dev] = out.get(dev, 0) + b
-    return out
-
-
-def device_stages(plan: Placement, *, kv_prompt: list[int], kv_end: list[int], prefill_extra: int,
-                  decode_extra: int, on_the_fly: bool, runtime=default_profile) -> dict[str, DeviceStages]:
-    """Per-device stages of a placement, by the rules of docs/accounting.md applied per device.
-
-    Inputs the Estimator already has: ``kv_prompt`` / ``kv_end`` are each cache layer's bytes after the
-    prefill and at the end (``KVLayer`` list index = decoder layer index); ``prefill_extra`` /
-    ``decode_extra`` the dry run's activation peaks above weights and cache; ``on_the_fly`` whether
-    bitsandbytes quantizes while loading (``quant.method in ("bnb4", "bnb8") and not pre_quantized``);
-    ``runtime(device) -> RuntimeProfile`` (context, workspace, segment rounding) per device.
-
-    On a GPU: weights stored there; the cache of the layers that run there; the activation peak where a
-    decoder layer or lm_head runs (the dry run's peak is reached inside one layer, so each such GPU can
-    see it); on ``main_device`` the largest offloaded block while it runs; context and workspace on every
-    GPU touched. On the CPU: the offloaded weights (accelerate keeps them resident and copies them).
-    On disk: the offloaded weights' bytes, all stages."""
-    out: dict[str, DeviceStages] = {}
-    kvp = kv_by_device(plan, kv_prompt)
-    kve = kv_by_device(plan, kv_end)
-    transient = max(plan.offloaded_alloc.values(), default=0)
-    runs = set(plan.layer_exec) | {plan.lm_head_device}
-    for dev in plan.devices:
-        sizes = plan.alloc_sizes.get(dev, {})
-        w_alloc = sum(round_alloc(s) * n for s, n in sizes.items())
-        w = plan.weights.get(dev, 0)
-        if dev in ("cpu", "disk"):
-            allocated = dict.fromkeys(("load_peak", "post_load", "first_token", "end"), w)
-            out[dev] = DeviceStages(dev, dict(allocated), allocated,
-                                    {"weights": w, "kv_cache": 0, "activations": 0, "offload_transient": 0,
-                                     "runtime": 0})
-            continue
-        rt: RuntimeProfile = runtime(dev)
-        src = plan.largest_source.get(dev, 0) if on_the_fly else 0
-        warm = (plan.warmup or {}).get(dev, 0) if rt.device_kind == "cuda" else 0
-        busy = dev in runs
-        ws = rt.workspace_bytes if busy else 0
-        act_p = prefill_extra if busy else 0
-        act_d = decode_extra if busy else 0
-        tr = transient if dev == plan.main_device else 0
-        load_alloc = w_alloc + src
-        allocated = {"load_peak": load_alloc, "post_load": w_alloc,
-                     "first_token": w_alloc + ws + kvp.get(dev, 0) + act_p + tr,
-                     "end": w_alloc + ws + kve.get(dev, 0) + act_d + tr}
-        if rt.keeps_freed:
-            load_res = rt.reserve(max(load_alloc, warm))
-            stages = {"load_peak": rt.context_bytes + load_res, "post_load": rt.context_bytes + load_res}
-            stages["first_token"] = rt.context_bytes + max(load_res, rt.reserve(allocated["first_token"]))
-            stages["end"] = max(stages["first_token"], rt.context_bytes + rt.reserve(allocated["end"]))
-        else:
-            stages = {k: rt.context_bytes + v for k, v in allocated.items()}
-        peak = max(stages.values())
-        act = max(act_p, act_d)
-        kv = kve.get(dev, 0)
-        out[dev] = DeviceStages(dev, stages, allocated,
-                                {"weights": w, "kv_cache": kv, "activations": act, "offload_transient": tr,
-                                 "runtime": peak - w - kv - act - tr})
-    return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import UserError
+from ..workload import DTYPE_SHORT, DTYPES, QUANTS
 
 DTYPE_BYTES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -42,8 +43,7 @@ BNB_NESTED_BLOCKSIZE = 256
 BNB_CODE_ENTRIES_4BIT = 16
 BNB_CODE_ENTRIES_NESTED = 256
 
-QUANT_CHOICES = ("auto", "bf16", "fp16", "fp32", "int8", "nf4", "nf4-dq", "fp4", "fp4-dq")
-_DTYPE_QUANTS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_DTYPE_QUANTS = {q: DTYPES[q] for q in ("bf16", "fp16", "fp32")}  # --quant names that are plain dtypes
 
 
 @dataclass(frozen=True)
@@ -92,9 +92,9 @@ def config_dtype(config: dict) -> str:
 def resolve_quant(name: str, config: dict, dtype: str | None = None) -> QuantSpec:
     """Turn ``--quant`` into a :class:`QuantSpec`. ``auto`` follows the checkpoint's own config."""
     name = (name or "auto").lower()
-    if name not in QUANT_CHOICES:
-        raise UserError(f"unknown quant {name!r}: choose one of {', '.join(QUANT_CHOICES)}")
-    if dtype is not None and dtype not in ("bfloat16", "float16", "float32"):
+    if name not in QUANTS:
+        raise UserError(f"unknown quant {name!r}: choose one of {', '.join(QUANTS)}")
+    if dtype is not None and dtype not in DTYPE_SHORT:
         raise UserError(f"unknown dtype {dtype!r}: choose bfloat16, float16 or float32")
     base = dtype or config_dtype(config)
     if name in _DTYPE_QUANTS:
@@ -110,7 +110,7 @@ def resolve_quant(name: str, config: dict, dtype: str | None = None) -> QuantSpe
     # auto
     qc = config.get("quantization_config")
     if not qc:
-        return QuantSpec(name={"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(base, base),
+        return QuantSpec(name=DTYPE_SHORT.get(base, base),
                          method="none", dtype=base)
     return _pre_quantized(qc, base)
 

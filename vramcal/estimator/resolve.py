@@ -9,13 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 from ..errors import UserError
-from .quant import DTYPE_BYTES, SAFETENSORS_DTYPES
+from .quant import DTYPE_BYTES
 
 
 @dataclass(frozen=True)
@@ -53,32 +52,43 @@ def catalog_entry(name: str) -> dict:
     return json.loads(path.read_text())
 
 
-def hf_cache_dir() -> Path:
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]) / "hub"
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface" / "hub"
+MAX_CONFIG_BYTES = 16 * 1024**2  # the largest published config.json is a few hundred KB
 
 
-def _hf_snapshot(repo_id: str) -> Path | None:
-    repo = hf_cache_dir() / ("models--" + repo_id.replace("/", "--"))
-    if not repo.is_dir():
-        return None
-    ref = repo / "refs" / "main"
+def hf_snapshot(repo_id: str) -> Path | None:
+    """The local snapshot folder of a Hub model, or None: ``refs/main``'s revision when it has a
+    config.json, else the newest snapshot that has one. huggingface_hub finds the files; a snapshot that
+    resolves outside its repository's cache folder (a crafted ref or link) is refused."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    repo = Path(constants.HF_HUB_CACHE) / ("models--" + repo_id.replace("/", "--"))
+    found = try_to_load_from_cache(repo_id, "config.json")
+    candidates = [Path(found).parent] if isinstance(found, str) else []
     snapshots = repo / "snapshots"
-    if ref.is_file():
-        snap = snapshots / ref.read_text().strip()
-        if (snap / "config.json").is_file():
-            return snap
-    candidates = sorted((p for p in snapshots.glob("*") if (p / "config.json").is_file()),
-                        key=lambda p: p.stat().st_mtime, reverse=True) if snapshots.is_dir() else []
-    return candidates[0] if candidates else None
+    if not candidates and snapshots.is_dir():
+        revisions = sorted((p for p in snapshots.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime,
+                           reverse=True)
+        for rev in revisions:
+            path = try_to_load_from_cache(repo_id, "config.json", revision=rev.name)
+            if isinstance(path, str):
+                candidates.append(Path(path).parent)
+                break
+    for snap in candidates:
+        inside = snap.resolve().is_relative_to(repo.resolve())
+        if not inside:
+            raise UserError(f"{repo_id}: its cached snapshot {snap} leads outside the Hugging Face cache "
+                            f"({snap.resolve()}): the cache folder was altered; remove {repo} and download again")
+        return snap
+    return None
 
 
 def _read_config(path: Path) -> dict:
+    """A config.json, read only if it is a regular file of a sane size (a FIFO would block, a device
+    never end)."""
+    import stat
+
     try:
-        data = json.loads(path.read_text(), parse_constant=_no_constant)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise UserError(f"no config at {path}: pass a directory holding config.json, a config.json path, "
                         "a cached Hub id, or a name from `vramcal models`") from None
@@ -86,7 +96,25 @@ def _read_config(path: Path) -> dict:
         raise UserError(f"{path} is a directory, not a config.json") from None
     except PermissionError:
         raise UserError(f"cannot read {path}: permission denied") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise UserError(f"{path} is a directory, not a config.json")
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError(f"{path} is not a regular file (a pipe, a socket or a device): give the model's config.json")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise UserError(f"{path} is {st.st_size:,} bytes, far beyond any config.json: give the model's config.json")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise UserError(f"{path} is not valid JSON ({str(exc).splitlines()[0][:120]}): fix or re-download the config") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise UserError(f"{path} has no model_type: it is not a transformers config.json")
@@ -194,9 +222,11 @@ def _resolve(spec) -> ModelSource:
         cfg = catalog_entry(spec)
         return ModelSource(name=spec, origin="catalog", config=cfg)
     if "/" in spec and not spec.startswith((".", "/")) and spec.count("/") == 1:
-        snap = _hf_snapshot(spec)
+        snap = hf_snapshot(spec)
         if snap is None:
-            raise UserError(f"{spec} is not in the local Hugging Face cache ({hf_cache_dir()}): vramcal never downloads; "
+            from huggingface_hub import constants
+
+            raise UserError(f"{spec} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}): vramcal never downloads; "
                             f"run `huggingface-cli download {spec} config.json` once, or pass a config.json path")
         return ModelSource(name=spec, origin="hf-cache", config=_read_config(snap / "config.json"), directory=str(snap),
                            weight_files=tuple(sorted(str(p) for p in snap.glob("*.safetensors"))))
@@ -207,32 +237,3 @@ def text_config(config: dict) -> dict:
     """The language-model part of a config (multimodal configs nest it under ``text_config``)."""
     tc = config.get("text_config")
     return {**config, **tc} if isinstance(tc, dict) else config
-
-
-def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{tensor name: (torch dtype name, shape)} from a safetensors header, without reading any tensor."""
-    with open(path, "rb") as fh:
-        (length,) = struct.unpack("<Q", fh.read(8))
-        if length > 100 * 1024**2:
-            raise UserError(f"{path}: safetensors header claims {length} bytes; the file is damaged")
-        header = json.loads(fh.read(length))
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        out[name] = (SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"].lower()), tuple(info["shape"]))
-    return out
-
-
-def checkpoint_tensors(files: tuple[str, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    merged: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for f in files:
-        merged.update(read_safetensors_header(f))
-    return merged
-
-
-def tensor_bytes(dtype: str, shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * DTYPE_BYTES.get(dtype, 2)

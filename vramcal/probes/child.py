@@ -149,7 +149,9 @@ def cache_bytes(cache) -> int | None:
 
 def _accel_device(name):
     """``cuda:1`` -> 1 (accelerate's key), ``cpu`` / ``disk`` unchanged."""
-    return int(name.split(":", 1)[1]) if isinstance(name, str) and name.startswith("cuda:") else name
+    from ..workload import parse_device
+
+    return parse_device(name, placement=True).accelerate_key
 
 
 def placed_kwargs(load: dict, offload_folder: str | None) -> dict:

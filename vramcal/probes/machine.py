@@ -8,8 +8,9 @@ import socket
 from dataclasses import dataclass, field
 
 from ..errors import UserError
-from ..estimator.inventory import software_versions
+from ..versions import software_versions
 from ..units import fmt_gib_gb
+from ..workload import parse_device
 from . import nvml
 
 
@@ -37,7 +38,7 @@ def machine_fingerprint(device: str) -> dict:
 
         fp.update(kind="cpu", total_bytes=psutil.virtual_memory().total)
         return fp
-    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    index = parse_device(device).index or 0
     info = nvml.device_info(index)
     fp.update(kind="cuda", gpu_name=_na(info["name"]), gpu_uuid=_na(info["uuid"]), total_bytes=_na(info["total_bytes"]),
               driver=_na(info["driver"]))
@@ -65,17 +66,11 @@ def torch_cuda_version() -> str | None:
     return None if m is None or m.group(1) == "None" else m.group(1)
 
 
-# The CPU estimate's model (vramcal.estimator.cpu): a correction recorded against another model of the
-# resident set is not one for this estimate (corrections record differences, not measurements)
-CPU_ESTIMATE_MODEL = "rss-1"
-
-
 def stack_key(fp: dict) -> str:
-    """The software stack a correction belongs to: device kind and the versions that lay memory out
-    (and, on the CPU, which resident-set model the corrected estimate comes from)."""
-    key = "|".join(f"{k}={fp.get(k)}" for k in ("kind", "torch", "transformers", "bitsandbytes", "accelerate",
-                                                 "driver", "cuda_runtime"))
-    return key + (f"|estimate={CPU_ESTIMATE_MODEL}" if fp.get("kind") == "cpu" else "")
+    """The software stack a correction belongs to: device kind and the versions that lay memory out.
+    (Which estimator made the estimates is a column of its own: ``estimator_model``.)"""
+    return "|".join(f"{k}={fp.get(k)}" for k in ("kind", "torch", "transformers", "bitsandbytes", "accelerate",
+                                                  "driver", "cuda_runtime"))
 
 
 # ------------------------------------------------------------------------------- free memory
@@ -120,7 +115,7 @@ def free_memory(device: str, exclude_pid: int | None = None) -> FreeMemory:
 
         vm = psutil.virtual_memory()
         return FreeMemory("cpu", int(vm.total), int(vm.available))
-    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    index = parse_device(device).index or 0
     h = nvml.device_handle(index)
     total, free = nvml.memory_total(h), nvml.memory_free(h)
     if isinstance(total, nvml.NA) or isinstance(free, nvml.NA):

@@ -27,14 +27,17 @@ keeps them as they are.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 CPU_SERIES = "rss"
 
 
 @dataclass(frozen=True)
 class StageReading:
-    """One stage of one probe, as read. ``t``: seconds since the child started."""
+    """One stage of one probe, as read. ``t``: seconds since the child started; ``samples``: how many
+    samples fell in the interval that ends at the marker. What the child itself reported at the marker
+    rides along: the weights it holds (``weights_bytes``), the cache's bytes, the prompt and the number
+    of tokens generated (at ``end``)."""
 
     stage: str
     series: str | None
@@ -44,13 +47,20 @@ class StageReading:
     torch_max_reserved: int | None = None
     process_used_bytes: int | None = None
     t: float | None = None
+    samples: int | None = None
+    weights_bytes: int | None = None
+    kv_bytes: int | None = None
+    prompt_tokens: int | None = None
+    generated: int | None = None
 
     @classmethod
-    def from_stage(cls, stage: str, series: str | None, fields: dict) -> StageReading:
-        """From a probe result's stage dict (``ProbeResult.stages[stage]``); absent keys are None."""
-        return cls(stage, series, fields.get("used_bytes"), fields.get("peak_bytes"),
-                   fields.get("torch_max_allocated"), fields.get("torch_max_reserved"),
-                   fields.get("process_used_bytes"), fields.get("t"))
+    def from_stage(cls, stage: str, series: str | None, data: dict) -> StageReading:
+        """From a stage's fields as assembled or serialised (absent keys are None; others ignored)."""
+        known = {f.name for f in fields(cls)} - {"stage", "series"}
+        return cls(stage, series, **{k: v for k, v in data.items() if k in known})
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k not in ("stage", "series")}
 
     def minus(self, baseline: StageReading) -> StageReading:
         """This reading with ``used_bytes`` and ``peak_bytes`` each reduced by the baseline's

@@ -17,7 +17,7 @@ def write_checkpoint(config: dict, out_dir: str, seed: int = 0) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..estimator.inventory import clean_config
+    from ..estimator.meta import clean_config
     from ..estimator.quant import config_dtype
 
     raw = clean_config(config)

@@ -15,23 +15,27 @@ def write_timeline(result, path: str) -> str:
     except ImportError:
         raise UserError("--timeline needs matplotlib: pip install 'vramcal[plot]'") from None
     series = result.series
-    if not series or not result.samples:
-        raise UserError("no samples to plot (NVML unavailable, or the child died at once)")
-    pts = [(s["t"], s[series]) for s in result.samples if s.get(series) is not None]
+    pts = [(s["t"], s[series]) for s in result.samples if series and s.get(series) is not None]
+    if not pts:
+        reasons = sorted({why for s in result.samples for k, why in (s.get("missing") or {}).items() if k == series})
+        raise UserError("no samples to plot: " + ("every reading of " + series + " was unavailable ("
+                                                  + "; ".join(reasons) + ")" if reasons else
+                                                  "NVML unavailable, or the child died at once")
+                        + "; the probe's result is still shown and recorded")
     fig, ax = plt.subplots(figsize=(10, 4.5), dpi=120)
     ax.plot([t for t, _ in pts], [v / 1024**3 for _, v in pts], lw=1.2,
             label=f"{series} ({'resident set' if series == 'rss' else 'NVML memory.used'})")
     top = max(v for _, v in pts) / 1024**3
     for name, st in result.stages.items():
-        if st.get("t") is not None:
-            ax.axvline(st["t"], color="grey", ls="--", lw=0.8)
-            ax.text(st["t"], top, f" {name}", rotation=90, va="top", fontsize=8)
-    est = (result.estimate or {}).get("stages") or {}
+        if st.t is not None:
+            ax.axvline(st.t, color="grey", ls="--", lw=0.8)
+            ax.text(st.t, top, f" {name}", rotation=90, va="top", fontsize=8)
+    est = result.estimate.main_stages() if result.estimate is not None else {}
     # the estimate is compared with readings above the baseline on the CPU (readings.subtracts_baseline);
     # the plot shows absolute samples, so the line goes back up by the baseline there
     base = 0
     if subtracts_baseline(series):
-        base = result.readings().get("baseline", StageReading("baseline", series)).used_bytes
+        base = result.stages.get("baseline", StageReading("baseline", series)).used_bytes
     if est.get("first_token") and base is not None:
         ax.axhline((est["first_token"] + base) / 1024**3, color="tab:red", lw=0.8, ls=":",
                    label="estimated first-token peak" + (" (+ baseline)" if series == "rss" else ""))

@@ -26,6 +26,7 @@ import os
 import re
 import sqlite3
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -130,7 +131,7 @@ class SqliteEngine(Engine):
         self.timeout_s = timeout_s
         self.created = False
         self.conn = None
-        self.header_version = self._inspect(create)
+        self._inspect(create)
         try:
             if readonly:
                 self.conn = self._connect_readonly()
@@ -338,14 +339,24 @@ class SqliteEngine(Engine):
     def backfill_stage_order(self, tx) -> None:
         tx.execute("UPDATE stages SET seq = rowid WHERE seq IS NULL")
 
-    def append_only_ddl(self, tables=HISTORY_TABLES) -> list[str]:
+    def append_only_ddl(self, tables=HISTORY_TABLES, events=("UPDATE", "DELETE")) -> list[str]:
         out = []
         for table in tables:
-            for event in ("UPDATE", "DELETE"):
+            for event in events:
                 out.append(f"CREATE TRIGGER {table}_no_{event.lower()} BEFORE {event} ON {table} BEGIN "
                            f"SELECT RAISE(ABORT, 'vramcal records are append-only: {event} on {table} refused'); "
                            "END")
         return out
+
+    @contextmanager
+    def updating(self, tx, tables):
+        """A migration's backfill: UPDATE allowed on ``tables`` inside this transaction only (the trigger
+        is dropped and made again before the transaction commits; DELETE stays refused)."""
+        for table in tables:
+            tx.execute(f"DROP TRIGGER IF EXISTS {table}_no_update")
+        yield
+        for statement in self.append_only_ddl(tables, events=("UPDATE",)):
+            tx.execute(statement)
 
 
 class _SqliteTx:
@@ -536,6 +547,16 @@ class PostgresEngine(Engine):
 
     def backfill_stage_order(self, tx) -> None:
         """Nothing to do: no PostgreSQL store predates ``stages.seq``."""
+
+    @contextmanager
+    def updating(self, tx, tables):
+        """A migration's backfill: the append-only triggers of ``tables`` off inside this transaction only
+        (the owner's right; a writer role has no UPDATE privilege in any case)."""
+        for table in tables:
+            tx.execute(f"ALTER TABLE {table} DISABLE TRIGGER {table}_append_only")
+        yield
+        for table in tables:
+            tx.execute(f"ALTER TABLE {table} ENABLE TRIGGER {table}_append_only")
 
     def append_only_ddl(self, tables=HISTORY_TABLES) -> list[str]:
         out = ["CREATE OR REPLACE FUNCTION refuse_change() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "

@@ -11,7 +11,7 @@ Two hosts are of one class when everything that lays memory out is the same:
 
 The hostname, the GPU's UUID and the driver's minor version are what differs between the hosts of a
 class. A correction measured on one host of a class is the best guess for every other host of it
-(``vramcal.calibrate.fleet``), with a band widened by the spread between hosts.
+(``vramcal.calibrate.corrections``), with a band widened by the spread between hosts.
 """
 
 from __future__ import annotations

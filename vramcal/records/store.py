@@ -2,22 +2,23 @@
 
 One interface, two engines (``vramcal.records.engines``): ``--db PATH`` (else ``$VRAMCAL_DB``, else
 ``$XDG_DATA_HOME/vramcal/vramcal.db``, i.e. ``~/.local/share/vramcal/vramcal.db``) is an SQLite file;
-``--db postgresql://USER@HOST/DB`` is a PostgreSQL database shared by a fleet of machines.
+``--db postgresql://USER@HOST/DB`` is a PostgreSQL database shared by a fleet of machines. The schema
+and its migrations are :mod:`vramcal.records.schema`.
 
-Records are append-only. A run is written in two appends: its context (``runs``) before the probe
-starts, its outcome (``results`` with its ``stages`` and ``samples``, in one transaction) when it
-ends. A run with no result was interrupted; a result with a status other than ``ok`` is a partial
-record of a run that stopped (``oom``, ``crashed``, ``error``). Nothing is ever updated or deleted, and
-since schema 3 the database itself refuses it (triggers; on PostgreSQL also the writer role's grants).
+Records are append-only. A run is written in two appends: its context (:class:`RunContext`, table
+``runs``) before the probe starts, its outcome (:class:`Outcome`: ``results`` with its ``stages``, its
+per-device ``device_stages`` and its ``samples``, in one transaction) when it ends. A run with no
+result was interrupted; a result with a status other than ``ok`` is a partial record of a run that
+stopped (``oom``, ``crashed``, ``error``, ``killed``). Nothing is ever updated or deleted, and since
+schema 3 the database itself refuses it (triggers; on PostgreSQL also the writer role's grants).
 
 Every write is idempotent, so a retry after a dropped connection adds nothing twice: a run carries a
 client-generated ``uuid`` (the integer ``id`` users see is the database's own), a result belongs to its
 run, a memo and a correction carry a ``uuid`` too, a machine is its fingerprint.
 
-The schema version is SQLite's ``PRAGMA user_version`` (with vramcal's ``application_id``) or the
-``vramcal.meta`` table on PostgreSQL. On open: a database that is not vramcal's, or one from a newer
-vramcal, is refused and left untouched; an older schema is upgraded in one transaction, keeping every
-row. A store opened ``readonly=True`` (listing, showing, exporting, memos) never takes the write lock.
+What crosses into this unit is typed (:class:`RunContext`, :class:`Outcome`, :class:`StageRow`,
+:class:`DeviceStageRow`) and what comes out of :meth:`Store.run` is a :class:`RunRecord`; the rows of
+bulk reads (lists, corrections' inputs) are plain mappings of column to value.
 """
 
 from __future__ import annotations
@@ -25,151 +26,153 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid as _uuid
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UserError
-from .engines import APPLICATION_ID, Engine, NoRecords, is_url, open_engine, redact  # noqa: F401 (re-exported)
+from ..paths import data_dir
+from .engines import APPLICATION_ID, NoRecords, is_url, open_engine, redact  # noqa: F401 (re-exported)
 from .machines import class_key
-
-SCHEMA_VERSION = 4
+from .schema import MIGRATIONS, SCHEMA_VERSION, new_uuid  # noqa: F401 (re-exported)
 
 RUN_FIELDS = ("model", "config_hash", "quant", "quant_impl", "dtype", "ctx", "batch", "kv_dtype", "attn", "device",
-              "command")
+              "command", "vramcal_version", "estimator_model")
 MACHINE_FIELDS = ("kind", "gpu_name", "gpu_uuid", "total_bytes", "driver", "cuda_runtime", "torch", "transformers",
                   "bitsandbytes", "accelerate", "hostname", "cpu_model")
 RESULT_FIELDS = ("finished_at", "status", "last_stage", "error", "oom_json", "series", "wall_s", "sampler_overhead",
                  "result_json")
 STAGE_FIELDS = ("stage", "estimated_bytes", "measured_peak_bytes", "measured_used_bytes", "torch_max_allocated",
                 "torch_max_reserved")
-CORRECTION_FIELDS = ("stage", "intercept_bytes", "slope_bytes_per_token", "n_runs", "residual_p50_bytes",
-                     "residual_p95_bytes")
+DEVICE_STAGE_FIELDS = ("device", "stage", "estimated_bytes", "measured_peak_bytes", "measured_used_bytes")
 
 
-def new_uuid() -> str:
-    return str(_uuid.uuid4())
+# ------------------------------------------------------------------------------------ the types
+
+@dataclass
+class RunContext:
+    """What runs, recorded before it starts. ``estimate`` is the estimate's JSON
+    (:meth:`vramcal.estimator.result.Estimate.to_dict`); ``estimator_model`` and ``vramcal_version`` name
+    what made it; a run split across devices has its main device in ``device`` and all of them in
+    ``split_devices``."""
+
+    model: str
+    quant: str
+    ctx: int
+    batch: int
+    device: str
+    command: str
+    config_hash: str | None = None
+    quant_impl: str | None = None
+    dtype: str | None = None
+    kv_dtype: str | None = None
+    attn: str | None = None
+    estimate: dict | None = None
+    estimator_model: str | None = None
+    vramcal_version: str | None = None
+    split_devices: list[str] | None = None
+    created_at: float | None = None
+
+    @property
+    def placed(self) -> bool:
+        return bool(self.split_devices)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunContext:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
-def _v3(tx, engine: Engine) -> None:
-    """2 -> 3: client-generated ids (runs, memos, corrections), the machine class, the stages' order,
-    and append-only enforced by the database."""
-    for statement in ("ALTER TABLE runs ADD COLUMN uuid TEXT", "ALTER TABLE memos ADD COLUMN uuid TEXT",
-                      "ALTER TABLE corrections ADD COLUMN uuid TEXT", "ALTER TABLE machines ADD COLUMN class_key TEXT",
-                      "ALTER TABLE stages ADD COLUMN seq INTEGER"):
-        tx.execute(engine.ddl(statement))
-    for table in ("runs", "memos", "corrections"):
-        ids = [r["id"] for r in tx.execute(f"SELECT id FROM {table} WHERE uuid IS NULL ORDER BY id")]
-        tx.executemany(f"UPDATE {table} SET uuid = ? WHERE id = ?", [(new_uuid(), i) for i in ids])
-    machines = tx.execute("SELECT * FROM machines WHERE class_key IS NULL ORDER BY id")
-    tx.executemany("UPDATE machines SET class_key = ? WHERE id = ?", [(class_key(m), m["id"]) for m in machines])
-    engine.backfill_stage_order(tx)
-    for statement in ("CREATE UNIQUE INDEX runs_uuid ON runs(uuid)", "CREATE UNIQUE INDEX memos_uuid ON memos(uuid)",
-                      "CREATE UNIQUE INDEX corrections_uuid ON corrections(uuid)",
-                      "CREATE INDEX machines_class ON machines(class_key)",
-                      *engine.append_only_ddl()):
-        tx.execute(statement)
+@dataclass
+class StageRow:
+    stage: str
+    estimated_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    measured_used_bytes: int | None = None
+    torch_max_allocated: int | None = None
+    torch_max_reserved: int | None = None
 
 
-def _v4(tx, engine: Engine) -> None:
-    """3 -> 4: stage readings per device of a run split across devices (--max-memory / --device-map),
-    append-only like the rest. A single-device run has none: its rows stay in ``stages``, read as before."""
-    tx.execute(engine.ddl("""
-    CREATE TABLE device_stages (
-        run_id INTEGER NOT NULL REFERENCES runs(id),
-        device TEXT NOT NULL,
-        stage TEXT NOT NULL,
-        estimated_bytes INTEGER, measured_peak_bytes INTEGER, measured_used_bytes INTEGER,
-        PRIMARY KEY (run_id, device, stage)
-    )"""))
-    for statement in engine.append_only_ddl(("device_stages",)):
-        tx.execute(statement)
+@dataclass
+class DeviceStageRow:
+    device: str
+    stage: str
+    estimated_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    measured_used_bytes: int | None = None
 
 
-# Each entry upgrades the schema from version i to i + 1 (index i): SQL in SQLite's words (the
-# PostgreSQL engine translates the types, ``Engine.ddl``) or a function of (transaction, engine).
-# Never edit a shipped migration.
-MIGRATIONS: list[str | Callable] = [
-    # 0 -> 1: the first schema
-    """
-    CREATE TABLE machines (
-        id INTEGER PRIMARY KEY,
-        fingerprint TEXT NOT NULL UNIQUE,
-        kind TEXT NOT NULL,
-        gpu_name TEXT, gpu_uuid TEXT, total_bytes INTEGER, driver TEXT, cuda_runtime TEXT,
-        torch TEXT, transformers TEXT, bitsandbytes TEXT, accelerate TEXT,
-        hostname TEXT, cpu_model TEXT,
-        created_at REAL NOT NULL
-    );
-    CREATE TABLE runs (
-        id INTEGER PRIMARY KEY,
-        machine_id INTEGER NOT NULL REFERENCES machines(id),
-        created_at REAL NOT NULL,
-        model TEXT NOT NULL, config_hash TEXT, quant TEXT NOT NULL, quant_impl TEXT, dtype TEXT,
-        ctx INTEGER NOT NULL, batch INTEGER NOT NULL, kv_dtype TEXT, attn TEXT, device TEXT NOT NULL,
-        command TEXT NOT NULL,
-        estimate_json TEXT
-    );
-    CREATE TABLE results (
-        run_id INTEGER PRIMARY KEY REFERENCES runs(id),
-        finished_at REAL NOT NULL,
-        status TEXT NOT NULL,
-        last_stage TEXT, error TEXT, oom_json TEXT,
-        series TEXT, wall_s REAL, sampler_overhead REAL,
-        result_json TEXT NOT NULL
-    );
-    CREATE TABLE stages (
-        run_id INTEGER NOT NULL REFERENCES runs(id),
-        stage TEXT NOT NULL,
-        estimated_bytes INTEGER, measured_peak_bytes INTEGER, measured_used_bytes INTEGER,
-        torch_max_allocated INTEGER, torch_max_reserved INTEGER,
-        PRIMARY KEY (run_id, stage)
-    );
-    CREATE TABLE samples (
-        run_id INTEGER NOT NULL REFERENCES runs(id),
-        t REAL NOT NULL,
-        series TEXT NOT NULL,
-        bytes INTEGER
-    );
-    CREATE TABLE memos (
-        id INTEGER PRIMARY KEY,
-        run_id INTEGER NOT NULL REFERENCES runs(id),
-        created_at REAL NOT NULL,
-        memo_json TEXT NOT NULL
-    );
-    CREATE INDEX runs_machine ON runs(machine_id, model, quant);
-    CREATE INDEX samples_run ON samples(run_id);
-    """,
-    # 1 -> 2: corrections fitted per machine and software stack
-    """
-    CREATE TABLE corrections (
-        id INTEGER PRIMARY KEY,
-        machine_id INTEGER NOT NULL REFERENCES machines(id),
-        created_at REAL NOT NULL,
-        stack TEXT NOT NULL,
-        stage TEXT NOT NULL,
-        intercept_bytes INTEGER NOT NULL,
-        slope_bytes_per_token REAL NOT NULL,
-        n_runs INTEGER NOT NULL,
-        residual_p50_bytes INTEGER, residual_p95_bytes INTEGER,
-        source_runs_json TEXT NOT NULL
-    );
-    CREATE INDEX corrections_lookup ON corrections(machine_id, stack, stage, id);
-    """,
-    # 2 -> 3
-    _v3,
-    # 3 -> 4
-    _v4,
-]
-assert len(MIGRATIONS) == SCHEMA_VERSION
+@dataclass
+class Outcome:
+    """How a run ended, with everything measured, recorded in one transaction. ``result`` is the
+    probe result's JSON (:meth:`vramcal.probes.result.ProbeResult.to_dict`, samples left out: they are
+    ``samples`` here, one ``(t, series, bytes)`` per reading of every sampled series)."""
+
+    status: str
+    last_stage: str | None = None
+    error: str | None = None
+    oom: dict | None = None
+    series: str | None = None
+    wall_s: float | None = None
+    sampler_overhead: float | None = None
+    result: dict = field(default_factory=dict)
+    stages: list[StageRow] = field(default_factory=list)
+    devices: list[DeviceStageRow] = field(default_factory=list)
+    samples: list[tuple[float, str, int | None]] = field(default_factory=list)
+    finished_at: float | None = None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["samples"] = [list(s) for s in self.samples]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Outcome:
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        kw["stages"] = [StageRow(**r) for r in d.get("stages") or []]
+        kw["devices"] = [DeviceStageRow(**r) for r in d.get("devices") or []]
+        kw["samples"] = [tuple(s) for s in d.get("samples") or []]
+        return cls(**kw)
+
+
+@dataclass
+class RunRecord:
+    """One recorded run as :meth:`Store.run` reads it: the context, the machine, the outcome (None while
+    interrupted), stages in recorded order, per-device stages of a split run, and the corrections its
+    stages fed."""
+
+    id: int
+    uuid: str
+    created_at: float
+    context: RunContext
+    machine: dict
+    outcome: Outcome | None
+    sample_count: int
+    corrections: list[dict] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        return self.outcome.status if self.outcome else "interrupted"
+
+    @property
+    def stages(self) -> dict[str, StageRow]:
+        return {r.stage: r for r in (self.outcome.stages if self.outcome else [])}
+
+    def to_dict(self) -> dict:
+        """Nested objects, never JSON documents inside strings."""
+        return {"id": self.id, "uuid": self.uuid, "created_at": self.created_at, "status": self.status,
+                "context": self.context.to_dict(), "machine": dict(self.machine),
+                "outcome": None if self.outcome is None else self.outcome.to_dict(),
+                "sample_count": self.sample_count, "corrections": self.corrections}
 
 
 def default_path() -> Path:
     """The SQLite file used when neither ``--db`` nor ``$VRAMCAL_DB`` names a database."""
     if os.environ.get("VRAMCAL_DB") and not is_url(os.environ["VRAMCAL_DB"]):
         return Path(os.environ["VRAMCAL_DB"])
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "vramcal" / "vramcal.db"
+    return data_dir() / "vramcal.db"
 
 
 def default_db() -> str:
@@ -177,20 +180,14 @@ def default_db() -> str:
     return os.environ.get("VRAMCAL_DB") or str(default_path())
 
 
-def exists(db: str | os.PathLike | None) -> bool:
-    """Whether a lookup could find anything: an SQLite file exists; a URL is always worth asking."""
-    target = str(db) if db else default_db()
-    return is_url(target) or os.path.exists(target)
-
-
-def open_existing(db: str | os.PathLike | None) -> "Store | None":
+def open_existing(db: str | os.PathLike | None, timeout_s: float | None = None) -> "Store | None":
     """The records database opened read-only, or None when there is none yet (nothing is created):
     for lookups that are fine without records, like an estimate's correction."""
     target = str(db) if db else default_db()
     if not is_url(target) and not os.path.exists(target):
         return None
     try:
-        return Store(target, create=False, readonly=True)
+        return Store(target, create=False, readonly=True, timeout_s=timeout_s)
     except NoRecords:
         return None
 
@@ -319,10 +316,6 @@ class Store:
         return self.engine.write(fn)
 
     # ------------------------------------------------------------------------- writing
-    @staticmethod
-    def _fingerprint_key(fingerprint: dict) -> str:
-        return fingerprint_key(fingerprint)
-
     def find_machine(self, fingerprint: dict) -> int | None:
         """The id of a recorded machine, without recording anything."""
         row = self.engine.query_one("SELECT id FROM machines WHERE fingerprint = ?", (fingerprint_key(fingerprint),))
@@ -331,40 +324,28 @@ class Store:
     def machine_id(self, fingerprint: dict) -> int:
         return self._write(lambda tx: _insert_machine(tx, fingerprint))
 
-    def begin_run(self, machine_id: int, *, model: str, config_hash: str | None, quant: str, quant_impl: str | None,
-                  dtype: str | None, ctx: int, batch: int, kv_dtype: str | None, attn: str | None, device: str,
-                  command: str, estimate: dict | None, uuid: str | None = None,
-                  created_at: float | None = None) -> int:
+    def begin_run(self, machine_id: int, context: RunContext, uuid: str | None = None) -> int:
         """Record a run's context before it starts; the same ``uuid`` twice records it once."""
-        fields = dict(model=model, config_hash=config_hash, quant=quant, quant_impl=quant_impl, dtype=dtype, ctx=ctx,
-                      batch=batch, kv_dtype=kv_dtype, attn=attn, device=device, command=command,
-                      estimate_json=_opt_json(estimate))
         run_uuid = uuid or new_uuid()
-        stamp = time.time() if created_at is None else created_at
-        return self._write(lambda tx: _insert_run(tx, machine_id, fields, run_uuid, stamp)[0])
+        stamp = time.time() if context.created_at is None else context.created_at
+        return self._write(lambda tx: _insert_run(tx, machine_id, context, run_uuid, stamp)[0])
 
-    def finish_run(self, run_id: int, result: dict, stage_rows: list[dict], samples: list[tuple[float, str, int]],
-                   finished_at: float | None = None) -> bool:
-        """Record a run's outcome, stages and samples in one transaction. False when the run already
-        had its outcome (a retry): nothing is added then."""
-        row = _result_row(result, time.time() if finished_at is None else finished_at)
-        return self._write(lambda tx: _insert_outcome(tx, run_id, row, stage_rows, samples))
+    def finish_run(self, run_id: int, outcome: Outcome) -> bool:
+        """Record a run's outcome -- result, stages, per-device stages, samples -- in one transaction.
+        False when the run already had its outcome (a retry): nothing is added then."""
+        return self._write(lambda tx: _insert_outcome(tx, run_id, outcome))
 
-    def record_run(self, fingerprint: dict, run: dict, result: dict | None, stage_rows: list[dict] = (),
-                   samples: list[tuple[float, str, int]] = (), uuid: str | None = None) -> int:
-        """A whole run (machine, context, outcome, stages, samples) in one transaction, idempotent by
-        ``uuid``. ``run`` holds :data:`RUN_FIELDS` and optionally ``estimate`` and ``created_at``."""
-        fields = {k: run.get(k) for k in RUN_FIELDS}
-        fields["estimate_json"] = _opt_json(run.get("estimate"))
-        run_uuid = uuid or run.get("uuid") or new_uuid()
-        created = run.get("created_at") or time.time()
-        outcome = None if result is None else _result_row(result, run.get("finished_at") or time.time())
+    def record_run(self, fingerprint: dict, context: RunContext, outcome: Outcome | None,
+                   uuid: str | None = None) -> int:
+        """A whole run (machine, context, outcome) in one transaction, idempotent by ``uuid``."""
+        run_uuid = uuid or new_uuid()
+        created = context.created_at or time.time()
 
         def fn(tx):
             machine = _insert_machine(tx, fingerprint)
-            run_id, _ = _insert_run(tx, machine, fields, run_uuid, created)
+            run_id, _ = _insert_run(tx, machine, context, run_uuid, created)
             if outcome is not None:
-                _insert_outcome(tx, run_id, outcome, list(stage_rows), list(samples))
+                _insert_outcome(tx, run_id, outcome)
             return run_id
 
         return self._write(fn)
@@ -373,43 +354,26 @@ class Store:
         memo_uuid = uuid or new_uuid()
         return self._write(lambda tx: _insert_memo(tx, run_id, json.dumps(memo), memo_uuid, time.time()))
 
-    def add_device_stages(self, run_id: int, rows: list[dict]) -> None:
-        """Per-device stage rows of a placed run: {device, stage, estimated_bytes, measured_peak_bytes,
-        measured_used_bytes}. A retry that finds them recorded adds nothing."""
-        if not rows:
-            return
-
-        def fn(tx):
-            if tx.execute("SELECT 1 AS one FROM device_stages WHERE run_id = ? LIMIT 1", (run_id,)):
-                return
-            tx.executemany(
-                "INSERT INTO device_stages (run_id, device, stage, estimated_bytes, measured_peak_bytes, "
-                "measured_used_bytes) VALUES (?,?,?,?,?,?)",
-                [(run_id, r["device"], r["stage"], r.get("estimated_bytes"), r.get("measured_peak_bytes"),
-                  r.get("measured_used_bytes")) for r in rows])
-
-        self._write(fn)
-
-    def add_corrections(self, machine_id: int, stack: str, rows: list[dict]) -> None:
-        rows = [{**r, "uuid": r.get("uuid") or new_uuid()} for r in rows]
+    def add_corrections(self, machine_id: int, stack: str, rows: list[dict], estimator_model: str | None) -> None:
+        """``rows`` carry their ``uuid`` (made before the transaction: a retried one adds nothing twice)."""
         stamp = time.time()
-        self._write(lambda tx: _insert_corrections(tx, machine_id, stack, rows, stamp))
+        self._write(lambda tx: _insert_corrections(tx, machine_id, stack, rows, stamp, estimator_model))
 
-    def refit(self, machine_id: int, fit: Callable[[list[dict]], tuple[list[tuple[str, list[dict]]], Any]]) -> Any:
+    def refit(self, machine_id: int, fit: Callable[[list[dict]], tuple[list[tuple[str, list[dict]]], Any]],
+              estimator_model: str | None) -> Any:
         """Refit a machine's corrections without lost updates: in one transaction that holds the
         machine's refit lock, read its stage rows (every run committed before the lock was taken), call
-        ``fit(rows) -> ([(scope key, correction rows), ...], answer)``, record the corrections, return
-        ``answer``. Two hosts refitting at once run one after the other, the second seeing the first's
-        runs."""
+        ``fit(rows) -> ([(scope key, correction rows with their uuid), ...], answer)``, record the
+        corrections, return ``answer``. Two hosts refitting at once run one after the other, the second
+        seeing the first's runs."""
         stamp = time.time()
 
         def fn(tx):
             self.engine.lock_machine(tx, machine_id)
-            rows = tx.execute(_STAGE_ROWS + " WHERE r.machine_id = ? ORDER BY st.run_id, st.seq", (machine_id,))
+            rows = tx.execute(_STAGE_ROWS + " AND r.machine_id = ? ORDER BY st.run_id, st.seq", (machine_id,))
             writes, answer = fit(rows)
             for key, corr_rows in writes:
-                _insert_corrections(tx, machine_id, key, [{**r, "uuid": r.get("uuid") or new_uuid()}
-                                                          for r in corr_rows], stamp)
+                _insert_corrections(tx, machine_id, key, corr_rows, stamp, estimator_model)
             return answer
 
         return self._write(fn)
@@ -420,9 +384,11 @@ class Store:
              host: str | None = None) -> list[dict]:
         """Runs with their outcome and machine, oldest first. Filters: exact ``model`` and ``quant``;
         ``gpu`` matches part of the GPU's name (case-insensitive); ``status`` is ``ok``, ``oom``,
-        ``crashed``, ``error`` or ``interrupted`` (no outcome recorded)."""
-        q = ("SELECT r.*, s.status, s.last_stage, s.error, s.result_json, s.finished_at, m.hostname, m.gpu_name, "
-             "m.class_key FROM runs r JOIN machines m ON m.id = r.machine_id "
+        ``crashed``, ``error``, ``killed`` or ``interrupted`` (no outcome recorded)."""
+        q = ("SELECT r.id, r.uuid, r.created_at, r.machine_id, r.model, r.config_hash, r.quant, r.quant_impl, "
+             "r.dtype, r.ctx, r.batch, r.kv_dtype, r.attn, r.device, r.split_devices, r.command, "
+             "r.vramcal_version, r.estimator_model, s.status, s.last_stage, s.error, s.finished_at, m.hostname, "
+             "m.gpu_name, m.class_key FROM runs r JOIN machines m ON m.id = r.machine_id "
              "LEFT JOIN results s ON s.run_id = r.id WHERE 1=1")
         args: list = []
         for column, value in (("r.machine_id", machine_id), ("r.model", model), ("r.quant", quant),
@@ -442,42 +408,52 @@ class Store:
         q += " ORDER BY r.id"
         if limit:
             q += f" LIMIT {int(limit)}"
-        return self.query(q, args)
+        out = self.query(q, args)
+        for r in out:
+            r["split_devices"] = json.loads(r["split_devices"]) if r.get("split_devices") else None
+        return out
 
-    def run(self, run_id: int) -> dict | None:
+    def run(self, run_id: int) -> RunRecord | None:
         row = self.engine.query_one(
-            "SELECT r.*, s.status, s.last_stage, s.error, s.result_json, s.finished_at, m.gpu_name, m.total_bytes, "
-            "m.kind AS machine_kind, m.hostname, m.cpu_model FROM runs r LEFT JOIN results s ON s.run_id = r.id "
+            "SELECT r.*, s.run_id AS has_outcome, s.finished_at, s.status, s.last_stage, s.error, s.oom_json, "
+            "s.series, s.wall_s, s.sampler_overhead, s.result_json, m.kind, m.gpu_name, m.gpu_uuid, m.total_bytes, "
+            "m.driver, m.cuda_runtime, m.torch, m.transformers, m.bitsandbytes, m.accelerate, m.hostname, "
+            "m.cpu_model, m.class_key FROM runs r LEFT JOIN results s ON s.run_id = r.id "
             "JOIN machines m ON m.id = r.machine_id WHERE r.id = ?", (run_id,))
         if row is None:
             return None
-        out = dict(row)
-        out["stages"] = {s["stage"]: s for s in self.query(
-            "SELECT * FROM stages WHERE run_id = ? ORDER BY seq", (run_id,))}
-        out["device_stages"] = self.query("SELECT * FROM device_stages WHERE run_id = ? ORDER BY device, stage",
-                                          (run_id,))
-        out["sample_count"] = int(self.query("SELECT count(*) AS n FROM samples WHERE run_id = ?", (run_id,))[0]["n"])
-        return out
+        context = _context_of(row)
+        machine = {k: row[k] for k in ("machine_id", *MACHINE_FIELDS, "class_key")}
+        outcome = None
+        if row["has_outcome"] is not None:
+            outcome = _outcome_of(row, self.query(f"SELECT {', '.join(STAGE_FIELDS)} FROM stages WHERE run_id = ? "
+                                                  "ORDER BY seq", (run_id,)),
+                                  self.query(f"SELECT {', '.join(DEVICE_STAGE_FIELDS)} FROM device_stages "
+                                             "WHERE run_id = ? ORDER BY device, stage", (run_id,)))
+        n = int(self.query("SELECT count(*) AS n FROM samples WHERE run_id = ?", (run_id,))[0]["n"])
+        fed = [c for c in self.corrections(row["machine_id"]) if run_id in c["source_runs"]]
+        return RunRecord(row["id"], row["uuid"], row["created_at"], context, machine, outcome, n, fed)
 
     def stage_rows(self, machine_id: int | None = None, *, class_key: str | None = None) -> list[dict]:
-        """Stage rows of finished runs with their run's context: one machine's, or a machine class's
-        (every host of it; each row says its ``machine_id`` and ``hostname``)."""
+        """Stage rows of finished single-device runs with their run's context: one machine's, or a
+        machine class's (every host of it; each row says its ``machine_id`` and ``hostname``)."""
         if (machine_id is None) == (class_key is None):
             raise TypeError("stage_rows needs exactly one of machine_id and class_key")
         where, arg = ("r.machine_id = ?", machine_id) if class_key is None else ("m.class_key = ?", class_key)
-        return self.query(_STAGE_ROWS + f" WHERE {where} ORDER BY st.run_id, st.seq", (arg,))
+        return self.query(_STAGE_ROWS + f" AND {where} ORDER BY st.run_id, st.seq", (arg,))
 
     def device_stage_rows(self, machine_id: int) -> list[dict]:
-        """:meth:`stage_rows` of placed runs, one row per device and stage (``device`` says which)."""
+        """:meth:`stage_rows` of split runs, one row per device and stage (``device`` says which)."""
         return self.query(
-            "SELECT st.*, r.ctx, r.batch, r.model, r.config_hash, r.quant, s.status, st.run_id AS run_id "
-            "FROM device_stages st JOIN runs r ON r.id = st.run_id JOIN results s ON s.run_id = r.id "
-            "WHERE r.machine_id = ? ORDER BY st.run_id", (machine_id,))
+            "SELECT st.*, r.ctx, r.batch, r.model, r.config_hash, r.quant, r.estimator_model, s.status, "
+            "st.run_id AS run_id FROM device_stages st JOIN runs r ON r.id = st.run_id "
+            "JOIN results s ON s.run_id = r.id WHERE r.machine_id = ? ORDER BY st.run_id", (machine_id,))
 
-    def latest_corrections(self, machine_id: int, stack: str) -> dict[str, dict]:
+    def latest_corrections(self, machine_id: int, stack: str, estimator_model: str | None) -> dict[str, dict]:
+        """The newest correction per stage of one scope, fitted from runs of ``estimator_model``."""
         out = {}
-        for d in self.query("SELECT * FROM corrections WHERE machine_id = ? AND stack = ? ORDER BY id",
-                            (machine_id, stack)):
+        for d in self.query("SELECT * FROM corrections WHERE machine_id = ? AND stack = ? AND estimator_model = ? "
+                            "ORDER BY id", (machine_id, stack, estimator_model)):
             d["source_runs"] = json.loads(d.pop("source_runs_json"))
             out[d["stage"]] = d
         return out
@@ -511,11 +487,29 @@ class Store:
             "GROUP BY m.class_key ORDER BY m.class_key")
 
 
-# ``rss_estimate``: the run's estimate is the CPU resident-set model's (vramcal.estimator.cpu), whose
-# methods name "resident set"; CPU rows estimated before it compared tensors with a resident set
-_STAGE_ROWS = ("SELECT st.*, r.ctx, r.batch, r.model, r.config_hash, r.quant, r.device, r.machine_id, s.status, "
-               "m.hostname, (r.estimate_json LIKE '%\"resident set\"%') AS rss_estimate FROM stages st "
-               "JOIN runs r ON r.id = st.run_id JOIN results s ON s.run_id = r.id JOIN machines m ON m.id = r.machine_id")
+# Stage rows of finished single-device runs, with what a correction needs: the workload, the scope's
+# fields and the estimator model the run was compared with
+_STAGE_ROWS = ("SELECT st.*, r.ctx, r.batch, r.model, r.config_hash, r.quant, r.device, r.machine_id, "
+               "r.estimator_model, s.status, m.hostname FROM stages st JOIN runs r ON r.id = st.run_id "
+               "JOIN results s ON s.run_id = r.id JOIN machines m ON m.id = r.machine_id "
+               "WHERE r.split_devices IS NULL")  # a split run's corrections are per device (device_stages)
+
+
+def _context_of(row: dict) -> RunContext:
+    kw = {k: row.get(k) for k in RUN_FIELDS}
+    kw["estimate"] = json.loads(row["estimate_json"]) if row.get("estimate_json") else None
+    kw["split_devices"] = json.loads(row["split_devices"]) if row.get("split_devices") else None
+    kw["created_at"] = row.get("created_at")
+    return RunContext(**kw)
+
+
+def _outcome_of(row: dict, stages: list[dict], devices: list[dict]) -> Outcome:
+    return Outcome(status=row["status"], last_stage=row.get("last_stage"), error=row.get("error"),
+                   oom=json.loads(row["oom_json"]) if row.get("oom_json") else None, series=row.get("series"),
+                   wall_s=row.get("wall_s"), sampler_overhead=row.get("sampler_overhead"),
+                   result=json.loads(row["result_json"]) if row.get("result_json") else {},
+                   stages=[StageRow(**s) for s in stages], devices=[DeviceStageRow(**d) for d in devices],
+                   finished_at=row.get("finished_at"))
 
 
 # ------------------------------------------------------------------------- one transaction's pieces
@@ -536,10 +530,11 @@ def _insert_machine(tx, fingerprint: dict, created_at: float | None = None) -> i
     return tx.execute("SELECT id FROM machines WHERE fingerprint = ?", (key,))[0]["id"]
 
 
-def _insert_run(tx, machine_id: int, fields: dict, run_uuid: str, created_at: float) -> tuple[int, bool]:
+def _insert_run(tx, machine_id: int, context: RunContext, run_uuid: str, created_at: float) -> tuple[int, bool]:
     """(id, whether it was new)."""
-    cols = ("uuid", "machine_id", "created_at", *RUN_FIELDS, "estimate_json")
-    values = (run_uuid, machine_id, created_at, *[fields.get(c) for c in RUN_FIELDS], fields.get("estimate_json"))
+    cols = ("uuid", "machine_id", "created_at", *RUN_FIELDS, "estimate_json", "split_devices")
+    values = (run_uuid, machine_id, created_at, *[getattr(context, c) for c in RUN_FIELDS],
+              _opt_json(context.estimate), _opt_json(context.split_devices or None))
     rows = tx.execute(f"INSERT INTO runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
                       "ON CONFLICT (uuid) DO NOTHING RETURNING id", values)
     if rows:
@@ -547,25 +542,33 @@ def _insert_run(tx, machine_id: int, fields: dict, run_uuid: str, created_at: fl
     return tx.execute("SELECT id FROM runs WHERE uuid = ?", (run_uuid,))[0]["id"], False
 
 
-def _result_row(result: dict, finished_at: float) -> dict:
-    return {"finished_at": finished_at, "status": result["status"], "last_stage": result.get("last_stage"),
-            "error": result.get("error"), "oom_json": json.dumps(result["oom"]) if result.get("oom") else None,
-            "series": result.get("series"), "wall_s": result.get("wall_s"),
-            "sampler_overhead": result.get("sampler_overhead"), "result_json": json.dumps(result)}
-
-
-def _insert_outcome(tx, run_id: int, row: dict, stage_rows: list[dict], samples) -> bool:
+def _insert_outcome(tx, run_id: int, outcome: Outcome) -> bool:
+    row = {"finished_at": outcome.finished_at or time.time(), "status": outcome.status,
+           "last_stage": outcome.last_stage, "error": outcome.error, "oom_json": _opt_json(outcome.oom),
+           "series": outcome.series, "wall_s": outcome.wall_s, "sampler_overhead": outcome.sampler_overhead,
+           "result_json": json.dumps(outcome.result)}
     done = tx.execute(f"INSERT INTO results (run_id, {', '.join(RESULT_FIELDS)}) VALUES "
                       f"({', '.join('?' * (len(RESULT_FIELDS) + 1))}) ON CONFLICT (run_id) DO NOTHING RETURNING run_id",
-                      (run_id, *[row.get(c) for c in RESULT_FIELDS]))
+                      (run_id, *[row[c] for c in RESULT_FIELDS]))
     if not done:
         return False  # recorded before (a retry): its stages and samples are there too
     tx.executemany(f"INSERT INTO stages (run_id, seq, {', '.join(STAGE_FIELDS)}) VALUES "
                    f"({', '.join('?' * (len(STAGE_FIELDS) + 2))})",
-                   [(run_id, i, *[r.get(c) for c in STAGE_FIELDS]) for i, r in enumerate(stage_rows)])
+                   [(run_id, i, *[getattr(r, c) for c in STAGE_FIELDS]) for i, r in enumerate(outcome.stages)])
+    _insert_device_stages(tx, run_id, outcome.devices)
     tx.executemany("INSERT INTO samples (run_id, t, series, bytes) VALUES (?,?,?,?)",
-                   [(run_id, t, s, b) for t, s, b in samples])
+                   [(run_id, t, s, b) for t, s, b in outcome.samples])
     return True
+
+
+def _insert_device_stages(tx, run_id: int, rows: list[DeviceStageRow]) -> int:
+    """A split run's per-device rows, unless the run has some already; returns how many were added."""
+    if not rows or tx.execute("SELECT 1 AS one FROM device_stages WHERE run_id = ? LIMIT 1", (run_id,)):
+        return 0
+    tx.executemany(f"INSERT INTO device_stages (run_id, {', '.join(DEVICE_STAGE_FIELDS)}) VALUES "
+                   f"({', '.join('?' * (len(DEVICE_STAGE_FIELDS) + 1))})",
+                   [(run_id, *[getattr(r, c) for c in DEVICE_STAGE_FIELDS]) for r in rows])
+    return len(rows)
 
 
 def _insert_memo(tx, run_id: int, memo_json: str, memo_uuid: str, created_at: float) -> int:
@@ -576,16 +579,17 @@ def _insert_memo(tx, run_id: int, memo_json: str, memo_uuid: str, created_at: fl
     return tx.execute("SELECT id FROM memos WHERE uuid = ?", (memo_uuid,))[0]["id"]
 
 
-def _insert_corrections(tx, machine_id: int, stack: str, rows: list[dict], created_at: float) -> int:
+def _insert_corrections(tx, machine_id: int, stack: str, rows: list[dict], created_at: float,
+                        estimator_model: str | None) -> int:
     """Rows carry a ``uuid``; one already recorded is skipped. Returns how many were added."""
     added = 0
     for r in rows:
         done = tx.execute(
             "INSERT INTO corrections (uuid, machine_id, created_at, stack, stage, intercept_bytes, "
-            "slope_bytes_per_token, n_runs, residual_p50_bytes, residual_p95_bytes, source_runs_json) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (uuid) DO NOTHING RETURNING id",
+            "slope_bytes_per_token, n_runs, residual_p50_bytes, residual_p95_bytes, source_runs_json, "
+            "estimator_model) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (uuid) DO NOTHING RETURNING id",
             (r["uuid"], machine_id, r.get("created_at") or created_at, stack, r["stage"], int(r["intercept_bytes"]),
              float(r["slope_bytes_per_token"]), r["n_runs"], r.get("residual_p50_bytes"),
-             r.get("residual_p95_bytes"), json.dumps(r["source_runs"])))
+             r.get("residual_p95_bytes"), json.dumps(r["source_runs"]), r.get("estimator_model", estimator_model)))
         added += bool(done)
     return added

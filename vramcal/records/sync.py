@@ -4,8 +4,9 @@ machine's SQLite history into the fleet's PostgreSQL) and ``pull --from URL`` (t
 Identity travels with the rows: a machine is its fingerprint, a run its ``uuid``, a memo and a
 correction theirs. The integer ids are each database's own, so references are translated on the way
 (a memo's ``run_id``, a correction's machine and source runs). Each run is copied in one transaction of
-the destination with its outcome, stages and samples; a run that was copied while it was still
-running gets its outcome on a later copy. Copying again adds nothing.
+the destination with its outcome, stages, per-device stages and samples; a run that was copied while it
+was still running gets its outcome on a later copy, and a split run copied by an older vramcal without
+its per-device stages gets them. Copying again adds nothing.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from .store import (RESULT_FIELDS, RUN_FIELDS, STAGE_FIELDS, Store, _insert_corrections, _insert_machine, _insert_memo,
-                    _insert_outcome, _insert_run)
+from .store import (DEVICE_STAGE_FIELDS, STAGE_FIELDS, DeviceStageRow, Outcome, Store, _context_of,
+                    _insert_corrections, _insert_device_stages, _insert_machine, _insert_memo, _insert_outcome,
+                    _insert_run, _outcome_of)
 
 CHUNK = 500
 
@@ -27,6 +29,7 @@ class CopyReport:
     machines_added: int = 0
     runs_added: int = 0
     outcomes_added: int = 0  # results (with their stages and samples) of runs added now or copied before unfinished
+    device_stages_added: int = 0  # per-device rows of split runs the destination lacked
     memos_added: int = 0
     corrections_added: int = 0
 
@@ -36,7 +39,7 @@ class CopyReport:
     @property
     def nothing_new(self) -> bool:
         return not (self.machines_added or self.runs_added or self.outcomes_added or self.memos_added
-                    or self.corrections_added)
+                    or self.corrections_added or self.device_stages_added)
 
 
 def _chunks(items: list, n: int = CHUNK):
@@ -69,25 +72,34 @@ def copy_records(src: Store, dst: Store) -> CopyReport:
             report.machines_added += 1
         machine_map[m["id"]] = known
 
-    # runs, by uuid; an outcome where the destination has none
-    runs = src.query("SELECT r.*, s.run_id AS has_outcome FROM runs r LEFT JOIN results s ON s.run_id = r.id "
+    # runs, by uuid; an outcome where the destination has none; per-device rows where it lacks them
+    runs = src.query("SELECT r.*, s.run_id AS has_outcome, (SELECT count(*) FROM device_stages d "
+                     "WHERE d.run_id = r.id) AS device_rows FROM runs r LEFT JOIN results s ON s.run_id = r.id "
                      "ORDER BY r.id")
-    there = _by_uuid(dst, "runs", [r["uuid"] for r in runs], ", s.run_id AS has_outcome")
+    there = _by_uuid(dst, "runs", [r["uuid"] for r in runs],
+                     ", s.run_id AS has_outcome, (SELECT count(*) FROM device_stages d WHERE d.run_id = t.id) "
+                     "AS device_rows")
     run_map: dict[int, int] = {}
     for run in runs:
         have = there.get(run["uuid"])
         if have is not None:
             run_map[run["id"]] = have["id"]
-            if have["has_outcome"] is not None or run["has_outcome"] is None:
+            if have["has_outcome"] is not None:
+                if run["device_rows"] and not have["device_rows"]:
+                    rows = _read_device_stages(src, run["id"])
+                    report.device_stages_added += dst._write(
+                        lambda tx, rid=have["id"], rows=rows: _insert_device_stages(tx, rid, rows))
                 continue
-        outcome = _read_outcome(src, run["id"]) if run["has_outcome"] is not None else None
-        fields = {k: run[k] for k in (*RUN_FIELDS, "estimate_json")}
+            if run["has_outcome"] is None:
+                continue
+        outcome = _read_outcome(src, run) if run["has_outcome"] is not None else None
+        context = _context_of(run)
 
-        def fn(tx, run=run, fields=fields, outcome=outcome):
-            run_id, new = _insert_run(tx, machine_map[run["machine_id"]], fields, run["uuid"], run["created_at"])
+        def fn(tx, run=run, context=context, outcome=outcome):
+            run_id, new = _insert_run(tx, machine_map[run["machine_id"]], context, run["uuid"], run["created_at"])
             added = False
             if outcome is not None:
-                added = _insert_outcome(tx, run_id, *outcome)
+                added = _insert_outcome(tx, run_id, outcome)
             return run_id, new, added
 
         run_id, new, added = dst._write(fn)
@@ -116,22 +128,31 @@ def copy_records(src: Store, dst: Store) -> CopyReport:
         c["source_runs"] = [run_map[r] for r in c["source_runs"] if r in run_map]
     for part in _chunks(todo, 100):
         report.corrections_added += dst._write(lambda tx, part=part: sum(
-            _insert_corrections(tx, machine_map[c["machine_id"]], c["stack"], [c], c["created_at"]) for c in part))
+            _insert_corrections(tx, machine_map[c["machine_id"]], c["stack"], [c], c["created_at"],
+                                c.get("estimator_model")) for c in part))
     return report
 
 
-def _read_outcome(src: Store, run_id: int) -> tuple[dict, list[dict], list[tuple]]:
-    result = src.query(f"SELECT {', '.join(RESULT_FIELDS)} FROM results WHERE run_id = ?", (run_id,))[0]
-    stages = src.query(f"SELECT {', '.join(STAGE_FIELDS)} FROM stages WHERE run_id = ? ORDER BY seq", (run_id,))
-    samples = [(s["t"], s["series"], s["bytes"]) for s in
-               src.query("SELECT t, series, bytes FROM samples WHERE run_id = ? ORDER BY t", (run_id,))]
-    return result, stages, samples
+def _read_outcome(src: Store, run: dict) -> Outcome:
+    result = src.query("SELECT * FROM results WHERE run_id = ?", (run["id"],))[0]
+    stages = src.query(f"SELECT {', '.join(STAGE_FIELDS)} FROM stages WHERE run_id = ? ORDER BY seq", (run["id"],))
+    outcome = _outcome_of(result, stages, [])
+    outcome.devices = _read_device_stages(src, run["id"])
+    outcome.samples = [(s["t"], s["series"], s["bytes"]) for s in
+                       src.query("SELECT t, series, bytes FROM samples WHERE run_id = ? ORDER BY t", (run["id"],))]
+    return outcome
+
+
+def _read_device_stages(src: Store, run_id: int) -> list[DeviceStageRow]:
+    return [DeviceStageRow(**r) for r in src.query(
+        f"SELECT {', '.join(DEVICE_STAGE_FIELDS)} FROM device_stages WHERE run_id = ? ORDER BY device, stage",
+        (run_id,))]
 
 
 def _readable(src: Store) -> Store:
     """Read the whole source once before the destination is opened (or created): a source damaged
     inside says so in one line and nothing is written anywhere."""
-    for table in ("machines", "runs", "results", "stages", "samples", "memos", "corrections"):
+    for table in ("machines", "runs", "results", "stages", "device_stages", "samples", "memos", "corrections"):
         src.count(table)
     src.machines()
     return src

@@ -4,6 +4,10 @@ locked or read-only) is kept as one JSON file, and recorded later, once, by its 
 The folder is ``$VRAMCAL_UNRECORDED`` if set, else ``unrecorded/`` beside the default SQLite database
 (``~/.local/share/vramcal/unrecorded/``); if that cannot be written, the system's temporary folder.
 ``vramcal records import FILE...`` (:func:`record_saved`) records them into any store.
+
+A file holds the machine's fingerprint, the run's :class:`~vramcal.records.store.RunContext` and its
+:class:`~vramcal.records.store.Outcome` -- every series sampled and, for a split run, the per-device
+stages -- exactly what the store would have recorded.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..files import atomic_write
-from .store import RUN_FIELDS, Store, default_path, new_uuid
+from .store import Outcome, RunContext, Store, default_path, new_uuid
 
-FORMAT = "vramcal-unrecorded-run/1"
+FORMAT = "vramcal-unrecorded-run/2"
 
 
 def unrecorded_dir() -> Path:
@@ -27,17 +31,13 @@ def unrecorded_dir() -> Path:
     return default_path().parent / "unrecorded"
 
 
-def run_payload(fingerprint: dict, run: dict, result: dict | None, stage_rows: list[dict] = (),
-                samples: list[tuple[float, str, int]] = (), uuid: str | None = None,
+def run_payload(fingerprint: dict, context: RunContext, outcome: Outcome | None, uuid: str | None = None,
                 error: str | None = None) -> dict:
-    """Everything :meth:`Store.record_run` needs, as plain JSON: the machine, the run's context
-    (:data:`~vramcal.records.store.RUN_FIELDS`, ``estimate``, ``created_at``), the outcome, the stage
-    rows and the samples; ``error`` says why it was not recorded."""
-    return {"format": FORMAT, "uuid": uuid or run.get("uuid") or new_uuid(), "saved_at": time.time(),
-            "not_recorded_because": error, "fingerprint": fingerprint,
-            "run": {**{k: run.get(k) for k in RUN_FIELDS}, "estimate": run.get("estimate"),
-                    "created_at": run.get("created_at") or time.time()},
-            "result": result, "stages": list(stage_rows), "samples": [list(s) for s in samples]}
+    """Everything :meth:`Store.record_run` needs, as plain JSON; ``error`` says why it was not recorded."""
+    context.created_at = context.created_at or time.time()
+    return {"format": FORMAT, "uuid": uuid or new_uuid(), "saved_at": time.time(), "not_recorded_because": error,
+            "fingerprint": fingerprint, "run": context.to_dict(),
+            "outcome": None if outcome is None else outcome.to_dict()}
 
 
 def save_unrecorded(payload: dict, folder: str | os.PathLike | None = None) -> Path:
@@ -64,8 +64,8 @@ def load_saved(path: str | os.PathLike) -> dict:
         payload = json.loads(Path(path).read_text())
     except OSError as exc:
         raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path} is not a saved run (bad JSON: {exc.msg} at line {exc.lineno})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} is not a saved run (bad JSON: {exc})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise UserError(f"{path} is not a saved vramcal run (no format {FORMAT!r})")
     return payload
@@ -75,5 +75,5 @@ def record_saved(store: Store, path: str | os.PathLike) -> int:
     """Record a saved run into ``store`` (once: a second call finds it by its uuid); returns its id.
     The file is left in place; remove it once recorded."""
     p = load_saved(path)
-    return store.record_run(p["fingerprint"], p["run"], p["result"], p.get("stages") or [],
-                            [tuple(s) for s in p.get("samples") or []], uuid=p["uuid"])
+    outcome = Outcome.from_dict(p["outcome"]) if p.get("outcome") else None
+    return store.record_run(p["fingerprint"], RunContext.from_dict(p["run"]), outcome, uuid=p["uuid"])

@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass
 
 from ..errors import UserError
 from .engines import DEVICE_TABLES, HISTORY_TABLES, PG_SCHEMA, _one_line, _psycopg, is_url, redact
-from .store import SCHEMA_VERSION, Store
+from .schema import SCHEMA_VERSION
+from .store import Store
 
 OWNER = "vramcal_owner"
 WRITER = "vramcal_writer"

@@ -1,0 +1,140 @@
+"""The installed transformers' own model for a config, on the ``meta`` device, with the installed
+quantizer's module replacement applied: what the inventory counts, the dry run runs and placement
+maps. Nothing here allocates memory for weights.
+"""
+
+from __future__ import annotations
+
+from ..errors import UserError
+from .quant import QuantSpec
+from .resolve import ModelSource
+
+
+class UnknownArchitecture(Exception):
+    """The installed transformers cannot build this config's architecture (the formula path takes over)."""
+
+
+def clean_config(config: dict) -> dict:
+    """A deep copy without vramcal's own keys: transformers' config classes edit nested dicts in place
+    (``rope_scaling``), and the caller's config must stay as read, or its hash would change."""
+    import copy
+
+    return copy.deepcopy({k: v for k, v in config.items() if not k.startswith("_vramcal")})
+
+
+def import_bitsandbytes():
+    """Import bitsandbytes without compiling its kernels.
+
+    bitsandbytes wraps several CPU kernels in ``torch.compile`` at import time, which loads dynamo and
+    inductor: about 1.9 s on two cores, more than the whole meta inventory of a 70B model. The
+    estimator never runs those kernels, so the first import here swaps ``torch.compile`` for the
+    identity; the kernels behave the same, uncompiled, if this process later runs them. A process that
+    imported bitsandbytes earlier keeps its compiled kernels."""
+    import sys
+
+    if "bitsandbytes" in sys.modules:
+        return sys.modules["bitsandbytes"]
+    import torch
+
+    real_compile = torch.compile
+
+    def identity(fn=None, **_kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    torch.compile = identity
+    try:
+        import bitsandbytes
+    finally:
+        torch.compile = real_compile
+    return bitsandbytes
+
+
+_META_MODELS: dict[tuple, tuple] = {}  # the last few meta models built in this process
+
+
+def build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None = None, device=None, *,
+                     device_map=None, bnb_extra: dict | None = None):
+    """The installed transformers' model for ``source``, on ``meta`` (or under ``device``, e.g. a fake
+    mode), with the quantizer's module replacement applied. Returns ``(model, hf_quantizer, dtype)``.
+
+    ``device_map`` is what ``from_pretrained`` hands the quantizer's ``preprocess_model`` (a custom map
+    changes which modules bitsandbytes converts); ``bnb_extra`` adds ``BitsAndBytesConfig`` arguments
+    (``llm_int8_enable_fp32_cpu_offload``).
+
+    A meta model holds no memory, so the plain one the inventory counted is kept and handed to the dry
+    run of the same model, quantization and attention (building it is most of an inventory's cost)."""
+    plain = device is None and device_map is None and not bnb_extra
+    key = (source.config_hash, quant.key(), attn)
+    if plain and key in _META_MODELS:
+        return _META_MODELS[key]
+    out = _build_meta_model(source, quant, attn, device, device_map, bnb_extra)
+    if plain:
+        while len(_META_MODELS) >= 4:
+            _META_MODELS.pop(next(iter(_META_MODELS)))
+        _META_MODELS[key] = out
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def _known_model_types() -> set[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return set(CONFIG_MAPPING_NAMES)
+
+
+def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, device, device_map, bnb_extra):
+    import torch
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = clean_config(source.config)
+    if quant.method in ("bnb4", "bnb8") and not quant.pre_quantized:
+        raw.pop("quantization_config", None)
+    elif quant.method == "none":
+        raw.pop("quantization_config", None)
+    model_type = raw.get("model_type")
+    try:
+        cfg = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
+    except (ValueError, KeyError) as exc:
+        if model_type in _known_model_types():  # a known architecture whose config transformers rejects
+            raise UserError(f"{source.name}: transformers rejects this {model_type} config "
+                            f"({_first_line(exc)}): fix the config.json") from None
+        raise UnknownArchitecture(f"model_type {model_type!r} is not one this transformers knows") from None
+    except (TypeError, AttributeError, StrictDataclassError) as exc:  # a field of the wrong kind (rope_scaling: "yes")
+        raise UserError(f"{source.name}: transformers rejects this config ({_first_line(exc)}): "
+                        "fix the config.json") from None
+    dtype = getattr(torch, quant.dtype)
+    hf_quantizer = None
+    if quant.method in ("bnb4", "bnb8"):
+        import_bitsandbytes()
+        from transformers import BitsAndBytesConfig
+        from transformers.quantizers.auto import AutoHfQuantizer
+
+        kwargs = {**quant.bnb_config_kwargs(), **(bnb_extra or {})}
+        if "bnb_4bit_compute_dtype" in kwargs:
+            kwargs["bnb_4bit_compute_dtype"] = dtype
+        hf_quantizer = AutoHfQuantizer.from_config(BitsAndBytesConfig(**kwargs), pre_quantized=quant.pre_quantized)
+        dtype = hf_quantizer.update_dtype(dtype)
+    ctx = device if device is not None else torch.device("meta")
+    try:
+        with ctx:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **({"attn_implementation": attn} if attn else {}))
+    except ValueError as exc:
+        raise UnknownArchitecture(str(exc).splitlines()[0]) from None
+    if hf_quantizer is not None:
+        # from_pretrained runs the module replacement inside ``local_torch_dtype``: the new Linear layers
+        # create their bias in the load dtype, not float32 (device maps size them so)
+        before = torch.get_default_dtype()
+        try:
+            if dtype.is_floating_point:
+                torch.set_default_dtype(dtype)
+            with torch.device("meta"):
+                hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map=device_map, checkpoint_files=None,
+                                              use_kernels=False)
+        finally:
+            torch.set_default_dtype(before)
+    return model, hf_quantizer, dtype

@@ -1,0 +1,144 @@
+"""How a probe's processes live and end: process identity, temporary folders, signals.
+
+- **Identity** (:func:`process_alive`): a pid and its start time, read through psutil, so a later
+  process that reuses a pid (after the first ended, or after a reboot) is not taken for it.
+- **Temporary folders** are named ``vramcal-probe-PID-START-*`` (the parent's pid and start time in
+  hundredths of a second); every probe first removes those whose parent is gone (:func:`sweep_stale`),
+  so even a folder left by a parent and child killed together does not outlive the next probe.
+- **Signals**: while a probe runs, SIGTERM raises in the main thread like Ctrl-C does
+  (:func:`sigterm_raises`); while an interrupted probe cleans up, a second signal waits
+  (:func:`signals_held`). :class:`ProbeInterrupted` carries what was measured to the caller.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import tempfile
+import threading
+from contextlib import contextmanager
+
+from .child import TEMP_PREFIX, remove_temp_folder
+
+_FOLDER = re.compile(re.escape(TEMP_PREFIX) + r"(\d+)-(\d+)-")
+
+
+class ProbeInterrupted(KeyboardInterrupt):
+    """A probe stopped by SIGINT (Ctrl-C) or SIGTERM in the parent, after its child was killed.
+
+    ``result`` is what was measured: status ``interrupted`` with the last stage, the stages so far, the
+    samples and ``unfinished`` (unless the child had finished before the signal: then its own status
+    stands). Record it, then exit with :attr:`exit_code`. A ``KeyboardInterrupt``, so that
+    ``except Exception`` never swallows it and a caller that knows only KeyboardInterrupt still stops."""
+
+    def __init__(self, result, signal_name: str):
+        super().__init__(f"probe interrupted by {signal_name}")
+        self.result = result
+        self.signal_name = signal_name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(signal.Signals[self.signal_name])
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread while a probe runs."""
+
+
+# ---------------------------------------------------------------------------- process identity
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started, in hundredths of a second since the epoch (psutil's ``create_time``);
+    None when there is no such process or it cannot be read."""
+    import psutil
+
+    try:
+        return int(round(psutil.Process(pid).create_time() * 100))
+    except (psutil.Error, OSError):
+        return None
+
+
+def process_alive(pid: int, start: int | None = None) -> bool:
+    """Whether process ``pid`` exists and, when ``start`` (:func:`start_time`) is given, is the same
+    process rather than a later one that reused the pid."""
+    import psutil
+
+    try:
+        if not psutil.pid_exists(pid):
+            return False
+    except (psutil.Error, OSError):
+        return False
+    if not start:
+        return True
+    now = start_time(pid)
+    return now is None or abs(now - start) <= 1
+
+
+# --------------------------------------------------------------------------- temporary folders
+
+def folder_owner(path: str) -> tuple[int, int] | None:
+    """(pid, start time) encoded in a probe's temporary folder name, or None for another name."""
+    m = _FOLDER.match(os.path.basename(os.path.normpath(path)))
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def make_temp_folder(root: str | None = None) -> str:
+    """A new ``vramcal-probe-PID-START-*`` folder under ``root`` (default: the temp dir) for this process."""
+    pid = os.getpid()
+    return tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{pid}-{start_time(pid) or 0}-", dir=root)
+
+
+def sweep_stale(root: str | None = None) -> list[str]:
+    """Remove the probe folders under ``root`` (default: the temp dir) whose owner process is gone
+    (a parent and child killed together). Returns the folders removed."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        owner = folder_owner(name)
+        path = os.path.join(root, name)
+        if owner is None or process_alive(*owner) or not os.path.isdir(path):
+            continue
+        remove_temp_folder(path)
+        if not os.path.exists(path):
+            removed.append(path)
+    return removed
+
+
+# ------------------------------------------------------------------------------------ signals
+
+@contextmanager
+def sigterm_raises():
+    """While a probe runs: SIGTERM raises :class:`Terminated` in the main thread (elsewhere Python
+    cannot install handlers: the caller's own handling stands). The old handler comes back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated()
+
+    old = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@contextmanager
+def signals_held():
+    """While an interrupted probe kills its child and builds its result: a second Ctrl-C or SIGTERM
+    is ignored, so the cleanup and the result cannot be cut short (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
