@@ -88,7 +88,6 @@ def test_estimate_json_has_the_map_and_one_entry_per_device(deep):
         assert v["components"]["weights"] == plan.weights.get(dev, 0)
     gpus = ("cuda:0", "cuda:1")
     assert d["stages"] == {k: sum(d["devices"][g]["stages"][k] for g in gpus) for k in STAGES}
-    assert d["peak"] == max(d["stages"].values())
     # the KV of the layers each device runs: all of it, split between the GPUs (offloaded layers run on cuda:0)
     assert sum(d["devices"][g]["components"]["kv_cache"] for g in gpus) == d["components"]["kv_cache"]
     assert d["devices"]["cpu"]["stages"]["end"] == plan.weights["cpu"] == plan.pcie_bytes_per_token

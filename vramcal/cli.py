@@ -355,11 +355,11 @@ def cmd_fit(args) -> int:
     smallest = min(budget.values()) if isinstance(budget, dict) else budget
     if buffer >= smallest:
         raise UserError(f"--buffer ({buffer:,} B) must be below --budget ({smallest:,} B)")
-    rows = fit_contexts(args.model, budget, device=device, db=args.db, buffer=buffer, new_tokens=new_tokens,
-                        max_memory=max_memory, device_map=device_map)
+    fit = fit_contexts(args.model, budget, device=device, db=args.db, buffer=buffer, new_tokens=new_tokens,
+                       max_memory=max_memory, device_map=device_map)
     _out(json.dumps({"budget_bytes": budget, "buffer_bytes": buffer, "new_tokens": new_tokens, "free": others,
-                     "rows": [r.to_dict() for r in rows]})
-         if args.json else present.fit_table(args.model, budget, buffer, rows, others))
+                     "rows": [r.to_dict() for r in fit.rows], "notes": fit.notes})
+         if args.json else present.fit_table(args.model, budget, buffer, fit.rows, others, fit.notes))
     return 0
 
 

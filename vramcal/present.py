@@ -229,7 +229,8 @@ def check_table(r) -> str:
     return "\n".join(lines)
 
 
-def fit_table(model: str, budget, buffer: int, rows: list[dict], free: list[str] | None = None) -> str:
+def fit_table(model: str, budget, buffer: int, rows, free: list[str] | None = None,
+              notes: list[str] | None = None) -> str:
     within = (", ".join(f"{d} {fmt_gib_gb(b)}" for d, b in budget.items()) if isinstance(budget, dict)
               else fmt_gib_gb(budget))
     lines = [f"{model}: largest context within {within} minus a {fmt_gib_gb(buffer)} buffer"
@@ -244,6 +245,7 @@ def fit_table(model: str, budget, buffer: int, rows: list[dict], free: list[str]
         if r.error:
             peak += "   " + r.error
         lines.append(f"  {r.quant:<8} {r.batch:>5} {ctx:>9} {peak}")
+    lines += ["  note: " + n for n in notes or []]
     return "\n".join(lines)
 
 

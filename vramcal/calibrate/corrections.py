@@ -328,7 +328,7 @@ def class_summary(store: Store) -> list[ClassSummary]:
 
 # ------------------------------------------------------------------------------------ for an estimate
 
-def _lookup_store(db: str | None) -> tuple[Store | None, str | None]:
+def lookup_store(db: str | None) -> tuple[Store | None, str | None]:
     """The records database for a lookup, read-only and quickly: (store or None, why not)."""
     try:
         return open_existing(db, timeout_s=LOOKUP_TIMEOUT_S), None
@@ -342,7 +342,7 @@ def machine_correction(device: str, quant: str, config_hash: str | None, db: str
     :data:`LOOKUP_TIMEOUT_S`, a damaged file) gives no correction and says why (``CorrectionSet.note``)."""
     from ..probes.machine import machine_fingerprint
 
-    store, why = _lookup_store(db)
+    store, why = lookup_store(db)
     if store is None:
         return CorrectionSet({}, note=why)
     fp = machine_fingerprint("cpu" if device_kind(device) == "cpu" else (device if ":" in device else "cuda:0"))
@@ -361,7 +361,7 @@ def machine_device_corrections(e, db: str | None = None) -> tuple[dict[str, Corr
     gpus = [d for d in (e.devices or {}) if d.startswith("cuda")]
     if not gpus:
         return {}, None
-    store, why = _lookup_store(db)
+    store, why = lookup_store(db)
     if store is None:
         return {}, why
     fp = machine_fingerprint(e.main_device)

@@ -15,9 +15,9 @@ from ..estimator.correction import apply
 from ..estimator.estimate import Estimator, placement_request
 from ..estimator.quant import resolve_quant
 from ..estimator.resolve import resolve_model, size_field, text_config
-from ..records.store import open_existing
+from ..errors import UserError
 from ..workload import MAX_TOKENS, NEW_TOKENS, STAGES, Workload, device_kind
-from .corrections import lookup, lookup_device
+from .corrections import lookup, lookup_device, lookup_store
 
 FIT_QUANTS = ("bf16", "int8", "nf4-dq", "nf4")
 FIT_BATCHES = (1, 2, 4, 8)
@@ -47,9 +47,15 @@ class FitRow:
         return {**asdict(self), "workload": self.workload}
 
 
+@dataclass
+class FitResult:
+    rows: list[FitRow]
+    notes: list[str]  # e.g. why no correction could be read
+
+
 def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: str | None, buffer: int,
                  quants=FIT_QUANTS, batches=FIT_BATCHES, new_tokens: int = NEW_TOKENS,
-                 max_memory: dict | str | None = None, device_map: str | None = None) -> list[FitRow]:
+                 max_memory: dict | str | None = None, device_map: str | None = None) -> FitResult:
     """The largest ctx (prompt + ``new_tokens``) per quant and batch whose corrected estimate, at the p95
     of this machine's residuals, stays within ``budget - buffer``; searched up to the model's
     ``max_position_embeddings``. ``budget`` is one figure, or with a placement one per GPU
@@ -62,14 +68,20 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
     fp = machine_fingerprint(main)
     gpus = [d for d in placed[0] if d.startswith("cuda")] if placed else [device]
     corr_by_quant: dict[str, dict[str, dict]] = {}
-    store = open_existing(db)
+    store, why = lookup_store(db)
+    notes = [why] if why else []
     if store is not None:
-        with store:
-            for q in quants:
-                if placed is None:
-                    corr_by_quant[q] = {device: lookup(store, fp, q, source.config_hash).stages}
-                else:
-                    corr_by_quant[q] = {d: lookup_device(store, fp, d, q, source.config_hash).stages for d in gpus}
+        try:
+            with store:
+                for q in quants:
+                    if placed is None:
+                        corr_by_quant[q] = {device: lookup(store, fp, q, source.config_hash).stages}
+                    else:
+                        corr_by_quant[q] = {d: lookup_device(store, fp, d, q, source.config_hash).stages
+                                            for d in gpus}
+        except UserError as exc:
+            corr_by_quant = {}
+            notes.append(f"no correction applied: {exc}")
     budgets = budget if isinstance(budget, dict) else {d: budget for d in gpus}
     max_ctx = min(int(size_field(text_config(source.config), "max_position_embeddings") or 131072), MAX_TOKENS)
     kind = device_kind(device)
@@ -79,7 +91,6 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
         est = Estimator(source, spec, device=kind)
         plan = None
         if placed is not None:
-            from ..errors import UserError
             from ..estimator.placement import plan_placement
 
             try:
@@ -114,4 +125,4 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
                     hi = mid_c - 1
             _, peak, per = over(lo, b)
             rows.append(FitRow(q, b, lo, new_tokens, peak, per if plan is not None else None))
-    return rows
+    return FitResult(rows, notes)

@@ -12,11 +12,15 @@ The resident set is not "the tensors". It is, per stage:
     safetensors memory-maps the checkpoint, and transformers keeps every tensor it does not convert
     as a *view* of that mapping. A page is resident once something reads it, and stays resident (and
     counted in RSS) while the mapping lives, which is as long as the model. So: at load, only the
-    pages the loader reads -- the 16-bit source of every weight bitsandbytes quantizes on the fly, or
-    the whole file when a dtype conversion copies everything; nothing for a plain load in the
-    checkpoint's dtype (bf16 Qwen2.5-0.5B: +22 MiB after ``from_pretrained`` for a 942 MiB file).
-    After the first forward every weight has been read: the whole file (a tied embedding is read
-    whole by the ``lm_head`` matmul; an untied one only in the rows of the prompt's tokens).
+    pages the loader reads -- the 16-bit source of every weight bitsandbytes quantizes on the fly;
+    nothing for a plain load in the checkpoint's dtype (bf16 Qwen2.5-0.5B: +22 MiB after
+    ``from_pretrained`` for a 942 MiB file). After the first forward every weight has been read: the
+    whole file. (A tied embedding is read whole by the ``lm_head`` matmul; an untied one is read a few
+    rows at a time, but each fault maps the readahead around it: 112 random tokens left 59 of a 65 MB
+    untied embedding resident, so it is counted whole.) A dtype conversion copies every tensor: it reads
+    the whole file while loading (at ``load_peak``), and then nothing references the mapping any more,
+    so it is released: no pages after the load (a bf16 checkpoint loaded as fp16: 166 MiB after the
+    load for 147 MiB of copies, 299 MiB at its peak).
 ``loaded_tensors`` (anonymous)
     tensors the loader allocates rather than maps: bitsandbytes' packed weights and their quant state
     (the inventory's ``quantized`` + ``quant_state`` groups, to the MiB in glibc's ``mallinfo2``),
@@ -58,7 +62,6 @@ from dataclasses import dataclass, field
 from ..units import MIB
 from .checkpoint import stored_layout
 from .quant import DTYPE_BYTES, config_dtype
-from .resolve import text_config
 
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MIB  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit glibc
 
@@ -90,8 +93,7 @@ class CpuInputs:
     ``checkpoint_elem_bytes``: their element size (2 for a bf16 checkpoint); ``load_elem_bytes``:
     the load dtype's; ``converts``: whether the load converts the stored dtype to another (bf16 to
     fp16 converts although both take 2 bytes); ``loaded_tensor_bytes``: anonymous bytes the loader allocates (see
-    :func:`loaded_tensor_bytes`); ``untouched_bytes``: checkpoint bytes a forward never reads (the
-    rows of an untied input embedding no prompt token selects); ``merged_bytes``: checkpoint bytes the
+    :func:`loaded_tensor_bytes`); ``merged_bytes``: checkpoint bytes the
     loader reads and copies into new tensors although their dtype stays (per-expert MoE weights that
     transformers stacks into one 3-D tensor per layer; their copies are in ``loaded_tensor_bytes``).
     """
@@ -103,7 +105,6 @@ class CpuInputs:
     loaded_tensor_bytes: int
     converts: bool = False
     quantized_elements: tuple[int, ...] = ()
-    untouched_bytes: int = 0
     merged_bytes: int = 0
 
 
@@ -116,11 +117,10 @@ class CpuStages:
     notes: list[str] = field(default_factory=list)
 
 
-def cpu_inputs(inv, quant, source, tokens: int) -> CpuInputs:
+def cpu_inputs(inv, quant, source) -> CpuInputs:
     """:class:`CpuInputs` from an :class:`~vramcal.estimator.inventory.Inventory`, its
     :class:`~vramcal.estimator.quant.QuantSpec` and the :class:`~vramcal.estimator.resolve.ModelSource`
-    (its safetensors headers, where it has files, say how the checkpoint stores its tensors); ``tokens``
-    = batch x prompt (how many rows of an untied input embedding a forward can read)."""
+    (its safetensors headers, where it has files, say how the checkpoint stores its tensors)."""
     on_the_fly = quant.method in ("bnb4", "bnb8") and not quant.pre_quantized
     method = quant.method if on_the_fly else "none"
     load_el = DTYPE_BYTES.get(inv.dtype, 2)
@@ -134,15 +134,9 @@ def cpu_inputs(inv, quant, source, tokens: int) -> CpuInputs:
     elements = tuple(o * i for o, i, n in (inv.quantized_shapes if on_the_fly else ()) for _ in range(n))
     experts = inv.groups.get("experts", 0)
     merged = experts // load_el * stored_el if experts and not stored.fused_experts and not converts else 0
-    untouched = 0
-    emb = inv.groups.get("embeddings", 0)
-    if emb and inv.groups.get("lm_head", 0) and not quant.pre_quantized and not converts:
-        rows = int(text_config(source.config).get("vocab_size") or 0)  # untied: only the prompt's rows are read
-        if rows > tokens:
-            untouched = (emb // load_el) * stored_el * (rows - tokens) // rows
     loaded = loaded_tensor_bytes(method, inv.groups, inv.tensor_bytes, converts)
     return CpuInputs(method=method, checkpoint_bytes=checkpoint, checkpoint_elem_bytes=stored_el,
-                     load_elem_bytes=load_el, untouched_bytes=untouched, quantized_elements=elements,
+                     load_elem_bytes=load_el, quantized_elements=elements,
                      merged_bytes=merged, loaded_tensor_bytes=loaded + (experts if merged else 0), converts=converts)
 
 
@@ -203,11 +197,11 @@ def cpu_resident_stages(inp: CpuInputs, *, kv_prompt: int, kv_end: int, prefill_
     on_the_fly = m in ("bnb4", "bnb8")
     converts = inp.converts
     q_src = sum(inp.quantized_elements) * inp.checkpoint_elem_bytes
-    if converts:
-        pages_load = inp.checkpoint_bytes
+    if converts:  # every tensor is a copy: nothing references the mapping once loaded, and it is released
+        pages_peak, pages_load, pages_run = inp.checkpoint_bytes, 0, 0
     else:
         pages_load = (q_src if on_the_fly else 0) + inp.merged_bytes
-    pages_run = inp.checkpoint_bytes - inp.untouched_bytes
+        pages_peak, pages_run = pages_load, inp.checkpoint_bytes
     bound = heap_retention_bound(m, inp.quantized_elements)
     n_max = max(inp.quantized_elements, default=0)
     transient = QUANT_TEMP_FACTOR.get(m, 0) * n_max if on_the_fly else 0
@@ -217,16 +211,18 @@ def cpu_resident_stages(inp: CpuInputs, *, kv_prompt: int, kv_end: int, prefill_
     if m == "bnb8" and out_features:
         int8_first, int8_most = int8_prefill_heap(inp.quantized_elements, batch * prompt_tokens, out_features)
     notes = []
-    cold = pages_load
+    cold = 0 if converts else pages_load
     if on_the_fly:
         notes.append("glibc heap retention after an on-the-fly bitsandbytes load varies run to run "
                      f"between 0 and {bound / MIB:,.0f} MiB after loading"
                      + (f", and LLM.int8's prefill may keep up to {int8_most / MIB:,.0f} MiB more"
                         if int8_most else "") + " (docs/cpu-memory.md)")
+    if converts:
+        notes.append(f"converting the dtype reads the whole checkpoint ({inp.checkpoint_bytes / MIB:,.0f} MiB of file "
+                     "pages at the load's peak); once loaded only the converted copies are held")
     if cold:
-        what = ("every tensor the load converted to another dtype" if converts else
-                " and ".join(w for w, b in (("the weights bitsandbytes quantized", q_src),
-                                            ("the MoE experts the loader stacked", inp.merged_bytes)) if b))
+        what = " and ".join(w for w, b in (("the weights bitsandbytes quantized", q_src),
+                                           ("the MoE experts the loader stacked", inp.merged_bytes)) if b)
         notes.append(f"{cold / MIB:,.0f} MiB of the resident set are the checkpoint's pages of {what}: read "
                      "once while loading, never again; they are clean file pages the kernel can drop when "
                      "memory runs short, so less free RAM than the peak can still be enough")
@@ -236,7 +232,7 @@ def cpu_resident_stages(inp: CpuInputs, *, kv_prompt: int, kv_end: int, prefill_
         terms: dict[str, dict[str, int]] = {}
         base_load = {"fixed": LOAD_FIXED_BYTES, "checkpoint_pages": pages_load, "loaded_tensors": inp.loaded_tensor_bytes,
                      "heap_retained": retained}
-        terms["load_peak"] = {**base_load, "quantize_transient": transient}
+        terms["load_peak"] = {**base_load, "checkpoint_pages": pages_peak, "quantize_transient": transient}
         terms["post_load"] = dict(base_load)
         run = {"fixed": LOAD_FIXED_BYTES + RUN_FIXED_BYTES, "checkpoint_pages": pages_run,
                "loaded_tensors": inp.loaded_tensor_bytes}

@@ -214,7 +214,7 @@ class Estimator:
         """The device's figures on one device: the stage rules on a GPU, the resident-set model on the CPU."""
         inv = self.inv
         if rt.device_kind == "cpu":
-            cpu = cpu_resident_stages(cpu_inputs(inv, self.quant, self.source, work.batch * work.prompt),
+            cpu = cpu_resident_stages(cpu_inputs(inv, self.quant, self.source),
                                       kv_prompt=parts.kv_prompt, kv_end=parts.kv_end,
                                       prefill_extra=max(parts.prefill_extra, 0),
                                       decode_extra=max(parts.decode_extra, 0), prompt_tokens=work.prompt,
