@@ -64,7 +64,7 @@ def test_static_cache_preallocates(tiny_models):
     cache = StaticCache(config=model.config, max_cache_len=ctx)
     ids = torch.randint(3, 1000, (1, ctx - NEW_TOKENS))
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                   do_sample=False, past_key_values=cache, pad_token_id=0)
+                   do_sample=False, cache=cache, pad_token_id=0)
     e = estimate(path, "auto", ctx=ctx, batch=1, cache="static", device="cpu")
     assert e.components["kv_cache"] == cache_bytes(cache)
 
@@ -78,7 +78,7 @@ def test_fp8_quantized_cache(tiny_models):
     cache = QuantizedCache(backend="fp8", config=model.config)
     ids = torch.randint(3, 1000, (batch, ctx - NEW_TOKENS))
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                   do_sample=False, past_key_values=cache, pad_token_id=0)
+                   do_sample=False, cache=cache, pad_token_id=0)
     e = estimate(path, "auto", ctx=ctx, batch=batch, kv_dtype="fp8", device="cpu")
     bf16 = estimate(path, "auto", ctx=ctx, batch=batch, device="cpu")
     assert e.components["kv_cache"] == cache_bytes(cache)

@@ -1,5 +1,5 @@
-import sys
+"""``python -m vramcal``: the same command as ``vramcal``."""
 
-from vramcal.cli import main
+from .cli import run
 
-sys.exit(main())
+run()

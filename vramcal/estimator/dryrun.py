@@ -98,6 +98,22 @@ class ActivationModel:
         return int(a + b * batch * (seq + extra_positions))
 
 
+def _tensors(obj):
+    """The tensors in an op's arguments or results: nested tuples, lists and dicts of them (what the
+    dispatcher passes; a plain walk is several times cheaper than torch's general pytree flatten, and it
+    runs at every op of a trace)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)
+
+
 class AllocationTracker:
     """Running total of live tensor storages on one device, counted as the CUDA caching allocator counts
     them. Tensors on other devices (a CPU scalar transformers makes before moving it) are not counted."""
@@ -122,16 +138,13 @@ class AllocationTracker:
         self.ops = 0
 
     def _note(self, out, inputs) -> None:
-        import torch
-        from torch.utils._pytree import tree_flatten
-
         self.ops += 1
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.device.type == self.device_type]
+        outs = [t for t in _tensors(out) if t.device.type == self.device_type]
         if not outs:
             return
         # A view or in-place result shares an input's storage: nothing new was allocated. Storages made
         # before tracking began (the weights) are never counted.
-        input_keys = {t.untyped_storage()._cdata for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+        input_keys = {t.untyped_storage()._cdata for t in _tensors(inputs)}
         for t in outs:
             key = t.untyped_storage()._cdata
             if key in input_keys and key not in self.live:

@@ -187,13 +187,17 @@ def _preimport(spec: dict) -> None:
 
 def _cache_kwargs(model, spec: dict, cache_len: int) -> dict:
     """The cache ``generate`` fills, as the estimate assumed it: transformers' fp8 QuantizedCache for
-    ``--kv-dtype fp8``, a StaticCache pre-allocated to the whole context for ``--cache static``."""
+    ``--kv-dtype fp8``, a StaticCache pre-allocated to the whole context for ``--cache static``; passed
+    as ``cache`` where the model takes it (transformers deprecates ``past_key_values``)."""
     from transformers import QuantizedCache, StaticCache
 
+    from ..estimator.dryrun import cache_keyword
+
+    key = cache_keyword(model)
     if spec.get("kv_dtype", "auto") == "fp8":
-        return {"past_key_values": QuantizedCache(backend="fp8", config=model.config)}
+        return {key: QuantizedCache(backend="fp8", config=model.config)}
     if spec.get("cache", "dynamic") == "static":
-        return {"past_key_values": StaticCache(config=model.config, max_cache_len=cache_len)}
+        return {key: StaticCache(config=model.config, max_cache_len=cache_len)}
     return {}
 
 
