@@ -143,7 +143,7 @@ def test_push_pull_and_import_keep_a_split_runs_devices(tmp_path):
     path = save_probe_unrecorded(fp, context_of_result(result), result, run_uuid="kept-1", error="down",
                                  folder=tmp_path / "kept")
     with Store(tmp_path / "imported.db") as s:
-        got = s.run(record_saved(s, path))
+        got = s.run(record_saved(s, path)[0])
     assert got.outcome.devices == want.outcome.devices and got.sample_count == 6
 
 

@@ -67,8 +67,8 @@ def _load_writer(url: str, w: int, n: int, start, out) -> None:
             ctx = 256 * (1 + i % 8)
             run_id = s.begin_run(mid, _context(ctx=ctx, estimate={"w": w, "i": i}),
                                  uuid=str(uuid.uuid5(NS, f"load-{w}-{i}")))
-            s.finish_run(run_id, outcome("ok", _stages(ctx, offset), [(0.005 * k, "nvml", 1000 * k) for k in range(20)],
-                                         series="nvml"))
+            s.finish_run(run_id, outcome("ok", _stages(ctx, offset), [(0.005 * k, "gpu0", 1000 * k) for k in range(20)],
+                                         series="gpu0"))
     out.put(("writer", w, n))
 
 
@@ -160,7 +160,7 @@ def _batch_writer(url: str, w: int, n: int, out) -> None:
             for i in range(n):
                 ctx = 128 * (1 + i % 4)
                 s.record_run(fp, _context(ctx=ctx, estimate={"i": i}),
-                             outcome("ok", _stages(ctx, 0), [(0.01 * k, "nvml", k) for k in range(30)], series="nvml"),
+                             outcome("ok", _stages(ctx, 0), [(0.01 * k, "gpu0", k) for k in range(30)], series="gpu0"),
                              uuid=str(uuid.uuid5(NS, f"batch-{w}-{i}")))
                 time.sleep(0.01)
     except UserError as exc:
@@ -230,7 +230,7 @@ def _history(path) -> None:
                     continue  # still running when it was pushed
                 status = "oom" if i % 17 == 0 else "ok"
                 s.finish_run(rid, outcome(status, _stages(ctx, offset + i * 1000)[:3 if status == "oom" else 4],
-                                          [(0.01 * k, "nvml", 7 * k + i) for k in range(5 + i % 4)], series="nvml",
+                                          [(0.01 * k, "gpu0", 7 * k + i) for k in range(5 + i % 4)], series="gpu0",
                                           oom={"stage": "end"} if status == "oom" else None))
                 if i % 25 == 0:
                     s.add_memo(rid, {"run_id": rid, "peak_bytes": i})
@@ -288,7 +288,7 @@ def test_push_twice_then_pull(pg_url, tmp_path):
     with Store(local) as s:
         unfinished = [r for r in s.runs() if r["status"] is None]
         assert len(unfinished) == 2
-        s.finish_run(unfinished[0]["id"], outcome("ok", _stages(512, 0), [(0.0, "nvml", 1)]))
+        s.finish_run(unfinished[0]["id"], outcome("ok", _stages(512, 0), [(0.0, "gpu0", 1)]))
         s.record_run(_fp("laptop", driver="550.2"), _context(ctx=64), outcome("ok", _stages(64, 0)))
     third = push(local, pg_url)
     assert (third.runs_added, third.outcomes_added, third.machines_added) == (1, 2, 0)
@@ -414,7 +414,7 @@ def test_writer_role_cannot_change_history(pg_server):
         from vramcal.calibrate.corrections import refit
         from vramcal.probes.machine import stack_key
 
-        rid = s.record_run(_fp("w"), _context(), outcome("ok", _stages(1024, 0), [(0.0, "nvml", 1)]))
+        rid = s.record_run(_fp("w"), _context(), outcome("ok", _stages(1024, 0), [(0.0, "gpu0", 1)]))
         refit(s, s.find_machine(_fp("w")), stack_key(_fp("w")), "nf4", "cfg-m", "cuda")
         s.add_memo(rid, {"run_id": rid})
         with pytest.raises(UserError, match="not allowed"):
@@ -474,13 +474,13 @@ def test_redact(text, want):
 def test_unrecorded_run_is_kept_and_recorded_once(tmp_path, db):
     from vramcal.records.unrecorded import record_saved, run_payload, save_unrecorded
 
-    payload = run_payload(_fp("h"), _context(estimate={"peak": 1}), outcome("ok", _stages(1024, 0), [(0.0, "nvml", 5)]),
+    payload = run_payload(_fp("h"), _context(estimate={"peak": 1}), outcome("ok", _stages(1024, 0), [(0.0, "gpu0", 5)]),
                           error="the server was down")
     path = save_unrecorded(payload, tmp_path / "unrecorded")
     assert path.parent == tmp_path / "unrecorded" and path.name == f"run-{payload['uuid']}.json"
     with Store(db) as s:
-        rid = record_saved(s, path)
-        assert record_saved(s, path) == rid and s.count("runs") == 1
+        rid, added = record_saved(s, path)
+        assert added and record_saved(s, path) == (rid, False) and s.count("runs") == 1
         run = s.run(rid)
         assert run.uuid == payload["uuid"] and list(run.stages) == list(STAGES) and run.sample_count == 1
 
@@ -583,7 +583,7 @@ def test_a_probe_that_could_not_be_recorded_is_kept_whole(tmp_path):
     path = save_probe_unrecorded(fp, ctx, result, run_uuid=run_uuid, error="lost the connection",
                                  folder=tmp_path / "kept")
     with Store(tmp_path / "b.db") as b:
-        assert record_saved(b, path) == first and b.count("runs") == 1
+        assert record_saved(b, path) == (first, True) and b.count("runs") == 1
         got = b.run(first)
     assert (got.status, got.outcome.last_stage, got.sample_count) == (want.status, want.outcome.last_stage,
                                                                       want.sample_count)

@@ -20,6 +20,13 @@ from .errors import UserError
 from .workload import ATTNS, CACHES, KV_DTYPES, NEW_TOKENS, POLICIES, QUANTS, Configuration, parse_dtype, workload
 
 EX_SOFTWARE = 70
+MAX_MESSAGE = 600  # characters: a one-line error a person reads, whatever a library put in it
+
+
+def one_line(text: str) -> str:
+    """A message on one line, cut to :data:`MAX_MESSAGE` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE - 1] + "…"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,6 +68,7 @@ def _placement(args, device: str) -> tuple[str | dict | None, str | None]:
     if mm is None and dm is None:
         return None, None
     from .estimator.estimate import placement_request
+    from .workload import parse_device
 
     if mm is None and not str(device).startswith("cpu"):
         from .estimator.placement import DEVICE_MAP_CHOICES
@@ -69,7 +77,12 @@ def _placement(args, device: str) -> tuple[str | dict | None, str | None]:
 
         choice(dm, DEVICE_MAP_CHOICES, "--device-map")
         mm = machine_max_memory()
-    placement_request(mm, dm, device)
+    placed = placement_request(mm, dm, device)
+    asked = parse_device(device, default="cuda")
+    if getattr(args, "device_given", False) and asked.index is not None and str(asked) not in placed[0]:
+        raise UserError(f"--device {asked} is not among the GPUs of --max-memory "
+                        f"({', '.join(d for d in placed[0] if d.startswith('cuda'))}): the placement decides where "
+                        "the model runs; drop --device, or name that GPU in --max-memory")
     return mm, dm
 
 
@@ -86,7 +99,7 @@ def _add_estimate(sub) -> None:
     p.add_argument("model", nargs="?", help="directory with config.json, a config.json, a Hub id in the local cache, "
                                             "or a catalog name (`vramcal models`)")
     _add_model_args(p, ctx_help="whole context: prompt + new tokens (default 4096)")
-    p.add_argument("--device", default="cuda", help="cuda (NVML view, the default) or cpu (process memory)")
+    p.add_argument("--device", default=None, help="cuda (NVML view, the default) or cpu (process memory)")
     p.add_argument("--fast", action="store_true", help="use the fitted activation model instead of tracing this point")
     p.add_argument("--no-disk-cache", action="store_true", help="recompute the inventory instead of reading the cache")
     p.add_argument("--json", action="store_true", help="one JSON object, integer bytes")
@@ -178,7 +191,7 @@ def _add_probe(sub) -> None:
                                    "ran out of memory or died, 2 for bad input, 130/143 when interrupted.")
     p.add_argument("model")
     _add_model_args(p, ctx_help="whole context: prompt + new tokens (default 512)")
-    p.add_argument("--device", default="cuda:0", help="cuda, cuda:N or cpu")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default cuda:0)")
     p.add_argument("--synthetic", action="store_true",
                    help="random weights at the config's real widths, saved and loaded like a checkpoint")
     p.add_argument("--interval-ms", type=float, default=5.0, help="sampling interval (default 5 ms)")
@@ -317,7 +330,17 @@ def config_of_command(command: str) -> Configuration:
     if len(words) < 3 or words[0] != "vramcal" or words[1] not in ("check", "probe"):
         raise UserError(f"the recorded command is not a vramcal check or probe: {command!r}")
     args = build_parser().parse_args(words[1:])
+    _fill_device(args)
     return _config(args, _work(args, 4096 if words[1] == "check" else 512))
+
+
+def _fill_device(args) -> None:
+    """``--device``'s default (cuda for an estimate, cuda:0 elsewhere), remembering whether it was given."""
+    if not hasattr(args, "device"):
+        return
+    args.device_given = args.device is not None
+    if args.device is None:
+        args.device = "cuda" if args.command == "estimate" else "cuda:0"
 
 
 def cmd_fit(args) -> int:
@@ -449,18 +472,26 @@ def _records_copy(args, present) -> int:
         report = pull(args.source, args.db)
     elif args.action == "import":
         from .records.store import Store
-        from .records.unrecorded import record_saved
+        from .records.unrecorded import load_saved, record_saved
 
         if not args.target:
             raise UserError("records import needs the saved run files: `vramcal records import run-*.json`")
+        for path in args.target:  # every file checked before the store is opened: a bad one writes nothing
+            load_saved(path)
         done = []
         with Store(args.db) as store:
             for path in args.target:
-                done.append({"file": path, "run_id": record_saved(store, path)})
-                os.unlink(path)
-        _out(json.dumps(done) if args.json else "\n".join(f"recorded {d['file']} as run {d['run_id']} in "
-                                                          f"{redact(str(store.display))} (file removed)"
-                                                          for d in done))
+                run_id, added = record_saved(store, path)
+                removed = True
+                try:
+                    os.unlink(path)
+                except OSError:
+                    removed = False
+                done.append({"file": path, "run_id": run_id, "added": added, "file_removed": removed})
+        _out(json.dumps(done) if args.json else "\n".join(
+            (f"recorded {d['file']} as run {d['run_id']}" if d["added"] else
+             f"{d['file']} was recorded already, as run {d['run_id']}") + f" in {redact(str(store.display))}"
+            + (" (file removed)" if d["file_removed"] else " (the file could not be removed)") for d in done))
         return 0
     else:  # init-fleet
         from .records.engines import is_url
@@ -468,7 +499,11 @@ def _records_copy(args, present) -> int:
 
         if not args.db or not is_url(args.db):
             raise UserError("records init-fleet needs --db postgresql://ADMIN@HOST/DATABASE (an administrator)")
-        made = init_fleet(args.db, writer_password=os.environ.get("VRAMCAL_WRITER_PASSWORD"))
+        password = os.environ.get("VRAMCAL_WRITER_PASSWORD")
+        if password is not None and not password:  # roles are cluster-wide: an empty one locks every host out
+            raise UserError("VRAMCAL_WRITER_PASSWORD is set but empty: that would clear the writer role's password "
+                            "for every host of the fleet; unset it to keep the password, or give the new one")
+        made = init_fleet(args.db, writer_password=password)
         _out(json.dumps(made.to_dict()) if args.json else present.fleet_init_lines(made))
         return 0
     _out(json.dumps(report.to_dict()) if args.json else present.copy_report_line(report))
@@ -508,7 +543,7 @@ def _add_calibration(sub) -> None:
                                    "interrupted (the run is recorded with its last stage).")
     c.add_argument("model")
     _add_model_args(c, ctx_help="whole context: prompt + new tokens (default 4096)")
-    c.add_argument("--device", default="cuda:0")
+    c.add_argument("--device", default=None, help="cuda:N or cpu (default cuda:0)")
     c.add_argument("--synthetic", action="store_true")
     c.add_argument("--budget", default=None, help="memory to fit in, per GPU (24GiB, 80GB; default auto = what is "
                                                   "free on each GPU when the check starts)")
@@ -532,7 +567,7 @@ def _add_calibration(sub) -> None:
     f.add_argument("--buffer", default=None, help="headroom to keep free (default 2GiB)")
     f.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                    help=f"tokens each answer generates (default {NEW_TOKENS}); max ctx includes them")
-    f.add_argument("--device", default="cuda:0")
+    f.add_argument("--device", default=None, help="cuda:N or cpu (default cuda:0)")
     _add_placement_args(f)
     f.add_argument("--db")
     f.add_argument("--json", action="store_true")
@@ -602,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
+        _fill_device(args)
         if not getattr(args, "func", None):
             parser.print_help()
             return 2
@@ -616,10 +652,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if debug:
             raise
-        print(f"vramcal: {exc}", file=sys.stderr)
+        print(f"vramcal: {one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:  # Ctrl-C, or a probe's ProbeInterrupted (SIGINT / SIGTERM), recorded first
-        print(f"vramcal: {exc or 'interrupted'}", file=sys.stderr)
+        print(f"vramcal: {str(exc) or 'interrupted'}", file=sys.stderr)
         return getattr(exc, "exit_code", 130)
     except Exception as exc:  # noqa: BLE001 -- the last line of defence: one line, a distinct exit code
         if debug:

@@ -5,3 +5,11 @@ class UserError(Exception):
     """Bad input or an unmet precondition. The CLI prints ``vramcal: <message>`` and exits 2."""
 
     exit_code = 2
+
+
+class RecordedFailure(UserError):
+    """A run that was recorded, then failed in a way the user must fix (a config the real load refuses,
+    weights that cannot be written): not "bad input, nothing written" -- the run is in the records as
+    ``error`` -- so the command exits 1, as for any run that did not finish."""
+
+    exit_code = 1

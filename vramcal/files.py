@@ -79,3 +79,36 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def read_regular(path: str | os.PathLike, limit: int, what: str, missing: str = "") -> bytes:
+    """A user's file, read only if it is a regular file of at most ``limit`` bytes: a FIFO would block
+    forever, a device never end, a huge file fill the memory. One-line UserError otherwise (``missing``
+    is said after "no WHAT at PATH")."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise UserError(f"no {what} at {path}" + (f": {missing}" if missing else "")) from None
+    except IsADirectoryError:
+        raise UserError(f"{path} is a directory, not a {what}") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise UserError(f"{path} is a directory, not a {what}")
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError(f"{path} is not a regular file (a pipe, a socket or a device): give a {what}")
+        if st.st_size > limit:
+            raise UserError(f"{path} is {st.st_size:,} bytes, more than any {what} ({limit:,}): give a {what}")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(limit + 1)
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:  # it grew while being read
+        raise UserError(f"{path} is more than any {what} ({limit:,} bytes): give a {what}")
+    return data

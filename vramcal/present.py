@@ -287,11 +287,13 @@ def class_summary_table(rows) -> str:
 
 
 def copy_report_line(r) -> str:
+    skipped = "".join(f"\n  not copied: {why}" for why in r.skipped)
     if r.nothing_new:
-        return f"{r.destination} already had all {r.runs_in_source} runs of {r.source}: nothing copied"
+        return f"{r.destination} already had all {r.runs_in_source} runs of {r.source}: nothing copied" + skipped
     return (f"copied {r.source} -> {r.destination}: {r.runs_added} runs, {r.outcomes_added} outcomes, "
-            f"{r.machines_added} machines, {r.memos_added} memos, {r.corrections_added} corrections "
-            f"({r.runs_in_source} runs in the source)")
+            f"{r.machines_added} machines, {r.memos_added} memos, {r.corrections_added} corrections"
+            + (f", {r.device_stages_added} per-device stage rows" if r.device_stages_added else "")
+            + f" ({r.runs_in_source} runs in the source)" + skipped)
 
 
 def fleet_init_lines(f) -> str:
@@ -344,8 +346,8 @@ def run_table(run) -> str:
              + f"  recorded {when}",
              f"  model       {c.model}" + (f"  (config {c.config_hash})" if c.config_hash else ""),
              f"  quant       {c.quant}" + (f" ({c.quant_impl})" if c.quant_impl else "") + f"  dtype {c.dtype}",
-             f"  workload    ctx {c.ctx:,}" + (f" (prompt {est['prompt']:,} + {est['new_tokens']} new)"
-                                              if est.get("prompt") else "") + f"  batch {c.batch}"
+             f"  workload    ctx {c.ctx}" + (f" (prompt {est['prompt']} + {est['new_tokens']} new)"
+                                            if est.get("prompt") else "") + f"  batch {c.batch}"
              + f"  kv-dtype {c.kv_dtype}  attn {c.attn}",
              f"  device      {device}",
              f"  command     {c.command}"]

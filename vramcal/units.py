@@ -46,7 +46,13 @@ def parse_size(text: str) -> int:
     m = _SIZE.match(text)
     if not m:
         raise ValueError(f"cannot read size {text!r}: write it like 24GiB, 24GB or 25769803776")
-    unit = (m.group(2) or "").upper()
+    raw_unit = m.group(2) or ""
+    if raw_unit.endswith("b") and len(raw_unit) == 2 and raw_unit[0].upper() in "KMGT":
+        # accelerate (and so transformers' max_memory) reads 24Gb as gigabits, 3 GB: never guess which
+        raise ValueError(f"{text.strip()!r}: a lowercase b means bits to accelerate ({text.strip()} = "
+                         f"{m.group(1)}/8 {raw_unit[0].upper()}B); write {m.group(1)}{raw_unit[0].upper()}B for "
+                         f"bytes or {m.group(1)}{raw_unit[0].upper()}iB")
+    unit = raw_unit.upper()
     if unit not in _FACTORS:
         raise ValueError(f"unknown unit in {text!r}: use B, KiB, MiB, GiB, TiB or KB, MB, GB, TB")
     return int(float(m.group(1)) * _FACTORS[unit])

@@ -106,6 +106,7 @@ def fit_corrections(rows: list[dict], exclude_run: int | None = None) -> dict[st
     """One correction per stage from ``stages`` rows of finished runs (``status == 'ok'``) whose estimate
     is comparable (:func:`comparable_estimate`)."""
     out = {}
+    rows = [r for r in rows if _well_typed(r)]
     for stage in STAGES:
         pts = [(r["ctx"] * r["batch"], r["measured_peak_bytes"] - r["estimated_bytes"], r["run_id"]) for r in rows
                if r["stage"] == stage and r.get("status") == "ok" and r["run_id"] != exclude_run
@@ -114,6 +115,16 @@ def fit_corrections(rows: list[dict], exclude_run: int | None = None) -> dict[st
         if pts:
             out[stage] = fit_line(stage, pts)
     return out
+
+
+def _well_typed(row: dict) -> bool:
+    """A stage row whose numbers are numbers: records a store took before imports were checked
+    (docs/calibration.md, "Recovering") may hold text where a count belongs; they never feed a fit."""
+    def whole(v, optional=False):
+        return (v is None and optional) or (isinstance(v, int) and not isinstance(v, bool))
+
+    return whole(row.get("ctx")) and whole(row.get("batch")) and whole(row.get("measured_peak_bytes"), True) \
+        and whole(row.get("estimated_bytes"), True)
 
 
 def fit_scoped(rows: list[dict], stack: str, quant: str, config_hash: str | None,
@@ -271,8 +282,8 @@ def widen_by_host_spread(corr: dict[str, Correction], rows: list[dict]) -> dict[
     for stage, c in corr.items():
         by_host: dict[str, list[float]] = {}
         for r in rows:
-            if r["stage"] != stage or r.get("status") != "ok" or r["measured_peak_bytes"] is None \
-                    or r["estimated_bytes"] is None or not comparable_estimate(r):
+            if r["stage"] != stage or r.get("status") != "ok" or not _well_typed(r) \
+                    or r["measured_peak_bytes"] is None or r["estimated_bytes"] is None or not comparable_estimate(r):
                 continue
             residual = r["measured_peak_bytes"] - r["estimated_bytes"] - c.at(r["ctx"] * r["batch"])
             by_host.setdefault(r["hostname"] or "?", []).append(residual)

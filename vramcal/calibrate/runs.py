@@ -19,7 +19,7 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import RecordedFailure, UserError
 from ..paths import state_dir
 from ..probes.result import ProbeResult, device_series
 from ..records.store import Outcome, RunContext, Store, new_uuid
@@ -147,9 +147,10 @@ def probe_and_record(store: Store, fingerprint: dict, config: Configuration, sou
         keep(exc.result)
         raise
     except UserError as exc:
-        record_failure(store, run_id, "error", str(exc))
+        message = " ".join(str(exc).split())
+        record_failure(store, run_id, "error", message)
         journal.close()
-        raise
+        raise RecordedFailure(f"{message[:400]}; recorded as run {run_id} (error)") from None
     keep(result)
     return run_id, machine_id, result
 

@@ -88,7 +88,6 @@ def _known_model_types() -> set[str]:
 
 def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, device, device_map, bnb_extra):
     import torch
-    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = clean_config(source.config)
@@ -104,9 +103,10 @@ def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, d
             raise UserError(f"{source.name}: transformers rejects this {model_type} config "
                             f"({_first_line(exc)}): fix the config.json") from None
         raise UnknownArchitecture(f"model_type {model_type!r} is not one this transformers knows") from None
-    except (TypeError, AttributeError, StrictDataclassError) as exc:  # a field of the wrong kind (rope_scaling: "yes")
-        raise UserError(f"{source.name}: transformers rejects this config ({_first_line(exc)}): "
-                        "fix the config.json") from None
+    except Exception as exc:  # noqa: BLE001 -- a field of the wrong kind (rope_scaling: "yes", a list for an
+        # object): whatever transformers raises about a user's config is about the config, not a bug here
+        raise UserError(f"{source.name}: transformers rejects this config ({type(exc).__name__}: "
+                        f"{_first_line(exc)}): fix the config.json") from None
     dtype = getattr(torch, quant.dtype)
     hf_quantizer = None
     if quant.method in ("bnb4", "bnb8"):
@@ -124,7 +124,13 @@ def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, d
         with ctx:
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **({"attn_implementation": attn} if attn else {}))
     except ValueError as exc:
-        raise UnknownArchitecture(str(exc).splitlines()[0]) from None
+        if "Unrecognized configuration class" in str(exc) or "not supported" in str(exc).lower():
+            raise UnknownArchitecture(str(exc).splitlines()[0]) from None
+        raise UserError(f"{source.name}: transformers cannot build this {model_type} config "
+                        f"({_first_line(exc)}): fix the config.json") from None
+    except Exception as exc:  # noqa: BLE001 -- building the model out of the user's config failed in transformers
+        raise UserError(f"{source.name}: transformers cannot build this {model_type} config ({type(exc).__name__}: "
+                        f"{_first_line(exc)}): fix the config.json") from None
     if hf_quantizer is not None:
         # from_pretrained runs the module replacement inside ``local_torch_dtype``: the new Linear layers
         # create their bias in the load dtype, not float32 (device maps size them so)

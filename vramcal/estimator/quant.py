@@ -97,6 +97,10 @@ def resolve_quant(name: str, config: dict, dtype: str | None = None) -> QuantSpe
     if dtype is not None and dtype not in DTYPE_SHORT:
         raise UserError(f"unknown dtype {dtype!r}: choose bfloat16, float16 or float32")
     base = dtype or config_dtype(config)
+    if base not in DTYPE_SHORT and not config.get("quantization_config") and name in ("auto", "int8", "nf4", "nf4-dq",
+                                                                                        "fp4", "fp4-dq"):
+        raise UserError(f"the config's dtype is {base} and it has no quantization_config: transformers loads no model "
+                        "in that dtype as such; give --dtype bf16 (or fp16, fp32), or the checkpoint's own config")
     if name in _DTYPE_QUANTS:
         return QuantSpec(name=name, method="none", dtype=_DTYPE_QUANTS[name])
     if name == "int8":

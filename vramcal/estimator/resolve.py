@@ -85,33 +85,11 @@ def hf_snapshot(repo_id: str) -> Path | None:
 def _read_config(path: Path) -> dict:
     """A config.json, read only if it is a regular file of a sane size (a FIFO would block, a device
     never end)."""
-    import stat
+    from ..files import read_regular
 
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise UserError(f"no config at {path}: pass a directory holding config.json, a config.json path, "
-                        "a cached Hub id, or a name from `vramcal models`") from None
-    except IsADirectoryError:
-        raise UserError(f"{path} is a directory, not a config.json") from None
-    except PermissionError:
-        raise UserError(f"cannot read {path}: permission denied") from None
-    except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise UserError(f"{path} is a directory, not a config.json")
-        if not stat.S_ISREG(st.st_mode):
-            raise UserError(f"{path} is not a regular file (a pipe, a socket or a device): give the model's config.json")
-        if st.st_size > MAX_CONFIG_BYTES:
-            raise UserError(f"{path} is {st.st_size:,} bytes, far beyond any config.json: give the model's config.json")
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            raw = fh.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
+    raw = read_regular(path, MAX_CONFIG_BYTES, "config.json",
+                       missing="pass a directory holding config.json, a config.json path, a cached Hub id, or a "
+                               "name from `vramcal models`")
     try:
         data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError, RecursionError) as exc:

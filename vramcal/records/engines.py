@@ -49,8 +49,9 @@ def is_url(db) -> bool:
     return isinstance(db, str) and db.startswith(URL_PREFIXES)
 
 
-_USERINFO = re.compile(r"(?P<scheme>\b[a-z][a-z0-9+.-]*://)(?P<user>[^:@/\s\"']*):(?P<password>[^@/\s\"']*)@",
-                       re.I)  # anywhere in a message: drivers quote the URL they could not parse
+_USERINFO = re.compile(r"(?P<scheme>(\b[a-z][a-z0-9+.-]*:?)?//)(?P<user>[^:@/\s\"']*):(?P<password>[^@/\s\"']*)@",
+                       re.I)  # anywhere in a message: drivers quote the URL they could not parse; a URL
+                              # missing its colon (postgresql//u:pw@h) still carries a password
 _PARAM = re.compile(r"(?P<key>(?:^|[?&\s])password=)(?P<value>[^&\s]*)", re.I)
 
 
@@ -140,8 +141,11 @@ class SqliteEngine(Engine):
             self.conn.row_factory = sqlite3.Row
             self.conn.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")
             self.conn.execute("PRAGMA foreign_keys = ON")
-            if not readonly and not self.created:
+            if not self.created:
                 self._quick_check()
+            if not readonly and not self.created and self._wal_holds_pages():
+                # pages a crash or a full disk left in the log go into the file now that it can be written
+                self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.Error as exc:
             self.close()
             raise self.user_error(exc) from None
@@ -188,16 +192,28 @@ class SqliteEngine(Engine):
         page_size = 65536 if page_size == 1 else page_size
         pages = int.from_bytes(head[28:32], "big")
         pages_valid = head[24:28] == head[92:96] and pages > 0  # "in-header database size" is trustworthy
-        if page_size < 512 or page_size & (page_size - 1) or size % page_size \
-                or (pages_valid and size < pages * page_size):
-            raise UserError(f"{p} is truncated or damaged ({size} bytes, pages of {page_size}); {untouched}: "
+        if page_size < 512 or page_size & (page_size - 1):
+            raise UserError(f"{p} is damaged (its header names pages of {page_size} bytes); {untouched}: "
                             "restore it from a backup or pass another --db")
+        short = size % page_size or (pages_valid and size < pages * page_size)
+        if short and not self._wal_holds_pages():
+            # with a write-ahead log holding pages (a checkpoint cut short by a full disk leaves a header
+            # ahead of the file), SQLite reads the missing pages from the log: it decides, by quick_check
+            raise UserError(f"{p} is truncated or damaged ({size} bytes, pages of {page_size}, no write-ahead log "
+                            f"to complete it); {untouched}: restore it from a backup or pass another --db")
         app_id = int.from_bytes(head[68:72], "big")
         user_version = int.from_bytes(head[60:64], "big")
         if app_id != APPLICATION_ID and not (app_id == 0 and user_version == 0 and self._empty_sqlite()):
             raise UserError(f"{p} is an SQLite file of another program; {untouched}: "
                             "pass another --db or set VRAMCAL_DB")
         return user_version
+
+    def _wal_holds_pages(self) -> bool:
+        """A ``-wal`` file beside the database with at least one frame in it (its 32-byte header and more)."""
+        try:
+            return os.path.getsize(f"{self.path}-wal") > 32
+        except OSError:
+            return False
 
     def _empty_sqlite(self) -> bool:
         try:
@@ -230,9 +246,10 @@ class SqliteEngine(Engine):
             return sqlite3.connect(self._uri("immutable"), uri=True, isolation_level=None)
 
     def _quick_check(self) -> None:
-        """Before anything is written: a damaged page anywhere would otherwise surface only when (and if)
-        a query reads it, after SQLite had appended to the file. O(size of the file); a second or so for
-        hundreds of MB, once per writing command."""
+        """Before anything is read or written: a damaged page anywhere would otherwise surface only when
+        (and if) a query reads it -- after SQLite had appended to the file, or after an estimate had
+        applied corrections read from a database other commands call damaged. O(size of the file); a
+        second or so for hundreds of MB, once per command."""
         problem = self.conn.execute("PRAGMA quick_check(1)").fetchone()[0]
         if problem != "ok":
             raise UserError(f"{self.path} is damaged ({' '.join(str(problem).split())}); it was left untouched: "
@@ -528,7 +545,11 @@ class PostgresEngine(Engine):
         if meta.get("application_id") != str(APPLICATION_ID):
             raise UserError(f"{self.label}: schema {PG_SCHEMA!r} belongs to another program; it was left "
                             "untouched: use another database")
-        return int(meta.get("schema_version", 0))
+        try:
+            return int(meta.get("schema_version", 0))
+        except (TypeError, ValueError):
+            raise UserError(f"{self.label}: its schema version ({meta.get('schema_version')!r:.40}) is damaged; it was "
+                            "left untouched: restore vramcal.meta from a backup or ask the database's owner") from None
 
     def set_schema_version(self, tx, version: int) -> None:
         tx.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
@@ -586,6 +607,19 @@ class _PgTx:
                 cur.executemany(self.engine.sql(text), rows)
 
 
+_CONNINFO = re.compile(r"(^|\s)(host|hostaddr|port|dbname|user|password|sslmode|service|passfile)\s*=", re.I)
+
+
+def _not_a_file_name(db: str) -> None:
+    """Refuse, before a file is created under its name, what was meant as a server: a libpq keyword string
+    (``host=db port=5432 ...``) or a misspelt URL (``postgresql//db``, ``postgres:/db``)."""
+    if _CONNINFO.search(db):
+        raise UserError(f"{redact(db)} looks like a libpq connection string: vramcal takes a URL, "
+                        "postgresql://USER@HOST:PORT/DATABASE (the password in ~/.pgpass or PGPASSWORD)")
+    if re.match(r"^\s*postgres(ql)?\b", db, re.I) and not is_url(db.strip()):
+        raise UserError(f"{redact(db)} is not a PostgreSQL URL (a typo?): write postgresql://USER@HOST:PORT/DATABASE")
+
+
 def open_engine(db: str, *, create: bool, readonly: bool, timeout_s: float | None = None,
                 role: str | None = None) -> Engine:
     """``role``: PostgreSQL only, ``SET ROLE`` after connecting (``init-fleet`` builds the schema as its
@@ -596,6 +630,7 @@ def open_engine(db: str, *, create: bool, readonly: bool, timeout_s: float | Non
     if re.match(r"^[a-z][a-z0-9+.-]*://", str(db), re.I):  # mysql://, sqlite:// ...: never a file name
         raise UserError(f"{redact(str(db))} is not a records database vramcal can use: give a file path "
                         "(SQLite) or a postgresql:// URL")
+    _not_a_file_name(str(db))
     if role:
         raise UserError("a role applies to a postgresql:// records database only")
     return SqliteEngine(Path(db), create=create, readonly=readonly, timeout_s=timeout_s)

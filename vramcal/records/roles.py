@@ -48,6 +48,10 @@ def init_fleet(admin_url: str, *, owner: str = OWNER, writer: str = WRITER, writ
                owner_password: str | None = None) -> FleetInit:
     if not is_url(admin_url):
         raise UserError("init-fleet sets up a PostgreSQL store: give --db postgresql://ADMIN@HOST/DATABASE")
+    for role, password in (("writer", writer_password), ("owner", owner_password)):
+        if password is not None and (not isinstance(password, str) or not password):
+            raise UserError(f"an empty {role} password would clear the {role} role's password on the whole server "
+                            "(roles are cluster-wide): give a password, or none to keep it")
     psycopg = _psycopg()
     from psycopg import sql
 

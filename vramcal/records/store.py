@@ -434,6 +434,10 @@ class Store:
         fed = [c for c in self.corrections(row["machine_id"]) if run_id in c["source_runs"]]
         return RunRecord(row["id"], row["uuid"], row["created_at"], context, machine, outcome, n, fed)
 
+    def run_id_of(self, uuid: str) -> int | None:
+        row = self.engine.query_one("SELECT id FROM runs WHERE uuid = ?", (uuid,))
+        return row["id"] if row else None
+
     def stage_rows(self, machine_id: int | None = None, *, class_key: str | None = None) -> list[dict]:
         """Stage rows of finished single-device runs with their run's context: one machine's, or a
         machine class's (every host of it; each row says its ``machine_id`` and ``hostname``)."""

@@ -12,7 +12,9 @@ its per-device stages gets them. Copying again adds nothing.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+from ..errors import UserError
 
 from .store import (DEVICE_STAGE_FIELDS, STAGE_FIELDS, DeviceStageRow, Outcome, Store, _context_of,
                     _insert_corrections, _insert_device_stages, _insert_machine, _insert_memo, _insert_outcome,
@@ -30,6 +32,7 @@ class CopyReport:
     runs_added: int = 0
     outcomes_added: int = 0  # results (with their stages and samples) of runs added now or copied before unfinished
     device_stages_added: int = 0  # per-device rows of split runs the destination lacked
+    skipped: list[str] = field(default_factory=list)  # records that are not what vramcal writes, and why
     memos_added: int = 0
     corrections_added: int = 0
 
@@ -57,15 +60,40 @@ def _by_uuid(store: Store, table: str, uuids: list[str], extra: str = "") -> dic
     return out
 
 
+class CopyInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM during a copy: what was copied stays; the message says how far it got."""
+
+    def __init__(self, report: CopyReport):
+        super().__init__(f"interrupted after copying {report.runs_added} runs and {report.outcomes_added} outcomes "
+                         f"of {report.runs_in_source} in {report.source}; what was copied stays: run it again "
+                         "to copy the rest")
+        self.report = report
+
+
 def copy_records(src: Store, dst: Store) -> CopyReport:
     """Copy every machine, run (with outcome, stages, samples), memo and correction of ``src`` that
-    ``dst`` lacks. Safe to repeat and to interrupt: what was copied stays, the rest comes next time."""
+    ``dst`` lacks. Safe to repeat and to interrupt: what was copied stays, the rest comes next time.
+    Every run passes :mod:`vramcal.records.validate` first; one that is not what vramcal writes (a store
+    poisoned by an older import) is left out and named in ``skipped``, never copied."""
     report = CopyReport(src.label, dst.label, runs_in_source=src.count("runs"))
+    try:
+        _copy(src, dst, report)
+    except KeyboardInterrupt:
+        raise CopyInterrupted(report) from None
+    return report
+
+
+def _copy(src: Store, dst: Store, report: CopyReport) -> None:
+    from .validate import InvalidRecord, valid_context, valid_fingerprint, valid_outcome
 
     # machines, by fingerprint
     machine_map: dict[int, int] = {}
     for m in src.machines():
-        fp = json.loads(m["fingerprint"])
+        try:
+            fp = valid_fingerprint(json.loads(m["fingerprint"]), f"machine {m['id']} of {src.label}")
+        except (ValueError, TypeError, InvalidRecord) as exc:
+            report.skipped.append(str(exc) if isinstance(exc, UserError) else f"machine {m['id']}: not JSON")
+            continue
         known = dst.find_machine(fp)
         if known is None:
             known = dst._write(lambda tx, fp=fp, at=m["created_at"]: _insert_machine(tx, fp, at))
@@ -92,8 +120,20 @@ def copy_records(src: Store, dst: Store) -> CopyReport:
                 continue
             if run["has_outcome"] is None:
                 continue
-        outcome = _read_outcome(src, run) if run["has_outcome"] is not None else None
-        context = _context_of(run)
+        if run["machine_id"] not in machine_map:
+            report.skipped.append(f"run {run['id']} of {src.label}: its machine was left out")
+            continue
+        where = f"run {run['id']} of {src.label}"
+        try:
+            outcome = _read_outcome(src, run) if run["has_outcome"] is not None else None
+            context = valid_context(_context_of(run).to_dict(), where)
+            outcome = None if outcome is None else valid_outcome(outcome.to_dict(), where)
+        except InvalidRecord as exc:
+            report.skipped.append(str(exc))
+            continue
+        except (ValueError, TypeError):  # stored JSON that does not parse
+            report.skipped.append(f"{where}: its stored JSON is damaged; not copied")
+            continue
 
         def fn(tx, run=run, context=context, outcome=outcome):
             run_id, new = _insert_run(tx, machine_map[run["machine_id"]], context, run["uuid"], run["created_at"])
@@ -111,7 +151,7 @@ def copy_records(src: Store, dst: Store) -> CopyReport:
     memos = src.query("SELECT * FROM memos ORDER BY id")
     known_memos = _by_uuid(dst, "memos", [m["uuid"] for m in memos])
     for memo in memos:
-        if memo["uuid"] in known_memos:
+        if memo["uuid"] in known_memos or memo["run_id"] not in run_map:
             continue
         body = json.loads(memo["memo_json"])
         if body.get("run_id") == memo["run_id"]:
@@ -123,14 +163,13 @@ def copy_records(src: Store, dst: Store) -> CopyReport:
     # corrections: machine and source runs translated
     corrections = src.corrections()
     known_corr = _by_uuid(dst, "corrections", [c["uuid"] for c in corrections])
-    todo = [c for c in corrections if c["uuid"] not in known_corr]
+    todo = [c for c in corrections if c["uuid"] not in known_corr and c["machine_id"] in machine_map]
     for c in todo:
         c["source_runs"] = [run_map[r] for r in c["source_runs"] if r in run_map]
     for part in _chunks(todo, 100):
         report.corrections_added += dst._write(lambda tx, part=part: sum(
             _insert_corrections(tx, machine_map[c["machine_id"]], c["stack"], [c], c["created_at"],
                                 c.get("estimator_model")) for c in part))
-    return report
 
 
 def _read_outcome(src: Store, run: dict) -> Outcome:

@@ -16,13 +16,15 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from ..files import atomic_write
+from ..files import atomic_write, read_regular
 from .store import Outcome, RunContext, Store, default_path, new_uuid
 
 FORMAT = "vramcal-unrecorded-run/2"
+FORMAT_1 = "vramcal-unrecorded-run/1"  # vramcal before records schema 5: still imported
 
 
 def unrecorded_dir() -> Path:
@@ -59,21 +61,73 @@ def save_unrecorded(payload: dict, folder: str | os.PathLike | None = None) -> P
                     "folder")
 
 
-def load_saved(path: str | os.PathLike) -> dict:
+MAX_SAVED_BYTES = 512 * 1024**2  # a run's samples at 5 ms for an hour are a few tens of MB
+
+
+@dataclass
+class SavedRun:
+    uuid: str
+    fingerprint: dict
+    context: RunContext
+    outcome: Outcome | None
+
+
+def load_saved(path: str | os.PathLike) -> SavedRun:
+    """A saved run, checked field by field (:mod:`vramcal.records.validate`) before anything records
+    it; a file of the first format (vramcal before records schema 5) is read too."""
+    from .validate import InvalidRecord, valid_context, valid_fingerprint, valid_outcome
+
+    raw = read_regular(path, MAX_SAVED_BYTES, "saved run")
     try:
-        payload = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path} is not a saved run (bad JSON: {exc})") from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        payload = json.loads(raw.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise UserError(f"{path} is not a saved run (not JSON: {str(exc).splitlines()[0][:100]})") from None
+    if not isinstance(payload, dict) or payload.get("format") not in (FORMAT, FORMAT_1):
         raise UserError(f"{path} is not a saved vramcal run (no format {FORMAT!r})")
-    return payload
+    if payload["format"] == FORMAT_1:
+        payload = _from_format_1(payload)
+    where = str(path)
+    uuid = payload.get("uuid")
+    if not isinstance(uuid, str) or not 1 <= len(uuid) <= 64 or not uuid.isprintable() or " " in uuid:
+        raise InvalidRecord(f"{where}: uuid = {uuid!r:.60} is not a run id; nothing of it was recorded")
+    outcome = payload.get("outcome")
+    return SavedRun(uuid, valid_fingerprint(payload.get("fingerprint"), where),
+                    valid_context(payload.get("run"), where),
+                    None if outcome is None else valid_outcome(outcome, where))
 
 
-def record_saved(store: Store, path: str | os.PathLike) -> int:
-    """Record a saved run into ``store`` (once: a second call finds it by its uuid); returns its id.
-    The file is left in place; remove it once recorded."""
-    p = load_saved(path)
-    outcome = Outcome.from_dict(p["outcome"]) if p.get("outcome") else None
-    return store.record_run(p["fingerprint"], RunContext.from_dict(p["run"]), outcome, uuid=p["uuid"])
+def _from_format_1(p: dict) -> dict:
+    """The first format: the run's fields, the probe's result dict, stage rows and samples apart."""
+    run = dict(p.get("run") or {}) if isinstance(p.get("run"), dict) else p.get("run")
+    if isinstance(run, dict) and isinstance(run.get("device"), str) and "," in run["device"]:
+        run["split_devices"] = run["device"].split(",")
+        run["device"] = run["split_devices"][0]
+    result = p.get("result")
+    outcome = None
+    if isinstance(result, dict):
+        outcome = {"status": result.get("status"), "last_stage": result.get("last_stage"),
+                   "error": result.get("error"), "oom": result.get("oom"), "series": result.get("series"),
+                   "wall_s": result.get("wall_s"), "sampler_overhead": result.get("sampler_overhead"),
+                   "result": {k: v for k, v in result.items() if k != "samples"}, "stages": p.get("stages"),
+                   "samples": p.get("samples")}
+    elif result is not None:
+        outcome = result  # refused by the validator, with the field named
+    return {**p, "format": FORMAT, "run": run, "outcome": outcome}
+
+
+def record_saved(store: Store, path: str | os.PathLike) -> tuple[int, bool]:
+    """Record a saved run into ``store`` once, by its uuid: (run id, whether anything was added). A run
+    already recorded with that uuid but other contents is refused in one line (the file stays)."""
+    saved = load_saved(path)
+    existing = store.run_id_of(saved.uuid)
+    if existing is not None:
+        have = store.run(existing)
+        same = (have.context.model, have.context.ctx, have.context.batch, have.context.command) == (
+            saved.context.model, saved.context.ctx, saved.context.batch, saved.context.command)
+        if not same:
+            raise UserError(f"{path}: {store.label} already holds another run with the id {saved.uuid} (run "
+                            f"{existing}, {have.context.model}); nothing was recorded and the file is kept")
+        if have.outcome is not None or saved.outcome is None:
+            return existing, False
+    run_id = store.record_run(saved.fingerprint, saved.context, saved.outcome, uuid=saved.uuid)
+    return run_id, True

@@ -1,0 +1,173 @@
+"""The one gate a record passes before it touches a store from outside: an imported file, a run pulled
+or pushed from another database. Every field is checked against the schema's types and ranges; what
+fails is refused in one line that names the field, never stored (the store is append-only: nonsense
+recorded once would stay forever and break every reader after it).
+
+:func:`valid_context`, :func:`valid_outcome` and :func:`valid_fingerprint` take the plain JSON of a
+record and return the typed :class:`~vramcal.records.store.RunContext` / :class:`~vramcal.records.store.Outcome`
+(or the fingerprint dict), or raise :class:`InvalidRecord` (a :class:`~vramcal.errors.UserError`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from ..errors import UserError
+from ..workload import MAX_BATCH, MAX_TOKENS, PROBE_STAGES
+from .store import DeviceStageRow, Outcome, RunContext, StageRow
+
+STATUSES = ("ok", "oom", "error", "crashed", "interrupted", "killed")
+KINDS = ("cpu", "cuda")
+MAX_TEXT = 64 * 1024  # a command, an error message: never near this
+MAX_BYTES = 1 << 60  # one exbibyte: no device or host holds more
+_DEVICE = re.compile(r"cpu|disk|cuda(:(0|[1-9][0-9]{0,2}))?")
+_SERIES = re.compile(r"rss|gpu(0|[1-9][0-9]{0,2})(_proc)?")
+
+
+class InvalidRecord(UserError):
+    """A record that is not what vramcal writes: refused before the store sees it."""
+
+
+def _fail(where: str, field: str, value, want: str):
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    raise InvalidRecord(f"{where}: {field} = {text} is not {want}; nothing of it was recorded")
+
+
+def _text(where, field, value, optional=True, limit=MAX_TEXT):
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or (not optional and not value) or len(value) > limit:
+        _fail(where, field, value, "text" + ("" if optional else " (not empty)"))
+    return value
+
+
+def _int(where, field, value, lo=0, hi=MAX_BYTES, optional=True):
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        _fail(where, field, value, f"a whole number from {lo:,} to {hi:,}")
+    return value
+
+
+def _number(where, field, value, lo=0.0, optional=True):
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < lo:
+        _fail(where, field, value, f"a finite number of at least {lo:g}")
+    return float(value)
+
+
+def _choice(where, field, value, choices, optional=True):
+    if value is None and optional:
+        return None
+    if value not in choices:
+        _fail(where, field, value, "one of " + ", ".join(choices))
+    return value
+
+
+def _device(where, field, value):
+    if not isinstance(value, str) or not _DEVICE.fullmatch(value):
+        _fail(where, field, value, "a device (cpu, cuda:N)")
+    return value
+
+
+def _mapping(where, field, value, optional=True):
+    if value is None and optional:
+        return None
+    if not isinstance(value, dict):
+        _fail(where, field, value, "an object")
+    return value
+
+
+def valid_fingerprint(fp, where: str = "record") -> dict:
+    fp = _mapping(where, "fingerprint", fp, optional=False)
+    _choice(where, "fingerprint.kind", fp.get("kind"), KINDS, optional=False)
+    for key, value in fp.items():
+        if not isinstance(key, str) or len(key) > 64:
+            _fail(where, "a fingerprint field", key, "a field name")
+        if key == "total_bytes":
+            _int(where, "fingerprint.total_bytes", value, 1)
+        elif value is not None and not isinstance(value, (str, int)) or isinstance(value, bool):
+            _fail(where, f"fingerprint.{key}", value, "text or a number")
+        elif isinstance(value, str) and len(value) > 1024:
+            _fail(where, f"fingerprint.{key}", value, "short text")
+    return fp
+
+
+def valid_context(run, where: str = "record") -> RunContext:
+    run = _mapping(where, "run", run, optional=False)
+    split = run.get("split_devices")
+    if split is not None:
+        if not isinstance(split, list) or not split:
+            _fail(where, "run.split_devices", split, "a list of devices")
+        split = [_device(where, "run.split_devices[]", d) for d in split]
+    return RunContext(
+        model=_text(where, "run.model", run.get("model"), optional=False, limit=4096),
+        quant=_text(where, "run.quant", run.get("quant"), optional=False, limit=64),
+        ctx=_int(where, "run.ctx", run.get("ctx"), 1, MAX_TOKENS, optional=False),
+        batch=_int(where, "run.batch", run.get("batch"), 1, MAX_BATCH, optional=False),
+        device=_device(where, "run.device", run.get("device")),
+        command=_text(where, "run.command", run.get("command"), optional=False),
+        config_hash=_text(where, "run.config_hash", run.get("config_hash"), limit=128),
+        quant_impl=_text(where, "run.quant_impl", run.get("quant_impl"), limit=256),
+        dtype=_text(where, "run.dtype", run.get("dtype"), limit=32),
+        kv_dtype=_text(where, "run.kv_dtype", run.get("kv_dtype"), limit=32),
+        attn=_text(where, "run.attn", run.get("attn"), limit=64),
+        estimate=_mapping(where, "run.estimate", run.get("estimate")),
+        estimator_model=_text(where, "run.estimator_model", run.get("estimator_model"), limit=64),
+        vramcal_version=_text(where, "run.vramcal_version", run.get("vramcal_version"), limit=64),
+        split_devices=split,
+        created_at=_number(where, "run.created_at", run.get("created_at")))
+
+
+def valid_outcome(outcome, where: str = "record") -> Outcome:
+    o = _mapping(where, "outcome", outcome, optional=False)
+    stages = o.get("stages") or []
+    if not isinstance(stages, list):
+        _fail(where, "outcome.stages", stages, "a list")
+    rows = []
+    for s in stages:
+        s = _mapping(where, "outcome.stages[]", s, optional=False)
+        rows.append(StageRow(
+            stage=_choice(where, "stage", s.get("stage"), PROBE_STAGES, optional=False),
+            estimated_bytes=_int(where, "estimated_bytes", s.get("estimated_bytes")),
+            measured_peak_bytes=_int(where, "measured_peak_bytes", s.get("measured_peak_bytes"), -MAX_BYTES),
+            measured_used_bytes=_int(where, "measured_used_bytes", s.get("measured_used_bytes"), -MAX_BYTES),
+            torch_max_allocated=_int(where, "torch_max_allocated", s.get("torch_max_allocated")),
+            torch_max_reserved=_int(where, "torch_max_reserved", s.get("torch_max_reserved"))))
+    devices = o.get("devices") or []
+    if not isinstance(devices, list):
+        _fail(where, "outcome.devices", devices, "a list")
+    device_rows = []
+    for d in devices:
+        d = _mapping(where, "outcome.devices[]", d, optional=False)
+        device_rows.append(DeviceStageRow(
+            device=_device(where, "device", d.get("device")),
+            stage=_choice(where, "stage", d.get("stage"), PROBE_STAGES, optional=False),
+            estimated_bytes=_int(where, "estimated_bytes", d.get("estimated_bytes")),
+            measured_peak_bytes=_int(where, "measured_peak_bytes", d.get("measured_peak_bytes"), -MAX_BYTES),
+            measured_used_bytes=_int(where, "measured_used_bytes", d.get("measured_used_bytes"), -MAX_BYTES)))
+    samples = o.get("samples") or []
+    if not isinstance(samples, list):
+        _fail(where, "outcome.samples", samples, "a list")
+    clean = []
+    for x in samples:
+        if not isinstance(x, (list, tuple)) or len(x) != 3:
+            _fail(where, "a sample", x, "[seconds, series, bytes]")
+        t, series, b = x
+        if not isinstance(series, str) or not _SERIES.fullmatch(series):
+            _fail(where, "a sample's series", series, "rss or gpuN")
+        clean.append((_number(where, "a sample's time", t, -1e9), series, _int(where, "a sample's bytes", b)))
+    return Outcome(
+        status=_choice(where, "outcome.status", o.get("status"), STATUSES, optional=False),
+        last_stage=_choice(where, "outcome.last_stage", o.get("last_stage"), PROBE_STAGES),
+        error=_text(where, "outcome.error", o.get("error")),
+        oom=_mapping(where, "outcome.oom", o.get("oom")),
+        series=_text(where, "outcome.series", o.get("series"), limit=32),
+        wall_s=_number(where, "outcome.wall_s", o.get("wall_s")),
+        sampler_overhead=_number(where, "outcome.sampler_overhead", o.get("sampler_overhead")),
+        result=_mapping(where, "outcome.result", o.get("result")) or {},
+        stages=rows, devices=device_rows, samples=clean,
+        finished_at=_number(where, "outcome.finished_at", o.get("finished_at")))
