@@ -94,6 +94,10 @@ def _add_estimate(sub) -> None:
     p.add_argument("--no-correction", action="store_true",
                    help="do not apply this machine's correction from the records database")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    from .cli_vllm import add_engine_arg, add_vllm_args
+
+    add_engine_arg(p)
+    add_vllm_args(p)
     q = p.add_argument_group("quick mode (no config needed)")
     q.add_argument("--params-b", type=float, help="parameters, in billions")
     q.add_argument("--bits", type=float, help="bits per parameter")
@@ -117,7 +121,12 @@ def _progress(args):
 
 def cmd_estimate(args) -> int:
     from . import present
+    from .cli_vllm import cmd_estimate_vllm, refuse_vllm_flags
+    from .estimator.vllm.engine import engine_choice
 
+    if engine_choice(args.engine) == "vllm":
+        return cmd_estimate_vllm(args, _out, _progress(args))
+    refuse_vllm_flags(args)
     quick = args.params_b is not None or args.bits is not None
     if args.model is None and not quick:
         raise UserError("give a MODEL (directory, config.json, cached Hub id or catalog name) "
@@ -322,6 +331,16 @@ def config_of_command(command: str) -> Configuration:
 
 def cmd_fit(args) -> int:
     from . import present
+    from .cli_vllm import cmd_fit_vllm, refuse_vllm_flags
+    from .estimator.vllm.engine import engine_choice
+
+    if engine_choice(args.engine) == "vllm":
+        return cmd_fit_vllm(args, _out)
+    refuse_vllm_flags(args)
+    if args.dtype is not None:
+        raise UserError("--dtype belongs to --engine vllm in `vramcal fit`")
+    if args.budget is None:
+        raise UserError("fit needs --budget (24GiB, 80GB, or auto), or --engine vllm")
     from .calibrate.check import DEFAULT_BUFFER
     from .calibrate.fit import fit_contexts
     from .workload import count, parse_device
@@ -527,13 +546,21 @@ def _add_calibration(sub) -> None:
 
     f = sub.add_parser("fit", help="the largest context per quant and batch that fits a budget")
     f.add_argument("model")
-    f.add_argument("--budget", required=True, help="24GiB, 80GB (each GPU of a split), or auto (what is free on "
+    f.add_argument("--budget", default=None, help="24GiB, 80GB (each GPU of a split), or auto (what is free on "
                                                    "each GPU now; the processes holding the rest are named)")
     f.add_argument("--buffer", default=None, help="headroom to keep free (default 2GiB)")
     f.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                    help=f"tokens each answer generates (default {NEW_TOKENS}); max ctx includes them")
     f.add_argument("--device", default="cuda:0")
     _add_placement_args(f)
+    from .cli_vllm import add_engine_arg, add_vllm_args
+
+    add_engine_arg(f)
+    f.add_argument("--dtype", default=None, help="--engine vllm: auto | bfloat16 | float16 | float32")
+    add_vllm_args(f, fit=True)
+    f.add_argument("--no-disk-cache", action="store_true", help=argparse.SUPPRESS)
+    f.add_argument("--no-correction", action="store_true", help="--engine vllm: do not apply this machine's "
+                                                                 "learned vLLM terms")
     f.add_argument("--db")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_fit)

@@ -119,8 +119,11 @@ def model_dtype(config: dict, asked: str, quant: VllmQuant) -> tuple[str, str | 
 
 
 def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use_cache: bool = True,
-                  progress=None) -> VllmEstimate:
-    """Predict what ``vllm serve MODEL <args>`` logs at startup (the module's doc)."""
+                  progress=None, offsets: dict[str, int] | None = None) -> VllmEstimate:
+    """Predict what ``vllm serve MODEL <args>`` logs at startup (the module's doc). ``offsets``
+    ({"activation_bytes", "non_torch_bytes"}) move those terms on every rank: a machine's learned
+    correction (:mod:`vramcal.calibrate.vllm_corrections`)."""
+    offsets = offsets or {}
     args = (args or VllmArgs()).validated()
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     v, v_source = V.resolve_version(args.vllm_version)
@@ -155,22 +158,24 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     specs = K.layer_specs(arch, tp, kv_bytes, block, v)
     requested = int(total * args.gpu_memory_utilization)
     non_torch, non_torch_why = V.non_torch_default(v, tp, pp)
+    non_torch = max(non_torch + offsets.get("non_torch_bytes", 0), 0)
     subtract_graphs = V.cuda_graphs_subtracted(v) and not args.enforce_eager
     ranks: list[VllmRank] = []
     rank_specs: list[list[K.LayerSpec]] = []
     for i, w in enumerate(weights):
         lo, hi = w.layers
         act = activation(arch, tp, w.pp_rank, pp, el, mnbt, seqs, v)
+        act_bytes = max(act.total + offsets.get("activation_bytes", 0), 0)
         graphs = cuda_graph_bytes(hi - lo, args.enforce_eager)
         if args.kv_cache_memory_bytes is not None:
             avail = args.kv_cache_memory_bytes
         else:
-            avail = requested - w.bytes - act.total - non_torch - (graphs if subtract_graphs else 0)
+            avail = requested - w.bytes - act_bytes - non_torch - (graphs if subtract_graphs else 0)
         mine = specs[lo:hi]
         g = K.grouping(mine)
         blocks = max(avail, 0) // g.bytes_per_block if mine else 0
         rank_specs.append(mine)
-        ranks.append(VllmRank(i, w.tp_rank, w.pp_rank, [lo, hi], w.bytes, act.total, non_torch, graphs, avail, blocks,
+        ranks.append(VllmRank(i, w.tp_rank, w.pp_rank, [lo, hi], w.bytes, act_bytes, non_torch, graphs, avail, blocks,
                               0, dict(w.groups)))
     limiting = min(ranks, key=lambda r: (r.num_blocks, r.available_bytes))
     num_blocks = limiting.num_blocks
@@ -210,8 +215,9 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     lines = _log_lines(v, limiting, tokens, max_len, conc, fits, error, subtract_graphs)
     methods = {
         "weights": "vLLM's layout of the installed transformers' model on the meta device (docs/vllm.md)",
-        "activation": f"profile-run model fitted to 0.17-0.19 logs ({'sampler' if activation(arch, tp, pp - 1, pp, el, mnbt, seqs, v).which == 'sampler' else 'forward'} "
-                      f"peak; max_num_batched_tokens {mnbt}, max_num_seqs {seqs}: {d.why if args.max_num_seqs is None else 'as given'})",
+        "activation": f"profile-run model fitted to 0.15-0.19 logs ({activation(arch, tp, pp - 1, pp, el, mnbt, seqs, v).which} "
+                      f"peak; max_num_batched_tokens {mnbt}, max_num_seqs {seqs}: "
+                      f"{d.why if args.max_num_seqs is None and args.max_num_batched_tokens is None else 'as given'})",
         "non_torch": f"default per setup: {non_torch_why}",
         "cuda_graphs": ("not captured (--enforce-eager)" if args.enforce_eager else
                         "default fitted to 0.19 H100 logs, " + ("subtracted from the KV budget (0.20 on)" if subtract_graphs
@@ -253,3 +259,46 @@ def _log_lines(v, r: VllmRank, tokens: int, max_len: int, conc: float, fits: boo
 
 def with_utilization(args: VllmArgs, util: float) -> VllmArgs:
     return replace(args, gpu_memory_utilization=util)
+
+
+def as_estimate(source: ModelSource, v: VllmEstimate, version_hash: str = ""):
+    """The vLLM estimate as an :class:`~vramcal.estimator.result.Estimate` (what ``--json`` writes and
+    runs record): the limiting rank's GPU as stages, the terms under ``vllm``.
+
+    Stages of that GPU as NVML will show them: ``load_peak`` the CUDA context (and NCCL's communicators
+    with tp x pp > 1, made before vLLM's first snapshot) plus the weights; from ``post_load`` on, the
+    context plus ``total x utilization`` -- the KV cache fills what the profile left, the sampler warm-up
+    takes the activation's share back -- plus the CUDA graphs where they are outside the budget (before
+    0.20). A run that does not start has only ``load_peak`` as the figure it reaches."""
+    from ...versions import VRAMCAL_VERSION
+    from ...workload import NEW_TOKENS, STAGES
+    from ..result import Estimate
+
+    r = v.ranks[v.limiting_rank] if v.ranks else None
+    kv_bytes = r.kv_cache_bytes if r else v.num_blocks * v.block_bytes
+    groups = dict(r.weights_groups) if r else {}
+    context = CONTEXT_BYTES + (NCCL_INIT_BYTES if v.tensor_parallel_size * v.pipeline_parallel_size > 1 else 0)
+    held = v.requested_bytes + (0 if v.cuda_graph_subtracted else v.cuda_graph_bytes)
+    if not v.fits:
+        held = v.weights_bytes + v.activation_bytes + v.non_torch_bytes
+    stages = {"load_peak": context + v.weights_bytes}
+    stages.update({k: max(context + held, stages["load_peak"]) for k in STAGES[1:]})
+    allocated = {"load_peak": v.weights_bytes}
+    allocated.update({k: v.weights_bytes + kv_bytes for k in STAGES[1:]})
+    peak_stage = max(STAGES, key=lambda k: stages[k])
+    components = {"weights": v.weights_bytes, "kv_cache": kv_bytes, "activations": v.activation_bytes,
+                  "runtime": context + v.non_torch_bytes + v.cuda_graph_bytes}
+    breakdown = {"weights": v.weights_bytes, "kv_cache": kv_bytes if v.fits else 0}
+    breakdown["runtime"] = stages[peak_stage] - sum(breakdown.values())
+    tc = source.config.get("text_config") if isinstance(source.config.get("text_config"), dict) else source.config
+    prompt = max(v.max_model_len - NEW_TOKENS, 1)
+    warnings = [] if v.fits else [v.error or "vLLM would not start"]
+    return Estimate(
+        model=source.name, architecture=(source.config.get("architectures") or tc.get("architectures") or ["?"])[0],
+        quant=v.quantization, quant_implementation=f"vLLM {v.quantization}", dtype=v.dtype, ctx=prompt + NEW_TOKENS,
+        batch=1, kv_dtype=v.kv_cache_dtype, attn="vllm", cache="paged", device="cuda", components=components,
+        stages=stages, allocated=allocated, peak=stages[peak_stage], approximate=False, methods=dict(v.methods),
+        weights_breakdown=groups, kv_breakdown={"paged": kv_bytes}, formula=None, notes=list(v.notes),
+        runtime_source=f"vLLM {v.version} startup (docs/vllm.md)", config_hash=source.config_hash, prompt=prompt,
+        new_tokens=NEW_TOKENS, peak_stage=peak_stage, peak_breakdown=breakdown, warnings=warnings,
+        mode="vllm", estimator_model=MODEL_ID, vramcal_version=VRAMCAL_VERSION, vllm=v)
