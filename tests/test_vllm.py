@@ -325,3 +325,30 @@ def test_published_runner_on_two_rows(tmp_path):
     got = list(csv.DictReader(open(tmp_path / "out" / "published-vllm.csv")))
     assert len(got) == 2 and all(abs(float(g["KV tokens_err_pct"])) < 1.0 for g in got)
     assert "| KV tokens | all | 2 |" in (tmp_path / "out" / "published-vllm.md").read_text()
+
+
+def test_a_recorded_vllm_run_corrects_the_next_estimate(tmp_path, monkeypatch, capsys):
+    """A vLLM probe's record (faked here: no vLLM, no GPU) holds the prediction and the logged terms; the
+    next estimate on this machine and version takes the logged activation and non-torch instead."""
+    from vramcal.cli_vllm import record_vllm_run
+    from vramcal.estimator.resolve import resolve_model
+    from vramcal.estimator.vllm.logparse import parse_log
+    from vramcal.probes.vllm_probe import VllmProbeResult
+
+    db = str(tmp_path / "runs.db")
+    source = resolve_model("llama-3.1-8b")
+    raw = _est("llama-3.1-8b")
+    logged = parse_log((DATA / "llmd_meta-llama-llama-3-1-8b_-h100-80gb_tp1pp1dp1_8192.log").read_text())
+    logged.activation_bytes = raw.activation_bytes + 300 * 1024**2  # this machine's profile takes 300 MiB more
+    logged.non_torch_bytes = raw.non_torch_bytes + 100 * 1024**2
+    result = VllmProbeResult("ok", source.name, "0.19.0", [0], {"post_load": {"used_bytes": 1, "peak_bytes": 2}},
+                             logged, as_estimate(source, raw), last_stage="end", wall_s=1.0)
+    run_id = record_vllm_run(db, source, result.estimate, result, "vramcal probe llama-3.1-8b --engine vllm")
+    assert run_id is not None
+    rc = _cli("estimate", "llama-3.1-8b", "--engine", "vllm", "--gpu-memory", "79.19GiB", "--gpu-memory-utilization",
+              "0.95", "--max-model-len", "8192", "--vllm-version", "0.19", "--db", db, "--json")
+    v = json.loads(capsys.readouterr().out)["vllm"]
+    assert rc == 0 and v["correction"]["source_runs"] == [run_id]
+    assert v["activation_bytes"] == logged.activation_bytes and v["non_torch_bytes"] == logged.non_torch_bytes
+    assert v["kv_cache_bytes"] == raw.kv_cache_bytes - 400 * 1024**2
+    assert v["correction"]["raw"]["kv_cache_tokens"] == raw.kv_cache_tokens > v["kv_cache_tokens"]

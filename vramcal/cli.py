@@ -194,10 +194,23 @@ def _add_probe(sub) -> None:
     p.add_argument("--timeline", metavar="FILE.png", help="write a plot of memory over time")
     p.add_argument("--samples", action="store_true", help="include every sample in --json (default: the count)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--db", help="--engine vllm: the records database the run goes into")
+    from .cli_vllm import add_engine_arg, add_vllm_args
+
+    add_engine_arg(p)
+    add_vllm_args(p)
     p.set_defaults(func=cmd_probe)
 
 
 def cmd_probe(args) -> int:
+    from .cli_vllm import cmd_probe_vllm, refuse_vllm_flags
+    from .estimator.vllm.engine import engine_choice
+
+    if engine_choice(args.engine) == "vllm":
+        return cmd_probe_vllm(args, _out, check=False)
+    refuse_vllm_flags(args)
+    if args.db is not None:
+        raise UserError("--db belongs to `vramcal probe --engine vllm` (a transformers probe records nothing)")
     from .probes.probe import run_probe
 
     if args.timeline and not args.timeline.lower().endswith(".png"):
@@ -277,6 +290,12 @@ def _size(text: str | None, flag: str) -> int | None:
 def cmd_check(args) -> int:
     from . import present
     from .calibrate.check import DEFAULT_BUFFER, check
+    from .cli_vllm import cmd_probe_vllm, refuse_vllm_flags
+    from .estimator.vllm.engine import engine_choice
+
+    if engine_choice(args.engine) == "vllm":
+        return cmd_probe_vllm(args, _out, check=True)
+    refuse_vllm_flags(args)
 
     work = _work(args, 4096)
     budget = None if args.budget in (None, "auto") else _size(args.budget, "--budget")
@@ -535,6 +554,10 @@ def _add_calibration(sub) -> None:
     c.add_argument("--prefer", default="quality", choices=POLICIES, help="order of adjustments (see above)")
     c.add_argument("--db")
     c.add_argument("--json", action="store_true")
+    from .cli_vllm import add_engine_arg, add_vllm_args
+
+    add_engine_arg(c)
+    add_vllm_args(c)
     c.set_defaults(func=cmd_check)
 
     m = sub.add_parser("memo", help="the known-good memo of the last run that fit (Markdown or JSON)")

@@ -182,3 +182,69 @@ def cmd_fit_vllm(args, out) -> int:
         fit, est = longest(source, vargs, offsets=offsets)
     out(json.dumps({**fit.to_dict(), "vllm": est.to_dict()}) if args.json else present.vllm_fit_table(source.name, fit))
     return 0 if fit.fits else 1
+
+
+def cmd_probe_vllm(args, out, *, check: bool) -> int:
+    """``probe`` / ``check --engine vllm``: vLLM started in a child, NVML sampled, its startup terms read
+    back and recorded beside the prediction (docs/vllm.md)."""
+    import os
+
+    from . import present
+    from .estimator.resolve import resolve_model
+    from .estimator.vllm.engine import MODEL_ID, as_estimate, estimate_vllm
+    from .probes.vllm_probe import preflight, run_vllm_probe
+
+    verb = "check" if check else "probe"
+    refuse_transformers_flags(args, verb)
+    vargs = vllm_args(args)
+    preflight(vargs.tensor_parallel_size * vargs.pipeline_parallel_size)
+    source = resolve_model(args.model)
+    if not source.weight_files:
+        raise UserError(f"{source.name} has no *.safetensors weights here: vLLM loads the real checkpoint; give its "
+                        "directory or a cached Hub id")
+    est = estimate_vllm(source, vargs)
+    estimate = as_estimate(source, est)
+    child_args = {"gpu_memory_utilization": vargs.gpu_memory_utilization, "max_model_len": vargs.max_model_len,
+                  "max_num_seqs": vargs.max_num_seqs, "max_num_batched_tokens": vargs.max_num_batched_tokens,
+                  "tensor_parallel_size": vargs.tensor_parallel_size,
+                  "pipeline_parallel_size": vargs.pipeline_parallel_size, "dtype": vargs.dtype,
+                  "kv_cache_dtype": vargs.kv_cache_dtype, "quantization": vargs.quantization,
+                  "block_size": vargs.block_size, "enforce_eager": vargs.enforce_eager or None,
+                  "kv_cache_memory_bytes": vargs.kv_cache_memory_bytes}
+    gpus = list(range(vargs.tensor_parallel_size * vargs.pipeline_parallel_size))
+    result = run_vllm_probe(source.directory, source.name, child_args, estimate, gpus=gpus,
+                            interval_ms=getattr(args, "interval_ms", 5.0) or 5.0,
+                            new_tokens=getattr(args, "new_tokens", 16) or 16)
+    run_id = record_vllm_run(args.db, source, estimate, result, command_of(args, verb))
+    out(json.dumps({**result.to_dict(samples=False), "run_id": run_id}) if args.json
+        else present.vllm_probe_table(result, run_id))
+    ok = result.status == "ok" and (not check or est.fits)
+    return 0 if ok else 1
+
+
+def command_of(args, verb: str) -> str:
+    import shlex
+    import sys
+
+    return shlex.join(["vramcal", verb, *sys.argv[2:]]) if len(sys.argv) > 2 else f"vramcal {verb} {args.model}"
+
+
+def record_vllm_run(db, source, estimate, result, command: str) -> int | None:
+    """The run in the records database: the prediction as the run's estimate, the sampled stages beside
+    it, the logged terms in its result (where :mod:`vramcal.calibrate.vllm_corrections` learns them)."""
+    from .probes.machine import machine_fingerprint
+    from .records.store import Outcome, RunContext, StageRow, Store
+    from .versions import VRAMCAL_VERSION
+
+    v = estimate.vllm
+    context = RunContext(model=source.name, quant=v.quantization, ctx=v.max_model_len, batch=1, device="cuda:0",
+                         command=command, config_hash=source.config_hash, quant_impl=f"vLLM {v.version}",
+                         dtype=v.dtype, kv_dtype=v.kv_cache_dtype, attn="vllm", estimate=estimate.to_dict(),
+                         estimator_model=estimate.estimator_model, vramcal_version=VRAMCAL_VERSION)
+    rows = [StageRow(name, estimate.stages.get(name), r.get("peak_bytes"), r.get("used_bytes"))
+            for name, r in result.stages.items()]
+    outcome = Outcome(status=result.status, last_stage=result.last_stage, error=result.error,
+                      series=f"gpu{result.gpus[0]}", wall_s=result.wall_s, sampler_overhead=result.sampler_overhead,
+                      result=result.to_dict(samples=False), stages=rows)
+    with Store(db) as store:
+        return store.record_run(machine_fingerprint("cuda:0"), context, outcome)

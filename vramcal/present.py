@@ -460,3 +460,22 @@ def vllm_fit_table(model: str, f) -> str:
     if f.note:
         lines.append("  " + f.note)
     return "\n".join(lines)
+
+
+def vllm_probe_table(r, run_id) -> str:
+    """``probe --engine vllm``: vLLM's logged terms beside the prediction, then the sampled stages."""
+    lines = [f"{r.model}  vLLM {r.version or '?'}  GPUs {r.gpus}  status {r.status}"
+             + (f"  (recorded as run {run_id})" if run_id is not None else "")]
+    if r.error:
+        lines.append("  " + r.error)
+    lines += ["", f"  {'term':<22} {'predicted':>14} {'vLLM logged':>14}"]
+    for term, (pred, got) in r.comparison().items():
+        fmt = (lambda n: "n/a" if n is None else f"{n:,}") if term == "kv_cache_tokens" else _gib_cell
+        lines.append(f"  {term.replace('_bytes', ''):<22} {fmt(pred):>14} {fmt(got):>14}")
+    lines += ["", "sampled (NVML memory.used of the first GPU)"]
+    est = r.estimate.stages if r.estimate is not None else {}
+    for name, s in r.stages.items():
+        lines.append(f"  {name:<14} peak {_gib_cell(s.get('peak_bytes')):>12}   predicted {_gib_cell(est.get(name)):>12}")
+    if r.notes:
+        lines += ["", "notes"] + ["  " + n for n in r.notes]
+    return "\n".join(lines)
