@@ -83,7 +83,7 @@ def refuse_transformers_flags(args, command: str) -> None:
               ("--params-b", getattr(args, "params_b", None) is not None), ("--bits", getattr(args, "bits", None) is not None),
               ("--budget", getattr(args, "budget", None) is not None), ("--buffer", getattr(args, "buffer", None) is not None),
               ("--device cpu", str(getattr(args, "device", "cuda")).startswith("cpu")),
-              ("--synthetic", bool(getattr(args, "synthetic", False))))
+              ("--synthetic", command in ("estimate", "fit") and bool(getattr(args, "synthetic", False))))
     used = [flag for flag, on in checks if on]
     if used:
         raise UserError(f"--engine vllm does not use {', '.join(used)}: give vLLM's flags instead (--max-model-len, "
@@ -199,9 +199,10 @@ def cmd_probe_vllm(args, out, *, check: bool) -> int:
     vargs = vllm_args(args)
     preflight(vargs.tensor_parallel_size * vargs.pipeline_parallel_size)
     source = resolve_model(args.model)
-    if not source.weight_files:
-        raise UserError(f"{source.name} has no *.safetensors weights here: vLLM loads the real checkpoint; give its "
-                        "directory or a cached Hub id")
+    synthetic = bool(getattr(args, "synthetic", False))
+    if not source.weight_files and not synthetic:
+        raise UserError(f"{source.name} has no *.safetensors weights here: give its directory or a cached Hub id, or "
+                        "add --synthetic (vLLM's --load-format dummy: random weights at the real widths)")
     est = estimate_vllm(source, vargs)
     estimate = as_estimate(source, est)
     child_args = {"gpu_memory_utilization": vargs.gpu_memory_utilization, "max_model_len": vargs.max_model_len,
@@ -211,8 +212,17 @@ def cmd_probe_vllm(args, out, *, check: bool) -> int:
                   "kv_cache_dtype": vargs.kv_cache_dtype, "quantization": vargs.quantization,
                   "block_size": vargs.block_size, "enforce_eager": vargs.enforce_eager or None,
                   "kv_cache_memory_bytes": vargs.kv_cache_memory_bytes}
+    if synthetic:
+        child_args.update(load_format="dummy", skip_tokenizer_init=True)
     gpus = list(range(vargs.tensor_parallel_size * vargs.pipeline_parallel_size))
-    result = run_vllm_probe(source.directory, source.name, child_args, estimate, gpus=gpus,
+    model_dir = source.directory
+    if synthetic or model_dir is None:  # a catalog config: vLLM reads config.json from a folder
+        import tempfile
+
+        model_dir = tempfile.mkdtemp(prefix="vramcal-vllm-")
+        with open(os.path.join(model_dir, "config.json"), "w") as fh:
+            json.dump({k: v for k, v in source.config.items() if not k.startswith("_vramcal")}, fh)
+    result = run_vllm_probe(model_dir, source.name, child_args, estimate, gpus=gpus,
                             interval_ms=getattr(args, "interval_ms", 5.0) or 5.0,
                             new_tokens=getattr(args, "new_tokens", 16) or 16)
     run_id = record_vllm_run(args.db, source, estimate, result, command_of(args, verb))
