@@ -352,3 +352,16 @@ def test_a_recorded_vllm_run_corrects_the_next_estimate(tmp_path, monkeypatch, c
     assert v["activation_bytes"] == logged.activation_bytes and v["non_torch_bytes"] == logged.non_torch_bytes
     assert v["kv_cache_bytes"] == raw.kv_cache_bytes - 400 * 1024**2
     assert v["correction"]["raw"]["kv_cache_tokens"] == raw.kv_cache_tokens > v["kv_cache_tokens"]
+
+
+def test_kv_cache_memory_pins_the_budget_and_exists_from_0_10_2():
+    e = _est("llama-3.1-8b", kv_cache_memory_bytes=20 * GIB)
+    assert e.kv_cache_bytes == 20 * GIB and e.num_blocks == 20 * GIB // (2 * 1024**2)
+    from vramcal.errors import UserError
+
+    with pytest.raises(UserError, match="0.10.2"):
+        _est("llama-3.1-8b", kv_cache_memory_bytes=20 * GIB, vllm_version="0.9.2")
+    graphs = _est("llama-3.1-8b", vllm_version="0.20")  # 0.20 on: the CUDA-graph estimate comes off the budget
+    assert graphs.cuda_graph_subtracted and graphs.kv_cache_bytes == _est("llama-3.1-8b").kv_cache_bytes - graphs.cuda_graph_bytes
+    assert graphs.kv_cache_tokens == int(graphs.max_concurrency * 8192) or \
+        abs(graphs.kv_cache_tokens - graphs.num_blocks * 16) <= 16
