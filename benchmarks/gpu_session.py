@@ -14,10 +14,13 @@ still leaves its rows):
    ``<out>/gpu-widths.csv`` and ``.md``;
 3. ``offload``   -- a probe split between the GPU and the CPU (``--max-memory cuda:0=...,cpu=...``, the
    placement issue's case a single GPU can show): ``<out>/offload.json`` with the plan, the per-device
-   estimate and the per-device measurement.
+   estimate and the per-device measurement;
+4. ``vllm``      -- when vLLM imports on the machine (carried as wheels: docs/vllm.md), one
+   ``vramcal probe --engine vllm --synthetic`` (vLLM's dummy weights, no download): ``<out>/vllm-probe.json``
+   with the predicted and the logged startup terms side by side (commit it to docs/validation/vllm/).
 
 ``--device cpu --quick`` runs parts 1 and 2 on tiny models on the CPU (the tests do); part 3 needs a GPU
-and says so.
+and says so, as part 4 does without vLLM.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-SHARES = {"validate": 0.45, "widths": 0.35, "offload": 0.20}
+SHARES = {"validate": 0.40, "widths": 0.30, "offload": 0.15, "vllm": 0.15}
 
 
 def part_validate(args, budget_s: float) -> str:
@@ -83,6 +86,26 @@ def part_offload(args, budget_s: float) -> str:
     return "offload.json"
 
 
+def part_vllm(args, budget_s: float) -> str:
+    """One vLLM probe of Qwen2.5-0.5B with dummy weights: predicted beside logged, term by term."""
+    import importlib.util
+
+    if not args.device.startswith("cuda") or importlib.util.find_spec("vllm") is None:
+        print("vllm: skipped, it needs vLLM installed and a GPU", file=sys.stderr)
+        return ""
+    import contextlib
+    import io
+
+    from vramcal.cli import main as vramcal
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = vramcal(["probe", "qwen2.5-0.5b", "--engine", "vllm", "--synthetic", "--max-model-len", "4096",
+                      "--gpu-memory-utilization", "0.5", "--db", str(Path(args.out) / "vllm.db"), "--json"])
+    (Path(args.out) / "vllm-probe.json").write_text(out.getvalue() or json.dumps({"rc": rc}))
+    return "vllm-probe.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
@@ -100,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.monotonic()
         try:
             done[part] = {"file": {"validate": part_validate, "widths": part_widths,
-                                   "offload": part_offload}[part](args, share)}
+                                   "offload": part_offload, "vllm": part_vllm}[part](args, share)}
         except Exception as exc:  # noqa: BLE001 -- one part failing must not lose the others' rows
             done[part] = {"error": f"{type(exc).__name__}: {exc}"}
         done[part]["seconds"] = round(time.monotonic() - t, 1)

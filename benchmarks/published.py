@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CORPUS = ROOT / "benchmarks" / "published" / "corpus.csv"
 QUANT_OF_ROW = {"gptq-int4": "auto", "awq-int4": "auto", "fp8": "auto"}  # pre-quantized: loaded as stored
 ATTN_OF_ROW = {"unknown": "auto", "": "auto"}
 
@@ -208,7 +209,7 @@ FIELDS = ["id", "source_id", "model", "quant", "dtype", "prompt", "new_tokens", 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--corpus", default=str(ROOT / "benchmarks" / "published" / "corpus.csv"))
+    ap.add_argument("--corpus", default=str(DEFAULT_CORPUS))
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "validation" / "published"))
     ap.add_argument("--no-report", action="store_true", help="do not regenerate docs/validation.md")
     args = ap.parse_args(argv)
@@ -237,8 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     f = _stats(r["formula_err_pct"] for r in ok)
     print(f"{len(ok)} of {len(rows)} rows: vramcal median {_pct(v[0])}, p95 {_pct(v[1])}; "
           f"formula median {_pct(f[0])}", file=sys.stderr)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    if corpus.resolve() == DEFAULT_CORPUS.resolve():  # a full regeneration: the vLLM engine's corpus too
+        import published_vllm
+
+        published_vllm.main(["--out-dir", str(out)])
     if not args.no_report:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
         import report
 
         return report.main([])

@@ -107,6 +107,10 @@ def _add_estimate(sub) -> None:
     p.add_argument("--no-correction", action="store_true",
                    help="do not apply this machine's correction from the records database")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    from .cli_vllm import add_engine_arg, add_vllm_args
+
+    add_engine_arg(p)
+    add_vllm_args(p)
     q = p.add_argument_group("quick mode (no config needed)")
     q.add_argument("--params-b", type=float, help="parameters, in billions")
     q.add_argument("--bits", type=float, help="bits per parameter")
@@ -130,7 +134,12 @@ def _progress(args):
 
 def cmd_estimate(args) -> int:
     from . import present
+    from .cli_vllm import cmd_estimate_vllm, refuse_vllm_flags
+    from .estimator.vllm.engine import engine_choice
 
+    if engine_choice(args.engine) == "vllm":
+        return cmd_estimate_vllm(args, _out, _progress(args))
+    refuse_vllm_flags(args)
     quick = args.params_b is not None or args.bits is not None
     if args.model is None and not quick:
         raise UserError("give a MODEL (directory, config.json, cached Hub id or catalog name) "
@@ -198,10 +207,23 @@ def _add_probe(sub) -> None:
     p.add_argument("--timeline", metavar="FILE.png", help="write a plot of memory over time")
     p.add_argument("--samples", action="store_true", help="include every sample in --json (default: the count)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--db", help="--engine vllm: the records database the run goes into")
+    from .cli_vllm import add_engine_arg, add_vllm_args
+
+    add_engine_arg(p)
+    add_vllm_args(p)
     p.set_defaults(func=cmd_probe)
 
 
 def cmd_probe(args) -> int:
+    from .cli_vllm import cmd_probe_vllm, refuse_vllm_flags
+    from .estimator.vllm.engine import engine_choice
+
+    if engine_choice(args.engine) == "vllm":
+        return cmd_probe_vllm(args, _out, check=False)
+    refuse_vllm_flags(args)
+    if args.db is not None:
+        raise UserError("--db belongs to `vramcal probe --engine vllm` (a transformers probe records nothing)")
     from .probes.probe import run_probe
 
     if args.timeline and not args.timeline.lower().endswith(".png"):
@@ -281,6 +303,12 @@ def _size(text: str | None, flag: str) -> int | None:
 def cmd_check(args) -> int:
     from . import present
     from .calibrate.check import DEFAULT_BUFFER, check
+    from .cli_vllm import cmd_probe_vllm, refuse_vllm_flags
+    from .estimator.vllm.engine import engine_choice
+
+    if engine_choice(args.engine) == "vllm":
+        return cmd_probe_vllm(args, _out, check=True)
+    refuse_vllm_flags(args)
 
     work = _work(args, 4096)
     budget = None if args.budget in (None, "auto") else _size(args.budget, "--budget")
@@ -345,6 +373,16 @@ def _fill_device(args) -> None:
 
 def cmd_fit(args) -> int:
     from . import present
+    from .cli_vllm import cmd_fit_vllm, refuse_vllm_flags
+    from .estimator.vllm.engine import engine_choice
+
+    if engine_choice(args.engine) == "vllm":
+        return cmd_fit_vllm(args, _out)
+    refuse_vllm_flags(args)
+    if args.dtype is not None:
+        raise UserError("--dtype belongs to --engine vllm in `vramcal fit`")
+    if args.budget is None:
+        raise UserError("fit needs --budget (24GiB, 80GB, or auto), or --engine vllm")
     from .calibrate.check import DEFAULT_BUFFER
     from .calibrate.fit import fit_contexts
     from .workload import count, parse_device
@@ -551,6 +589,10 @@ def _add_calibration(sub) -> None:
     c.add_argument("--prefer", default="quality", choices=POLICIES, help="order of adjustments (see above)")
     c.add_argument("--db")
     c.add_argument("--json", action="store_true")
+    from .cli_vllm import add_engine_arg, add_vllm_args
+
+    add_engine_arg(c)
+    add_vllm_args(c)
     c.set_defaults(func=cmd_check)
 
     m = sub.add_parser("memo", help="the known-good memo of the last run that fit (Markdown or JSON)")
@@ -562,13 +604,21 @@ def _add_calibration(sub) -> None:
 
     f = sub.add_parser("fit", help="the largest context per quant and batch that fits a budget")
     f.add_argument("model")
-    f.add_argument("--budget", required=True, help="24GiB, 80GB (each GPU of a split), or auto (what is free on "
+    f.add_argument("--budget", default=None, help="24GiB, 80GB (each GPU of a split), or auto (what is free on "
                                                    "each GPU now; the processes holding the rest are named)")
     f.add_argument("--buffer", default=None, help="headroom to keep free (default 2GiB)")
     f.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                    help=f"tokens each answer generates (default {NEW_TOKENS}); max ctx includes them")
     f.add_argument("--device", default=None, help="cuda:N or cpu (default cuda:0)")
     _add_placement_args(f)
+    from .cli_vllm import add_engine_arg, add_vllm_args
+
+    add_engine_arg(f)
+    f.add_argument("--dtype", default=None, help="--engine vllm: auto | bfloat16 | float16 | float32")
+    add_vllm_args(f, fit=True)
+    f.add_argument("--no-disk-cache", action="store_true", help=argparse.SUPPRESS)
+    f.add_argument("--no-correction", action="store_true", help="--engine vllm: do not apply this machine's "
+                                                                 "learned vLLM terms")
     f.add_argument("--db")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_fit)

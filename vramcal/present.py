@@ -393,3 +393,91 @@ def run_table(run) -> str:
             lines.append(f"  {corr['stage']:<14} {corr['intercept_bytes'] / 1024**3:+8.3f} GiB "
                          f"{corr['slope_bytes_per_token']:+10.1f} B/token from {corr['n_runs']} run(s)   {label}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- --engine vllm
+
+def _gib_cell(n: int | None) -> str:
+    return "n/a" if n is None else f"{gib(n):.2f} GiB"
+
+
+def vllm_table(e) -> str:
+    """``estimate --engine vllm``: the terms vLLM prints, per rank when there are several, then the lines."""
+    v = e.vllm
+    head = (f"{e.model}  [{e.architecture}]  vLLM {v.version} ({v.version_source})  dtype={v.dtype}  "
+            f"kv-cache-dtype={v.kv_cache_dtype}  quantization={v.quantization}")
+    setup = (f"tp={v.tensor_parallel_size} pp={v.pipeline_parallel_size}  gpu memory {gib(v.gpu_memory_bytes):.2f} GiB "
+             f"x {v.gpu_memory_utilization:g} = {gib(v.requested_bytes):.2f} GiB  max-model-len={v.max_model_len:,}  "
+             f"max-num-seqs={v.max_num_seqs}  max-num-batched-tokens={v.max_num_batched_tokens}  block={v.block_size}"
+             + ("  enforce-eager" if v.enforce_eager else ""))
+    lines = [head, setup, ""]
+    if not v.fits:
+        lines += ["WOULD NOT START", "  " + (v.error or ""), ""]
+    graphs = "subtracted" if v.cuda_graph_subtracted else "outside the budget"
+    rows = [("weights (Model loading took)", v.weights_bytes), ("activation peak (profile run)", v.activation_bytes),
+            ("non-torch", v.non_torch_bytes), (f"CUDA graphs ({graphs})", v.cuda_graph_bytes),
+            ("available KV cache memory", v.kv_cache_bytes)]
+    what = "per GPU, the limiting rank's" if v.ranks else "per GPU"
+    lines.append(f"startup terms ({what})")
+    lines += [_row(label, n, 32) for label, n in rows]
+    if v.fits:
+        lines += [f"  {'GPU KV cache size':<32} {v.kv_cache_tokens:>12,} tokens ({v.num_blocks:,} blocks of "
+                  f"{v.block_size})", f"  {'maximum concurrency':<32} {v.max_concurrency:>12.2f}x at {v.max_model_len:,} "
+                  "tokens per request"]
+    lines.append(f"  {'longest max-model-len that fits':<32} {v.max_model_len_fit:>12,} tokens")
+    if v.ranks:
+        lines += ["", "per rank (tp, pp)       layers      weights   activation    non-torch  available KV       blocks"]
+        for r in v.ranks:
+            mark = " <" if r.rank == v.limiting_rank else ""
+            lines.append(f"  {r.rank:>3} ({r.tp_rank}, {r.pp_rank})   {r.layers[0]:>4}-{r.layers[1] - 1:<4} "
+                         f"{_gib_cell(r.weights_bytes):>12} {_gib_cell(r.activation_bytes):>12} "
+                         f"{_gib_cell(r.non_torch_bytes):>12} {_gib_cell(r.available_bytes):>12} {r.num_blocks:>12,}{mark}")
+    lines += ["", "what vLLM will print"] + ["  " + ln for ln in v.log_lines]
+    lines += ["", "device memory (NVML view of the limiting GPU)"]
+    for key in ("load_peak", "post_load"):
+        lines.append(_row({"load_peak": "after loading", "post_load": "after startup"}[key], e.stages[key], 32))
+    lines += ["", "how"] + [f"  {k}: {m}" for k, m in v.methods.items()]
+    if v.correction:
+        lines += ["", "corrected by this machine's vLLM runs: " + v.correction.get("scope", "")]
+        lines += [f"  {k}: {gib(d):+.2f} GiB" for k, d in v.correction.get("delta_bytes", {}).items()]
+    if v.notes:
+        lines += ["", "notes"] + ["  " + n for n in v.notes]
+    return "\n".join(lines)
+
+
+def vllm_fit_table(model: str, f) -> str:
+    if f.question == "longest":
+        lines = [f"{model}  vLLM {f.version}  gpu memory {gib(f.gpu_memory_bytes):.2f} GiB x {f.gpu_memory_utilization:g}"]
+        if not f.fits:
+            return "\n".join(lines + ["  nothing fits: " + f.note])
+        lines += [f"  longest --max-model-len      {f.max_model_len:,} tokens",
+                  f"  GPU KV cache size            {f.kv_cache_tokens:,} tokens ({gib(f.kv_cache_memory_bytes):.2f} GiB)",
+                  f"  maximum concurrency          {f.max_concurrency:.2f}x at that length"]
+        return "\n".join(lines)
+    lines = [f"{model}  vLLM {f.version}  gpu memory {gib(f.gpu_memory_bytes):.2f} GiB  --max-model-len {f.max_model_len:,}",
+             f"  --gpu-memory-utilization     {f.gpu_memory_utilization:.4f}"
+             + ("" if f.fits else "   (more than the GPU has)"),
+             f"  or --kv-cache-memory-bytes   {f.kv_cache_memory_bytes} ({gib(f.kv_cache_memory_bytes):.2f} GiB)",
+             f"  maximum concurrency          {f.max_concurrency:.2f}x, GPU KV cache size {f.kv_cache_tokens:,} tokens"]
+    if f.note:
+        lines.append("  " + f.note)
+    return "\n".join(lines)
+
+
+def vllm_probe_table(r, run_id) -> str:
+    """``probe --engine vllm``: vLLM's logged terms beside the prediction, then the sampled stages."""
+    lines = [f"{r.model}  vLLM {r.version or '?'}  GPUs {r.gpus}  status {r.status}"
+             + (f"  (recorded as run {run_id})" if run_id is not None else "")]
+    if r.error:
+        lines.append("  " + r.error)
+    lines += ["", f"  {'term':<22} {'predicted':>14} {'vLLM logged':>14}"]
+    for term, (pred, got) in r.comparison().items():
+        fmt = (lambda n: "n/a" if n is None else f"{n:,}") if term == "kv_cache_tokens" else _gib_cell
+        lines.append(f"  {term.replace('_bytes', ''):<22} {fmt(pred):>14} {fmt(got):>14}")
+    lines += ["", "sampled (NVML memory.used of the first GPU)"]
+    est = r.estimate.stages if r.estimate is not None else {}
+    for name, s in r.stages.items():
+        lines.append(f"  {name:<14} peak {_gib_cell(s.get('peak_bytes')):>12}   predicted {_gib_cell(est.get(name)):>12}")
+    if r.notes:
+        lines += ["", "notes"] + ["  " + n for n in r.notes]
+    return "\n".join(lines)

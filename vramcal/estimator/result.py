@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from ..workload import NEW_TOKENS, STAGES, Workload
 from .correction import CorrectionSet, apply
 from .quick import QuickEstimate
+from .vllm.result import VllmEstimate
 
 
 @dataclass
@@ -120,6 +121,8 @@ class Estimate:
     ranges: dict[str, tuple[int, int]] | None = None
     estimator_model: str = ""  # the stage arithmetic that made it (vramcal.estimator.stages.MODEL_IDS)
     vramcal_version: str = ""
+    # --engine vllm: what `vllm serve` logs at startup, per rank (vramcal.estimator.vllm; docs/vllm.md)
+    vllm: VllmEstimate | None = None
 
     # ------------------------------------------------------------------ views
     @property
@@ -199,6 +202,7 @@ class Estimate:
         d["placement"] = None if self.placement is None else self.placement.to_dict()
         d["devices"] = None if self.devices is None else {k: v.to_dict() for k, v in self.devices.items()}
         d["ranges"] = None if self.ranges is None else {k: list(v) for k, v in self.ranges.items()}
+        d["vllm"] = None if self.vllm is None else self.vllm.to_dict()
         if self.placement is not None:
             d["device_map"] = dict(self.placement.device_map)
         return d
@@ -220,4 +224,6 @@ class Estimate:
             kw["devices"] = {k: DeviceEstimate.from_dict(v) for k, v in kw["devices"].items()}
         if kw.get("ranges") is not None:
             kw["ranges"] = {k: tuple(v) for k, v in kw["ranges"].items()}
+        if kw.get("vllm") is not None:
+            kw["vllm"] = VllmEstimate.from_dict(kw["vllm"])
         return cls(**kw)

@@ -1,0 +1,260 @@
+"""The command line of ``--engine vllm`` (part of the command line, like :mod:`vramcal.cli`; nothing
+else imports it): vLLM's own flag spellings, so the flags of a ``vllm serve`` command can be pasted,
+turned into :class:`~vramcal.estimator.vllm.engine.VllmArgs`, and the estimate, fit and probe run."""
+
+from __future__ import annotations
+
+import json
+
+from .errors import UserError
+
+# dest -> (the flag, what it is); every one belongs to --engine vllm only
+VLLM_FLAGS = {
+    "gpu_memory_utilization": "--gpu-memory-utilization", "max_model_len": "--max-model-len",
+    "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
+    "tensor_parallel_size": "--tensor-parallel-size", "pipeline_parallel_size": "--pipeline-parallel-size",
+    "kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantization", "block_size": "--block-size",
+    "enforce_eager": "--enforce-eager", "kv_cache_memory": "--kv-cache-memory-bytes", "gpu_memory": "--gpu-memory",
+    "vllm_version": "--vllm-version", "allow_long_max_model_len": "--allow-long-max-model-len",
+    "vllm_entrypoint": "--vllm-entrypoint",
+}
+
+
+def add_engine_arg(p) -> None:
+    p.add_argument("--engine", default="transformers", help="transformers (default) | vllm: predict what `vllm serve` "
+                                                             "logs at startup (docs/vllm.md)")
+
+
+def add_vllm_args(p, *, fit: bool = False) -> None:
+    """vLLM's own flags (``vllm serve --help``), for ``--engine vllm``."""
+    g = p.add_argument_group("--engine vllm: the flags of your `vllm serve` command, in vLLM's spellings")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, help="share of each GPU vLLM may use "
+                                                                               "(vLLM's default 0.9)")
+    g.add_argument("--max-model-len", type=int, default=None, help="default: the model's own limit")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's for the GPU (1024 or 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's for the GPU")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
+    g.add_argument("--kv-cache-dtype", default=None, help="auto | fp8 | fp8_e4m3 | fp8_e5m2 | bfloat16 | float16")
+    g.add_argument("--quantization", "-q", default=None, help="fp8 (online), or the checkpoint's own: awq, gptq, "
+                                                             "compressed-tensors, bitsandbytes (default: the checkpoint's)")
+    g.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default 16)")
+    g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    g.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory", default=None,
+                   metavar="SIZE", help="pin the KV memory per GPU (vLLM 0.10.2 on), e.g. 20GiB")
+    g.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                   help="each GPU's total memory as the driver reports it (default: this machine's GPU 0); an H100 "
+                        "80GB reports 79.19GiB to vLLM")
+    g.add_argument("--vllm-version", default=None, metavar="X.Y", help="default: the installed vLLM's, else the newest "
+                                                                       "modelled (0.33)")
+    g.add_argument("--allow-long-max-model-len", action="store_true", default=None,
+                   help="vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1: a --max-model-len above the model's limit")
+    g.add_argument("--vllm-entrypoint", default=None, choices=("serve", "llm"),
+                   help="serve (default): the defaults of `vllm serve`; llm: of the LLM class")
+    if fit:
+        g.add_argument("--concurrency", type=float, default=None,
+                       help="with --max-model-len: the requests of that length to hold at once; fit then says the "
+                            "utilization (and --kv-cache-memory-bytes) it needs")
+
+
+def vllm_flags_used(args) -> list[str]:
+    return [flag for dest, flag in VLLM_FLAGS.items() if getattr(args, dest, None) is not None] + \
+        (["--concurrency"] if getattr(args, "concurrency", None) is not None else [])
+
+
+def refuse_vllm_flags(args) -> None:
+    used = vllm_flags_used(args)
+    if used:
+        raise UserError(f"{', '.join(used)} belong{'s' * (len(used) == 1)} to --engine vllm: add --engine vllm, "
+                        "or drop them")
+
+
+def refuse_transformers_flags(args, command: str) -> None:
+    """The transformers engine's flags mean nothing to vLLM's startup: refused, not ignored."""
+    checks = (("--quant", getattr(args, "quant", "auto") not in (None, "auto")),
+              ("--ctx", getattr(args, "ctx", None) is not None), ("--prompt", getattr(args, "prompt", None) is not None),
+              ("--batch", getattr(args, "batch", 1) not in (None, 1)),
+              ("--new-tokens", command != "probe" and getattr(args, "new_tokens", 16) != 16),
+              ("--kv-dtype", getattr(args, "kv_dtype", "auto") != "auto"),
+              ("--attn", getattr(args, "attn", "auto") != "auto"), ("--cache", getattr(args, "cache", "dynamic") != "dynamic"),
+              ("--max-memory", getattr(args, "max_memory", None) is not None),
+              ("--device-map", getattr(args, "device_map", None) is not None),
+              ("--fast", bool(getattr(args, "fast", False))),
+              ("--params-b", getattr(args, "params_b", None) is not None), ("--bits", getattr(args, "bits", None) is not None),
+              ("--budget", getattr(args, "budget", None) is not None), ("--buffer", getattr(args, "buffer", None) is not None),
+              ("--device cpu", str(getattr(args, "device", "cuda")).startswith("cpu")),
+              ("--synthetic", command in ("estimate", "fit") and bool(getattr(args, "synthetic", False))))
+    used = [flag for flag, on in checks if on]
+    if used:
+        raise UserError(f"--engine vllm does not use {', '.join(used)}: give vLLM's flags instead (--max-model-len, "
+                        "--quantization, --kv-cache-dtype, --tensor-parallel-size ...; `vramcal "
+                        f"{command} --help`)")
+
+
+def this_gpu() -> tuple[int | None, str | None]:
+    """GPU 0's total memory and name through the one NVML door, or (None, None) without one."""
+    from .probes import nvml
+
+    ok, _ = nvml.available()
+    if not ok:
+        return None, None
+    info = nvml.device_info(0)
+    total = None if isinstance(info["total_bytes"], nvml.NA) else int(info["total_bytes"])
+    name = None if isinstance(info["name"], nvml.NA) else str(info["name"])
+    return total, name
+
+
+def vllm_args(args):
+    """The command line's flags as :class:`VllmArgs` (validated there, one line on bad input)."""
+    from .estimator.vllm.engine import DEFAULT_UTILIZATION, VllmArgs
+    from .units import parse_size
+
+    def size(text, flag):
+        if text is None:
+            return None
+        try:
+            n = parse_size(text)
+        except ValueError as exc:
+            raise UserError(f"{flag}: {exc}") from None
+        if n <= 0:
+            raise UserError(f"{flag} must be above zero, e.g. {flag} 80GiB")
+        return n
+
+    total = size(args.gpu_memory, "--gpu-memory")
+    name = None
+    if total is None:
+        total, name = this_gpu()
+    dtype = "auto" if args.dtype is None else args.dtype
+    return VllmArgs(
+        gpu_memory_utilization=DEFAULT_UTILIZATION if args.gpu_memory_utilization is None else args.gpu_memory_utilization,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        tensor_parallel_size=args.tensor_parallel_size or 1, pipeline_parallel_size=args.pipeline_parallel_size or 1,
+        dtype=dtype, kv_cache_dtype=args.kv_cache_dtype or "auto", quantization=args.quantization,
+        block_size=args.block_size, enforce_eager=bool(args.enforce_eager),
+        kv_cache_memory_bytes=size(args.kv_cache_memory, "--kv-cache-memory-bytes"), gpu_memory_bytes=total,
+        gpu_name=name, vllm_version=args.vllm_version, allow_long_max_model_len=bool(args.allow_long_max_model_len),
+        usage=args.vllm_entrypoint or "serve")
+
+
+def cmd_estimate_vllm(args, out, progress) -> int:
+    from . import present
+    from .estimator.resolve import resolve_model
+    from .estimator.vllm.engine import as_estimate, estimate_vllm
+
+    if args.model is None:
+        raise UserError("--engine vllm needs a MODEL (directory, config.json, cached Hub id or catalog name)")
+    refuse_transformers_flags(args, "estimate")
+    vargs = vllm_args(args)
+    source = resolve_model(args.model)
+    est = estimate_vllm(source, vargs, use_cache=not args.no_disk_cache, progress=progress)
+    if not args.no_correction:
+        from .calibrate.vllm_corrections import corrected
+
+        est = corrected(est, source, vargs, args.db)
+    e = as_estimate(source, est)
+    out(json.dumps(e.to_dict()) if args.json else present.vllm_table(e))
+    return 0
+
+
+def cmd_fit_vllm(args, out) -> int:
+    from . import present
+    from .estimator.resolve import resolve_model
+    from .estimator.vllm.fit import longest, utilization
+
+    refuse_transformers_flags(args, "fit")
+    vargs = vllm_args(args)
+    source = resolve_model(args.model)
+    offsets = None
+    if not args.no_correction:
+        from .calibrate.vllm_corrections import learned_offsets
+
+        offsets = learned_offsets(vargs, args.db)
+    if args.concurrency is not None or (args.max_model_len is not None and args.gpu_memory_utilization is None):
+        if args.max_model_len is None:
+            raise UserError("--concurrency needs --max-model-len: the length of the requests to hold at once")
+        if args.gpu_memory_utilization is not None:
+            raise UserError("give --gpu-memory-utilization (fit says the longest length) or --max-model-len with "
+                            "--concurrency (fit says the utilization), not both")
+        fit, est = utilization(source, vargs, args.max_model_len, 1.0 if args.concurrency is None else args.concurrency,
+                               offsets=offsets)
+    else:
+        fit, est = longest(source, vargs, offsets=offsets)
+    out(json.dumps({**fit.to_dict(), "vllm": est.to_dict()}) if args.json else present.vllm_fit_table(source.name, fit))
+    return 0 if fit.fits else 1
+
+
+def cmd_probe_vllm(args, out, *, check: bool) -> int:
+    """``probe`` / ``check --engine vllm``: vLLM started in a child, NVML sampled, its startup terms read
+    back and recorded beside the prediction (docs/vllm.md)."""
+    import os
+
+    from . import present
+    from .estimator.resolve import resolve_model
+    from .estimator.vllm.engine import MODEL_ID, as_estimate, estimate_vllm
+    from .probes.vllm_probe import preflight, run_vllm_probe
+
+    verb = "check" if check else "probe"
+    refuse_transformers_flags(args, verb)
+    vargs = vllm_args(args)
+    preflight(vargs.tensor_parallel_size * vargs.pipeline_parallel_size)
+    source = resolve_model(args.model)
+    synthetic = bool(getattr(args, "synthetic", False))
+    if not source.weight_files and not synthetic:
+        raise UserError(f"{source.name} has no *.safetensors weights here: give its directory or a cached Hub id, or "
+                        "add --synthetic (vLLM's --load-format dummy: random weights at the real widths)")
+    est = estimate_vllm(source, vargs)
+    estimate = as_estimate(source, est)
+    child_args = {"gpu_memory_utilization": vargs.gpu_memory_utilization, "max_model_len": vargs.max_model_len,
+                  "max_num_seqs": vargs.max_num_seqs, "max_num_batched_tokens": vargs.max_num_batched_tokens,
+                  "tensor_parallel_size": vargs.tensor_parallel_size,
+                  "pipeline_parallel_size": vargs.pipeline_parallel_size, "dtype": vargs.dtype,
+                  "kv_cache_dtype": vargs.kv_cache_dtype, "quantization": vargs.quantization,
+                  "block_size": vargs.block_size, "enforce_eager": vargs.enforce_eager or None,
+                  "kv_cache_memory_bytes": vargs.kv_cache_memory_bytes}
+    if synthetic:
+        child_args.update(load_format="dummy", skip_tokenizer_init=True)
+    gpus = list(range(vargs.tensor_parallel_size * vargs.pipeline_parallel_size))
+    model_dir = source.directory
+    if synthetic or model_dir is None:  # a catalog config: vLLM reads config.json from a folder
+        import tempfile
+
+        model_dir = tempfile.mkdtemp(prefix="vramcal-vllm-")
+        with open(os.path.join(model_dir, "config.json"), "w") as fh:
+            json.dump({k: v for k, v in source.config.items() if not k.startswith("_vramcal")}, fh)
+    result = run_vllm_probe(model_dir, source.name, child_args, estimate, gpus=gpus,
+                            interval_ms=getattr(args, "interval_ms", 5.0) or 5.0,
+                            new_tokens=getattr(args, "new_tokens", 16) or 16)
+    run_id = record_vllm_run(args.db, source, estimate, result, command_of(args, verb))
+    out(json.dumps({**result.to_dict(samples=False), "run_id": run_id}) if args.json
+        else present.vllm_probe_table(result, run_id))
+    ok = result.status == "ok" and (not check or est.fits)
+    return 0 if ok else 1
+
+
+def command_of(args, verb: str) -> str:
+    import shlex
+    import sys
+
+    return shlex.join(["vramcal", verb, *sys.argv[2:]]) if len(sys.argv) > 2 else f"vramcal {verb} {args.model}"
+
+
+def record_vllm_run(db, source, estimate, result, command: str) -> int | None:
+    """The run in the records database: the prediction as the run's estimate, the sampled stages beside
+    it, the logged terms in its result (where :mod:`vramcal.calibrate.vllm_corrections` learns them)."""
+    from .probes.machine import machine_fingerprint
+    from .records.store import Outcome, RunContext, StageRow, Store
+    from .versions import VRAMCAL_VERSION
+
+    v = estimate.vllm
+    context = RunContext(model=source.name, quant=v.quantization, ctx=v.max_model_len, batch=1, device="cuda:0",
+                         command=command, config_hash=source.config_hash, quant_impl=f"vLLM {v.version}",
+                         dtype=v.dtype, kv_dtype=v.kv_cache_dtype, attn="vllm", estimate=estimate.to_dict(),
+                         estimator_model=estimate.estimator_model, vramcal_version=VRAMCAL_VERSION)
+    rows = [StageRow(name, estimate.stages.get(name), r.get("peak_bytes"), r.get("used_bytes"))
+            for name, r in result.stages.items()]
+    outcome = Outcome(status=result.status, last_stage=result.last_stage, error=result.error,
+                      series=f"gpu{result.gpus[0]}", wall_s=result.wall_s, sampler_overhead=result.sampler_overhead,
+                      result=result.to_dict(samples=False), stages=rows)
+    with Store(db) as store:
+        return store.record_run(machine_fingerprint("cuda:0"), context, outcome)

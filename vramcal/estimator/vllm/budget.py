@@ -1,0 +1,82 @@
+"""The terms vLLM subtracts from ``total x gpu_memory_utilization`` before the KV cache: the activation
+peak of its profiling run, non-torch memory and (from 0.20) the CUDA-graph estimate. Pure arithmetic.
+
+**The profiling run** (``GPUModelRunner.profile_run``, ``v1/worker/gpu_model_runner.py``): one forward
+over ``max_num_batched_tokens`` tokens (T) split into ``min(max_num_seqs, T)`` requests, before any KV
+cache exists, then ``_dummy_sampler_run`` on the last token of each request (S = min(max_num_seqs, T)
+rows of the full vocabulary, in float32, with top-k/top-p/penalties on). Its torch peak above the
+weights is "torch peak memory increase" in the DEBUG profile line, and is the activation term.
+
+The forward and the sampler do not overlap: the peak is the larger of the two, plus what stays
+allocated through both. Terms, per rank (``el`` = the model dtype's bytes, H = hidden size, I = the
+rank's dense MLP width, V = the padded vocabulary):
+
+- sampler: ``(SAMPLER_BYTES + el) x S x V + HIDDEN_KEPT x T x H x el`` -- the logits in the model
+  dtype, their float32 copy and the sampler's temporaries; up to 0.16 top-k/top-p sort the vocabulary
+  in PyTorch (``v1/sample/ops/topk_topp_sampler.py``), ``SORT_BYTES`` more per logit;
+- forward: ``T x el x (MLP_WIDTHS x I + FORWARD_HIDDEN x H)`` -- gate/up and the activation's output
+  at once, and the hidden states around them;
+- fused MoE: its workspaces, cached across calls so present during the sampler too:
+  ``T x top_k x (max(2 x I_moe, H) + I_moe) x el`` (``fused_moe/modular_kernel.py``);
+- pipeline stages: a stage that is not the last sends hidden states and residual (``2 x T x H x el``),
+  a stage that is not the first receives them; only the last stage runs the sampler.
+
+The coefficients are fitted to the 0.17-0.19 DEBUG logs in benchmarks/published/vllm/ (H100, T=8192,
+S=1024; docs/vllm.md shows the residuals); the multimodal encoder's profile is not modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import versions as V
+from .arch import Arch
+from .layout import pad_vocab
+
+GIB = 1024**3
+MIB = 1024**2
+SAMPLER_BYTES = 12.8  # per logit, besides the logits themselves (fitted: 14.7-15.0 B per logit in bf16)
+SORT_BYTES = 23.5  # per logit, up to 0.16 (Qwen3-14B on H100: 5.64 GiB at 0.15/0.16 vs 2.23 at 0.17/0.18)
+HIDDEN_KEPT = 1.13  # T x H x el alive through the sampler (Llama-3.1-8B vs -70B, Qwen2.5-7B vs -72B)
+MLP_WIDTHS = 3.0  # gate/up (2 I) and the activation's output (I) at once (CodeLlama-7B, Granite-8B)
+FORWARD_HIDDEN = 4.25  # hidden states, residual and attention outputs around them
+GRAPH_BASE = int(0.45 * GIB)  # CUDA graphs: 0.45 GiB + 14.9 MiB per layer on the rank (0.19 H100 logs,
+GRAPH_PER_LAYER = int(14.9 * MIB)  # 51 piecewise + 35 full sizes; 0.51-1.85 GiB observed)
+
+
+@dataclass(frozen=True)
+class Activation:
+    total: int
+    sampler: int
+    forward: int
+    moe_workspace: int
+    pipeline: int
+    which: str  # sampler | forward
+
+
+def activation(arch: Arch, tp: int, stage: int, pp: int, el: int, mnbt: int, seqs: int,
+               v: V.Version) -> Activation:
+    """The activation peak of one rank's profiling run (the module's doc)."""
+    t = mnbt
+    s = min(seqs, mnbt)
+    h = arch.hidden
+    dense_i = (arch.shared_intermediate if arch.experts else arch.intermediate) // tp
+    moe = 0
+    if arch.experts:
+        mi = arch.moe_intermediate // tp
+        moe = int(t * arch.experts_per_token * (max(2 * mi, h) + mi) * el)
+    fwd = int(t * el * (MLP_WIDTHS * dense_i + FORWARD_HIDDEN * h))
+    last, first = stage == pp - 1, stage == 0
+    per_logit = SAMPLER_BYTES + el + (SORT_BYTES if V.sampler_sorts(v) else 0.0)
+    samp = int(per_logit * s * pad_vocab(arch.vocab) + HIDDEN_KEPT * t * h * el) if last else 0
+    pipe = (0 if last else 2 * t * h * el) + (0 if first else 2 * t * h * el)
+    peak = max(fwd, samp)
+    return Activation(peak + moe + pipe, samp, fwd, moe, pipe, "sampler" if samp >= fwd else "forward")
+
+
+def cuda_graph_bytes(layers_on_rank: int, enforce_eager: bool) -> int:
+    """A default for the CUDA-graph pool (what ``profile_cudagraph_memory`` estimates and the capture
+    takes), fitted to 0.19 H100 logs; calibration replaces it."""
+    if enforce_eager:
+        return 0
+    return GRAPH_BASE + GRAPH_PER_LAYER * layers_on_rank

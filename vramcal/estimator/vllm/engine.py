@@ -1,0 +1,304 @@
+"""The vLLM engine: what ``vllm serve`` will log at startup, per GPU of ``tp x pp``, before launching it.
+
+Per rank (docs/vllm.md has the formulas with their vLLM files, and a worked example from a real log):
+
+    requested  = total x gpu_memory_utilization
+    available  = requested - weights - activation peak - non-torch [- CUDA-graph estimate, 0.20 on]
+    num_blocks = available // (page x layers) (hybrid: // page // group_size), then the minimum over ranks
+    tokens     = num_blocks x block_size   (hybrid up to 0.19: // groups; 0.20 on: int(concurrency x len))
+
+``weights`` from :mod:`.layout` (vLLM's layout of the installed transformers' model, built on ``meta``),
+``activation`` and the CUDA-graph default from :mod:`.budget`, non-torch from
+:func:`.versions.non_torch_default` (a machine's calibration replaces the two measured terms).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from ...errors import UserError
+from ...units import GIB, MIB
+from ...workload import count
+from ..resolve import ModelSource, resolve_model
+from . import kv as K
+from . import messages as M
+from . import versions as V
+from .arch import Arch, arch_of, check_tp
+from .budget import activation, cuda_graph_bytes
+from .layout import rank_weights
+from .quant import VllmQuant, resolve as resolve_quant
+from .result import VllmEstimate, VllmRank
+
+MODEL_ID = "vllm-startup/1"  # the arithmetic's id: runs record it, corrections are fitted per id
+ENGINES = ("transformers", "vllm")
+DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "fp16": "float16", "bfloat16": "bfloat16",
+          "bf16": "bfloat16", "float": "float32", "float32": "float32", "fp32": "float32"}
+KV_DTYPES = {"auto": None, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "bfloat16": 2, "float16": 2, "half": 2}
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+DEFAULT_UTILIZATION = 0.9  # CacheConfig.gpu_memory_utilization
+CONTEXT_BYTES = 512 * MIB  # used before vLLM's first snapshot: the CUDA context (0.19 H100 logs: 0.51 GiB)
+NCCL_INIT_BYTES = 1024 * MIB  # ... and NCCL communicators with tp x pp > 1 (0.19 H100 logs: 1.02 GiB more)
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def engine_choice(text: str | None) -> str:
+    name = (text or "transformers").lower()
+    if name not in ENGINES:
+        raise UserError(f"unknown --engine {text!r}: choose one of {', '.join(ENGINES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class VllmArgs:
+    """The flags of a ``vllm serve`` command, in vLLM's own spellings (``None``: vLLM's default)."""
+
+    gpu_memory_utilization: float = DEFAULT_UTILIZATION
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    block_size: int | None = None
+    enforce_eager: bool = False
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_bytes: int | None = None  # each GPU's total as CUDA reports it (vLLM's "total")
+    gpu_name: str | None = None
+    vllm_version: str | None = None
+    allow_long_max_model_len: bool = False  # VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
+    usage: str = "serve"  # serve | llm: the defaults of `vllm serve` or of the LLM class
+
+    def validated(self) -> VllmArgs:
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not math.isfinite(u) or not 0 < u <= 1:
+            raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {u!r}: it is the share of each GPU's "
+                            "total memory vLLM may use, e.g. 0.9")
+        count(self.tensor_parallel_size, "--tensor-parallel-size", 1, 1024)
+        count(self.pipeline_parallel_size, "--pipeline-parallel-size", 1, 1024)
+        for value, flag in ((self.max_model_len, "--max-model-len"), (self.max_num_seqs, "--max-num-seqs"),
+                            (self.max_num_batched_tokens, "--max-num-batched-tokens")):
+            if value is not None:
+                count(value, flag, 1, 1 << 26)
+        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None \
+                and self.max_num_batched_tokens < self.max_num_seqs:
+            raise UserError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
+                            f"--max-num-seqs ({self.max_num_seqs}), as vLLM's scheduler config requires")
+        if str(self.dtype).lower() not in DTYPES:
+            raise UserError(f"unknown --dtype {self.dtype!r}: choose auto, bfloat16, float16 (half) or float32")
+        if str(self.kv_cache_dtype).lower() not in KV_DTYPES:
+            raise UserError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}: choose {', '.join(KV_DTYPES)}")
+        if self.block_size is not None and self.block_size not in BLOCK_SIZES:
+            raise UserError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise UserError("--kv-cache-memory must be above zero, e.g. --kv-cache-memory 20GiB")
+        if self.gpu_memory_bytes is not None and not 0 < self.gpu_memory_bytes <= 4 * 1024**4:
+            raise UserError(f"--gpu-memory must be a GPU's total memory, e.g. 80GiB; got {self.gpu_memory_bytes}")
+        if self.usage not in ("serve", "llm"):
+            raise UserError(f"unknown usage {self.usage!r}: serve or llm")
+        return self
+
+
+def model_dtype(config: dict, asked: str, quant: VllmQuant) -> tuple[str, str | None]:
+    """vLLM's dtype (``config/model.py``, ``_get_and_verify_dtype``): ``auto`` is the config's dtype, a
+    float32 checkpoint runs in bfloat16 (0.9 on: the first of bfloat16 / float16 the GPU supports),
+    GPTQ / AWQ in float16. Returns (dtype, a note)."""
+    from ..quant import config_dtype
+
+    asked = DTYPES[str(asked).lower()]
+    if asked != "auto":
+        return asked, None
+    if quant.dtype_forced:
+        return quant.dtype_forced, f"{quant.method} runs in {quant.dtype_forced} (vLLM's default for it)"
+    own = config_dtype(config)
+    if own == "float32":
+        return "bfloat16", "the checkpoint is float32: vLLM's dtype auto runs it in bfloat16"
+    return own, None
+
+
+def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use_cache: bool = True,
+                  progress=None, offsets: dict[str, int] | None = None) -> VllmEstimate:
+    """Predict what ``vllm serve MODEL <args>`` logs at startup (the module's doc). ``offsets``
+    ({"activation_bytes", "non_torch_bytes"}) move those terms on every rank: a machine's learned
+    correction (:mod:`vramcal.calibrate.vllm_corrections`)."""
+    offsets = offsets or {}
+    args = (args or VllmArgs()).validated()
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    v, v_source = V.resolve_version(args.vllm_version)
+    if args.gpu_memory_bytes is None:
+        raise UserError("no GPU here to read the total memory from: give --gpu-memory, e.g. --gpu-memory 80GiB "
+                        "(each GPU's total as the driver reports it; an H100 80GB reports 79.19 GiB)")
+    if args.kv_cache_memory_bytes is not None and not V.kv_memory_override(v):
+        raise UserError(f"--kv-cache-memory exists from vLLM 0.10.2 on, not in {V.fmt_version(v)}")
+    arch = arch_of(source.config)
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    check_tp(arch, tp, pp)
+    quant = resolve_quant(source.config, args.quantization)
+    dtype, dtype_note = model_dtype(source.config, args.dtype, quant)
+    el = DTYPE_BYTES[dtype]
+    kv_bytes = KV_DTYPES[str(args.kv_cache_dtype).lower()] or el
+    max_len = args.max_model_len or arch.derived_max_len
+    if args.max_model_len is not None and args.max_model_len > arch.derived_max_len and not args.allow_long_max_model_len:
+        raise UserError(M.too_long_config_error(args.max_model_len, arch.derived_max_len)
+                        + " (vLLM refuses it; --allow-long-max-model-len is its VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")
+    total = args.gpu_memory_bytes
+    d = V.scheduler_defaults(v, total, args.gpu_name, args.usage)
+    seqs = args.max_num_seqs or d.max_num_seqs
+    mnbt = args.max_num_batched_tokens or min(d.max_num_batched_tokens, seqs * max_len)
+    if args.max_num_batched_tokens is None and mnbt < seqs:
+        mnbt = max(mnbt, seqs)
+    block = args.block_size or 16
+
+    from .shapes import cached_params
+
+    params = cached_params(source, dtype, use_cache=use_cache, progress=progress)
+    weights = rank_weights(params, arch, tp, pp, el, quant)
+    specs = K.layer_specs(arch, tp, kv_bytes, block, v)
+    requested = int(total * args.gpu_memory_utilization)
+    non_torch, non_torch_why = V.non_torch_default(v, tp, pp)
+    non_torch = max(non_torch + offsets.get("non_torch_bytes", 0), 0)
+    subtract_graphs = V.cuda_graphs_subtracted(v) and not args.enforce_eager
+    ranks: list[VllmRank] = []
+    rank_specs: list[list[K.LayerSpec]] = []
+    for i, w in enumerate(weights):
+        lo, hi = w.layers
+        act = activation(arch, tp, w.pp_rank, pp, el, mnbt, seqs, v)
+        act_bytes = max(act.total + offsets.get("activation_bytes", 0), 0)
+        graphs = cuda_graph_bytes(hi - lo, args.enforce_eager)
+        if args.kv_cache_memory_bytes is not None:
+            avail = args.kv_cache_memory_bytes
+        else:
+            avail = requested - w.bytes - act_bytes - non_torch - (graphs if subtract_graphs else 0)
+        mine = specs[lo:hi]
+        g = K.grouping(mine)
+        blocks = max(avail, 0) // g.bytes_per_block if mine else 0
+        rank_specs.append(mine)
+        ranks.append(VllmRank(i, w.tp_rank, w.pp_rank, [lo, hi], w.bytes, act_bytes, non_torch, graphs, avail, blocks,
+                              0, dict(w.groups)))
+    limiting = min(ranks, key=lambda r: (r.num_blocks, r.available_bytes))
+    num_blocks = limiting.num_blocks
+    for r, mine in zip(ranks, rank_specs):
+        r.kv_cache_bytes = num_blocks * K.grouping(mine).bytes_per_block
+    g = K.grouping(rank_specs[limiting.rank])
+    upper = max(max_len, arch.derived_max_len)
+    fit_len = min(K.largest_length(s, r.available_bytes, upper, block, mnbt) if r.available_bytes > 0 else 0
+                  for r, s in zip(ranks, rank_specs))
+    error = None
+    failing = [(r, s) for r, s in zip(ranks, rank_specs)
+               if r.available_bytes <= 0 or K.needed_bytes(s, max_len, block, mnbt) > r.available_bytes]
+    if failing:
+        r, s = failing[0]
+        if r.available_bytes <= 0:
+            error = M.no_memory_error(v)
+        else:
+            error = M.too_long_error(v, max_len, K.needed_bytes(s, max_len, block, mnbt), r.available_bytes,
+                                     K.largest_length(s, r.available_bytes, max_len, block, mnbt))
+    fits = error is None
+    tokens_blocks = num_blocks * block
+    conc = K.max_concurrency(g, num_blocks, max_len, block, mnbt, v, tokens_blocks) if fits else 0.0
+    tokens = K.reported_tokens(g, num_blocks, block, conc, max_len, v) if fits else 0
+    notes = [n for n in (dtype_note,) if n]
+    if any(k == "sliding" for k in arch.layer_kinds) and not V.hybrid_groups(v):
+        notes.append(f"vLLM {V.fmt_version(v)} sizes sliding-window layers as full attention (no hybrid manager)")
+    if "mla" in arch.layer_kinds and args.block_size is None:
+        notes.append("MLA with block size 16 (0.19 on Hopper); FlashMLA (0.11-era default on Hopper) forces 64: "
+                     "pass --block-size 64 for it")
+    if source.config.get("vision_config") is not None:
+        notes.append("the multimodal encoder's profiling run is not modelled: the activation term is the text model's")
+    startup_used = CONTEXT_BYTES + (NCCL_INIT_BYTES if tp * pp > 1 else 0)
+    if requested > total - startup_used and args.kv_cache_memory_bytes is None:
+        notes.append(f"gpu_memory_utilization {args.gpu_memory_utilization} asks for {requested / GIB:.2f} GiB of "
+                     f"{total / GIB:.2f} GiB: about {startup_used / GIB:.2f} GiB is in use before vLLM starts, so its "
+                     "startup check (free memory below the requested) would likely refuse it")
+    lines = _log_lines(v, limiting, tokens, max_len, conc, fits, error, subtract_graphs)
+    methods = {
+        "weights": "vLLM's layout of the installed transformers' model on the meta device (docs/vllm.md)",
+        "activation": f"profile-run model fitted to 0.15-0.19 logs ({activation(arch, tp, pp - 1, pp, el, mnbt, seqs, v).which} "
+                      f"peak; max_num_batched_tokens {mnbt}, max_num_seqs {seqs}: "
+                      f"{d.why if args.max_num_seqs is None and args.max_num_batched_tokens is None else 'as given'})",
+        "non_torch": f"default per setup: {non_torch_why}",
+        "cuda_graphs": ("not captured (--enforce-eager)" if args.enforce_eager else
+                        "default fitted to 0.19 H100 logs, " + ("subtracted from the KV budget (0.20 on)" if subtract_graphs
+                                                               else "outside the KV budget (before 0.20)")),
+        "budget": f"vLLM {V.fmt_version(v)} ({v_source}): {V.budget_family(v)} accounting",
+    }
+    return VllmEstimate(
+        version=V.fmt_version(v), version_source=v_source, gpu_memory_bytes=total,
+        gpu_memory_utilization=float(args.gpu_memory_utilization), requested_bytes=requested,
+        weights_bytes=limiting.weights_bytes, activation_bytes=limiting.activation_bytes,
+        non_torch_bytes=limiting.non_torch_bytes, cuda_graph_bytes=limiting.cuda_graph_bytes,
+        cuda_graph_subtracted=subtract_graphs, kv_cache_bytes=limiting.available_bytes, kv_cache_tokens=tokens,
+        block_size=block, num_blocks=num_blocks, max_concurrency=round(conc, 4), max_model_len=max_len,
+        max_model_len_fit=fit_len, fits=fits, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        max_num_seqs=seqs, max_num_batched_tokens=mnbt, dtype=dtype,
+        kv_cache_dtype=str(args.kv_cache_dtype).lower(), quantization=quant.label, enforce_eager=args.enforce_eager,
+        page_bytes=g.page_bytes, block_bytes=g.bytes_per_block, hybrid_groups=g.num_groups, limiting_rank=limiting.rank, error=error,
+        log_lines=lines, methods=methods, notes=notes, ranks=ranks if len(ranks) > 1 else None)
+
+
+def _log_lines(v, r: VllmRank, tokens: int, max_len: int, conc: float, fits: bool, error: str | None,
+               subtract_graphs: bool) -> list[str]:
+    out = [M.loading_line(v, r.weights_bytes)]
+    if V.cuda_graph_estimate_logged(v) and r.cuda_graph_bytes:
+        out.append(M.graph_estimate_line(v, r.cuda_graph_bytes))
+    non_kv = r.weights_bytes + r.activation_bytes + r.non_torch_bytes
+    prof = M.profile_line(v, non_kv, r.activation_bytes, r.non_torch_bytes, r.weights_bytes)
+    if prof:
+        out.append("(DEBUG) " + prof)
+    avail = M.available_line(v, r.available_bytes)
+    if avail:
+        out.append(avail)
+    if fits:
+        out += M.kv_lines(v, tokens, max_len, conc)
+    elif error:
+        out.append("ValueError: " + error)
+    return out
+
+
+def with_utilization(args: VllmArgs, util: float) -> VllmArgs:
+    return replace(args, gpu_memory_utilization=util)
+
+
+def as_estimate(source: ModelSource, v: VllmEstimate, version_hash: str = ""):
+    """The vLLM estimate as an :class:`~vramcal.estimator.result.Estimate` (what ``--json`` writes and
+    runs record): the limiting rank's GPU as stages, the terms under ``vllm``.
+
+    Stages of that GPU as NVML will show them: ``load_peak`` the CUDA context (and NCCL's communicators
+    with tp x pp > 1, made before vLLM's first snapshot) plus the weights; from ``post_load`` on, the
+    context plus ``total x utilization`` -- the KV cache fills what the profile left, the sampler warm-up
+    takes the activation's share back -- plus the CUDA graphs where they are outside the budget (before
+    0.20). A run that does not start has only ``load_peak`` as the figure it reaches."""
+    from ...versions import VRAMCAL_VERSION
+    from ...workload import NEW_TOKENS, STAGES
+    from ..result import Estimate
+
+    r = v.ranks[v.limiting_rank] if v.ranks else None
+    kv_bytes = r.kv_cache_bytes if r else v.num_blocks * v.block_bytes
+    groups = dict(r.weights_groups) if r else {}
+    context = CONTEXT_BYTES + (NCCL_INIT_BYTES if v.tensor_parallel_size * v.pipeline_parallel_size > 1 else 0)
+    held = v.requested_bytes + (0 if v.cuda_graph_subtracted else v.cuda_graph_bytes)
+    if not v.fits:
+        held = v.weights_bytes + v.activation_bytes + v.non_torch_bytes
+    stages = {"load_peak": context + v.weights_bytes}
+    stages.update({k: max(context + held, stages["load_peak"]) for k in STAGES[1:]})
+    allocated = {"load_peak": v.weights_bytes}
+    allocated.update({k: v.weights_bytes + kv_bytes for k in STAGES[1:]})
+    peak_stage = max(STAGES, key=lambda k: stages[k])
+    components = {"weights": v.weights_bytes, "kv_cache": kv_bytes, "activations": v.activation_bytes,
+                  "runtime": context + v.non_torch_bytes + v.cuda_graph_bytes}
+    breakdown = {"weights": v.weights_bytes, "kv_cache": kv_bytes if v.fits else 0}
+    breakdown["runtime"] = stages[peak_stage] - sum(breakdown.values())
+    tc = source.config.get("text_config") if isinstance(source.config.get("text_config"), dict) else source.config
+    prompt = max(v.max_model_len - NEW_TOKENS, 1)
+    warnings = [] if v.fits else [v.error or "vLLM would not start"]
+    return Estimate(
+        model=source.name, architecture=(source.config.get("architectures") or tc.get("architectures") or ["?"])[0],
+        quant=v.quantization, quant_implementation=f"vLLM {v.quantization}", dtype=v.dtype, ctx=prompt + NEW_TOKENS,
+        batch=1, kv_dtype=v.kv_cache_dtype, attn="vllm", cache="paged", device="cuda", components=components,
+        stages=stages, allocated=allocated, peak=stages[peak_stage], approximate=False, methods=dict(v.methods),
+        weights_breakdown=groups, kv_breakdown={"paged": kv_bytes}, formula=None, notes=list(v.notes),
+        runtime_source=f"vLLM {v.version} startup (docs/vllm.md)", config_hash=source.config_hash, prompt=prompt,
+        new_tokens=NEW_TOKENS, peak_stage=peak_stage, peak_breakdown=breakdown, warnings=warnings,
+        mode="vllm", estimator_model=MODEL_ID, vramcal_version=VRAMCAL_VERSION, vllm=v)

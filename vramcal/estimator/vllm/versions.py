@@ -1,0 +1,195 @@
+"""What differs between vLLM versions, as data keyed by version ranges.
+
+Every rule names the vLLM file it was read from and the released versions where it holds (the wheels
+on PyPI were read for 0.8.0 ... 0.33.0; /work/research/vllm/model.md is the reading, docs/vllm.md the
+summary). "From X" means the first released version among those read where the behaviour is present;
+it may have landed in an unread patch release before it. Pure data and arithmetic: no torch, no vLLM.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ...errors import UserError
+
+Version = tuple[int, int, int]
+
+OLDEST: Version = (0, 8, 0)
+NEWEST: Version = (0, 33, 0)  # the newest release read; the default without an installed vLLM
+
+_VERSION = re.compile(r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:[.+-].*)?$")
+
+
+def parse_version(text: str, flag: str = "--vllm-version") -> Version:
+    """``0.19``, ``0.19.1``, ``v0.19.0``, ``0.11.0+582e4e37.nv25.11`` -> (0, 19, 0) ...; outside the
+    modelled range (0.8.0 ... the newest read) is refused in one line."""
+    m = _VERSION.match(str(text).strip())
+    if not m:
+        raise UserError(f"{flag} {text!r} is not a version: write it like 0.19 or 0.19.1")
+    v = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+    if not OLDEST <= v <= NEWEST:
+        raise UserError(f"{flag} {fmt_version(v)} is outside the versions vramcal models "
+                        f"({fmt_version(OLDEST)} to {fmt_version(NEWEST)}): docs/vllm.md says what each version does")
+    return v
+
+
+def fmt_version(v: Version) -> str:
+    return ".".join(str(x) for x in v)
+
+
+def installed_version() -> str | None:
+    """The installed vLLM's version from its distribution metadata (vLLM itself is never imported here)."""
+    from ...versions import dist_info_versions
+
+    found = dist_info_versions(["vllm"]).get("vllm")
+    if found:
+        return found
+    try:
+        from importlib import metadata
+
+        return metadata.version("vllm")
+    except Exception:  # noqa: BLE001 -- not installed (PackageNotFoundError) or an unreadable install
+        return None
+
+
+def resolve_version(text: str | None) -> tuple[Version, str]:
+    """The version asked for, else the installed vLLM's, else the newest modelled; and where it came from."""
+    if text:
+        return parse_version(text), "--vllm-version"
+    found = installed_version()
+    if found:
+        try:
+            return parse_version(found, "the installed vLLM"), "the installed vLLM"
+        except UserError:
+            pass
+    return NEWEST, "the newest version modelled (no vLLM installed here)"
+
+
+# ------------------------------------------------------------------------------ the memory budget
+
+def budget_family(v: Version) -> str:
+    """How ``determine_available_memory`` (``v1/worker/gpu_worker.py``) turns the profile into KV memory.
+
+    - ``peak`` 0.8.0-0.9.0: total x util - (torch peak incl. weights) - max(0, non-torch);
+    - ``profile`` 0.9.2-0.26: total x util - weights - torch peak increase - non-torch increase
+      (``memory_profiling`` in ``utils/__init__.py``, ``utils/mem_utils.py`` from 0.14);
+    - ``consumed`` 0.27-0.33: total x util - (free at init - free after the profile) - (torch peak -
+      torch allocated): the same terms counted at device level (``utils/mem_utils.py``).
+    """
+    if v < (0, 9, 2):
+        return "peak"
+    if v < (0, 27, 0):
+        return "profile"
+    return "consumed"
+
+
+def cuda_graphs_subtracted(v: Version) -> bool:
+    """Whether the CUDA-graph estimate comes off the KV budget by default: ``profile_cudagraph_memory``
+    exists from 0.18.1 (``v1/worker/gpu_model_runner.py``); ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``
+    defaults to 0 in 0.18.1 and 0.19.1 (logged only) and to 1 from the 0.20.2 wheel (``envs.py``)."""
+    return v >= (0, 20, 0)
+
+
+def cuda_graph_estimate_logged(v: Version) -> bool:
+    return v >= (0, 18, 0)
+
+
+def kv_memory_override(v: Version) -> bool:
+    """``--kv-cache-memory`` (``cache_config.kv_cache_memory_bytes``) exists from 0.10.2."""
+    return v >= (0, 10, 2)
+
+
+def hybrid_groups(v: Version) -> bool:
+    """From 0.9.2 the hybrid KV-cache manager keeps sliding-window layers as their own groups
+    (``v1/core/kv_cache_utils.py``); before, every sliding-window layer is sized as full attention
+    (``unify_hybrid_kv_cache_specs``)."""
+    return v >= (0, 9, 2)
+
+
+def tokens_rule(v: Version) -> str:
+    """How "GPU KV cache size: N tokens" is computed (``v1/core/kv_cache_utils.py``):
+    ``blocks`` num_blocks x block_size (up to 0.9.0, and uniform models up to 0.19); ``groups``
+    num_blocks // num_groups x block_size (hybrid models 0.9.2-0.19); ``concurrency``
+    int(max_concurrency x max_model_len) (0.20 on)."""
+    if v < (0, 20, 0):
+        return "blocks"
+    return "concurrency"
+
+
+def concurrency_rule(v: Version) -> str:
+    """"Maximum concurrency": ``tokens`` tokens / max_model_len (up to 0.9.0); ``layers``
+    num_blocks / cdiv(L x sum_groups max_memory_usage, L x page) (0.9.2-0.26,
+    ``get_max_concurrency_for_kv_cache_config``); ``groups`` num_blocks / sum_groups
+    cdiv(max_memory_usage, page) (0.27 on)."""
+    if v < (0, 9, 2):
+        return "tokens"
+    if v < (0, 27, 0):
+        return "layers"
+    return "groups"
+
+
+def sampler_sorts(v: Version) -> bool:
+    """Up to 0.16 top-k/top-p sort the whole vocabulary in PyTorch for the dummy sampler run; from
+    0.17.0 a Triton kernel does it for batches of 8 and more (``v1/sample/ops/topk_topp_sampler.py``)."""
+    return v < (0, 17, 0)
+
+
+def nccl_before_snapshot(v: Version) -> bool:
+    """From 0.11.0 ``init_worker_distributed_environment`` runs before the init snapshot, so the NCCL
+    communicators made there are not counted as non-torch memory (``v1/worker/gpu_worker.py``)."""
+    return v >= (0, 11, 0)
+
+
+def loading_decimals(v: Version) -> int:
+    """"Model loading took X GiB": ``%.4f`` up to 0.13, ``format_gib`` (2 decimals) from 0.14."""
+    return 4 if v < (0, 14, 0) else 2
+
+
+# ------------------------------------------------------------------------------ scheduler defaults
+
+@dataclass(frozen=True)
+class Defaults:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    why: str
+
+
+def scheduler_defaults(v: Version, total_bytes: int, gpu_name: str | None, usage: str = "serve") -> Defaults:
+    """``max_num_batched_tokens`` / ``max_num_seqs`` when not given (``engine/arg_utils.py``,
+    ``_set_default_args``): by the device's total memory and name, and whether ``vllm serve`` (the
+    OpenAI server) or the ``LLM`` class starts the engine."""
+    gib = total_bytes / 1024**3
+    name = (gpu_name or "").lower()
+    big = gib >= 70 and (v < (0, 9, 0) or "a100" not in name)
+    if v >= (0, 28, 0) and "gb10" in name:
+        big = False
+    if v >= (0, 28, 0) and gib >= 160:
+        return Defaults(16384, 1024, "a device of 160 GiB or more (engine/arg_utils.py, 0.28+)")
+    if big:
+        tokens = 8192 if usage == "serve" else 16384
+        return Defaults(tokens, 1024, f"a device of 70 GiB or more{', not an A100' if v >= (0, 9, 0) else ''} "
+                                      f"({'vllm serve' if usage == 'serve' else 'the LLM class'}; engine/arg_utils.py)")
+    tokens = 2048 if usage == "serve" else 8192
+    return Defaults(tokens, 256, f"a device under 70 GiB{' or an A100' if v >= (0, 9, 0) else ''} "
+                                 f"({'vllm serve' if usage == 'serve' else 'the LLM class'}; engine/arg_utils.py)")
+
+
+# ------------------------------------------------------------------------------ non-torch defaults
+
+def non_torch_default(v: Version, tp: int, pp: int) -> tuple[int, str]:
+    """Non-torch memory the profile adds (cuBLAS / attention workspaces, NCCL and custom all-reduce
+    buffers made during the profile): a default per setup, taken from the logs in
+    benchmarks/published/vllm/ (calibration replaces it with what a machine measured)."""
+    gib = 1024**3
+    if tp > 1:
+        if v >= (0, 11, 0):
+            return int(2.10 * gib), "TP > 1 on NVLink GPUs, 0.19 logs: 2.06-2.21 GiB per rank (custom all-reduce)"
+        return int(0.20 * gib), "TP > 1, 0.10 logs: 0.17-0.21 GiB per rank (PCIe, custom all-reduce off)"
+    if pp > 1:
+        return int(0.07 * gib), "PP only, 0.19 logs: 0.07 GiB per rank"
+    if v >= (0, 18, 0):
+        return int(0.25 * gib), "one GPU, 0.18-0.19 logs: 0.24-0.27 GiB (0.46 for Granite)"
+    if v >= (0, 15, 0):
+        return int(0.13 * gib), "one GPU, 0.15-0.17 logs: 0.13 GiB"
+    return int(0.07 * gib), "one GPU, 0.10 logs: 0.06-0.07 GiB"

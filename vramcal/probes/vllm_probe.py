@@ -1,0 +1,160 @@
+"""A vLLM probe: start vLLM in a child process, sample NVML ``memory.used`` of its GPUs, read back the
+startup terms vLLM logs, generate 16 tokens. The prediction (:mod:`vramcal.estimator.vllm`), the sampled
+stages and the logged terms come out side by side in a :class:`VllmProbeResult`.
+
+Without vLLM installed (an optional extra: ``pip install 'vramcal[vllm]'``) or without an NVIDIA GPU
+(or fewer than tp x pp of them), :func:`preflight` says so in one line (exit 2) and nothing runs.
+
+The child (:mod:`.vllm_child`) leads its own process group, dies with this process, and streams its
+markers over a pipe; every way out kills its group. vLLM's workers for tp x pp > 1 are the child's
+children, in its group.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+from ..errors import UserError
+from ..estimator.vllm.logparse import VllmLogged, parse_log
+from . import nvml
+from .sampler import Sampler, attribute, nvml_reader
+
+STAGES = ("baseline", "post_load", "first_token", "end")
+
+
+def preflight(gpus_needed: int) -> None:
+    """One line, exit 2, when this machine cannot run vLLM: vLLM missing, no GPU, too few GPUs."""
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError("--engine vllm probes run vLLM itself, which is not installed here (an optional extra: "
+                        "pip install 'vramcal[vllm]' on the GPU machine); `vramcal estimate --engine vllm` needs none")
+    ok, why = nvml.available()
+    if not ok:
+        raise UserError(f"--engine vllm probes need an NVIDIA GPU: NVML sees none here ({why})")
+    count = nvml.query("nvmlDeviceGetCount")
+    if isinstance(count, nvml.NA) or count < gpus_needed:
+        have = 0 if isinstance(count, nvml.NA) else count
+        raise UserError(f"tensor x pipeline parallel size {gpus_needed} needs {gpus_needed} GPUs; NVML sees {have}")
+
+
+@dataclass
+class VllmProbeResult:
+    status: str  # ok | oom | error | crashed | timeout | interrupted
+    model: str
+    version: str | None
+    gpus: list[int]
+    stages: dict[str, dict]  # per stage: used_bytes, peak_bytes (GPU 0 of the run, NVML memory.used)
+    logged: VllmLogged
+    estimate: object | None  # the Estimate it was compared with (engine vllm)
+    error: str | None = None
+    last_stage: str | None = None
+    wall_s: float | None = None
+    sampler_overhead: float | None = None
+    log_tail: str = ""
+    notes: list[str] = field(default_factory=list)
+    samples: list = field(default_factory=list)
+
+    def comparison(self) -> dict[str, tuple[int | None, int | None]]:
+        """Predicted beside logged, term by term (bytes; tokens for kv_cache_tokens)."""
+        v = self.estimate.vllm if self.estimate is not None else None
+        terms = ("weights_bytes", "activation_bytes", "non_torch_bytes", "kv_cache_bytes", "kv_cache_tokens",
+                 "cuda_graph_bytes")
+        return {t: (getattr(v, t) if v else None, getattr(self.logged, t)) for t in terms}
+
+    def to_dict(self, samples: bool = False) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k not in ("estimate", "logged", "samples")}
+        d["vllm_logged"] = self.logged.to_dict()
+        d["estimate"] = self.estimate.to_dict() if self.estimate is not None else None
+        d["comparison"] = {k: list(v) for k, v in self.comparison().items()}
+        if samples:
+            d["samples"] = [{"t": s.t, **s.values} for s in self.samples]
+        return d
+
+
+def run_vllm_probe(model_dir: str, name: str, child_args: dict, estimate, *, gpus: list[int],
+                   interval_ms: float = 5.0, new_tokens: int = 16, timeout_s: float | None = 3600) -> VllmProbeResult:
+    """Start vLLM on ``model_dir`` with ``child_args`` (:func:`.vllm_child.engine_kwargs`' names), sample,
+    parse its log. Ctrl-C / SIGTERM kill the child's group and propagate (the caller records what ran)."""
+    from .lifecycle import sigterm_raises
+
+    read_fd, write_fd = os.pipe()
+    log = tempfile.TemporaryFile(mode="w+")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "DEBUG",
+           "VLLM_CONFIGURE_LOGGING": "1", "PYTHONUNBUFFERED": "1"}
+    spec = {**child_args, "model_dir": model_dir, "parent_pid": os.getpid(), "new_tokens": new_tokens}
+    start = time.monotonic()
+    markers: list[tuple[str, float]] = []
+    final: dict | None = None
+    sampler = None
+    with sigterm_raises():
+        try:
+            child = subprocess.Popen([sys.executable, "-m", "vramcal.probes.vllm_child", json.dumps(spec), str(write_fd)],
+                                     pass_fds=(write_fd,), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, env=env)
+        finally:
+            os.close(write_fd)
+        try:
+            sampler = Sampler(nvml_reader(gpus, child.pid), interval_ms / 1000.0).start()
+            buf = b""
+            while True:
+                if timeout_s and time.monotonic() - start > timeout_s:
+                    final = {"event": "timeout", "error": f"no end within {timeout_s:g} s"}
+                    break
+                ready, _, _ = select.select([read_fd], [], [], 0.25)
+                if not ready:
+                    continue
+                chunk = os.read(read_fd, 1 << 16)
+                if not chunk:
+                    break
+                *lines, buf = (buf + chunk).split(b"\n")
+                for line in lines:
+                    try:
+                        ev = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if ev.get("event") == "stage":
+                        sampler.sample_now()
+                        markers.append((ev["name"], ev["t"]))
+                    elif ev.get("event") in ("done", "oom", "error"):
+                        final = ev
+        finally:
+            os.close(read_fd)
+            _kill_group(child)
+            if sampler is not None:
+                sampler.stop()
+    log.seek(0)
+    text = log.read()
+    log.close()
+    logged = parse_log(text)
+    series = f"gpu{gpus[0]}"
+    stages = {k: {"used_bytes": v.get("used"), "peak_bytes": v.get("peak")}
+              for k, v in attribute(sampler.samples, markers, series).items()} if sampler else {}
+    status = {"done": "ok", "oom": "oom", "error": "error", "timeout": "timeout"}.get((final or {}).get("event"),
+                                                                                      "crashed")
+    tail = [ln for ln in text.splitlines() if ln.strip()]
+    return VllmProbeResult(status=status, model=name, version=logged.version, gpus=gpus, stages=stages, logged=logged,
+                           estimate=estimate, error=(final or {}).get("error") or logged.error,
+                           last_stage=markers[-1][0] if markers else None, wall_s=time.monotonic() - start,
+                           sampler_overhead=sampler.overhead if sampler else None,
+                           log_tail=tail[-1][:300] if tail else "", samples=sampler.samples if sampler else [])
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    import signal
+
+    if proc.returncode is None:  # not reaped: its group id is still its own (workers of tp > 1 included)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
