@@ -15,12 +15,16 @@ still leaves its rows):
 3. ``offload``   -- a probe split between the GPU and the CPU (``--max-memory cuda:0=...,cpu=...``, the
    placement issue's case a single GPU can show): ``<out>/offload.json`` with the plan, the per-device
    estimate and the per-device measurement;
-4. ``vllm``      -- when vLLM imports on the machine (carried as wheels: docs/vllm.md), one
+4. ``plan``      -- ``vramcal plan`` of Llama-3.2-3B for a described 3 GiB GPU and 32 GiB of RAM (every
+   quantization needs offload there), then its first offloaded plan probed as planned (synthetic
+   weights): ``<out>/plan.json`` with the plan and the planned beside the measured peak per device
+   (commit it to docs/validation/plan/);
+5. ``vllm``      -- when vLLM imports on the machine (carried as wheels: docs/vllm.md), one
    ``vramcal probe --engine vllm --synthetic`` (vLLM's dummy weights, no download): ``<out>/vllm-probe.json``
    with the predicted and the logged startup terms side by side (commit it to docs/validation/vllm/).
 
-``--device cpu --quick`` runs parts 1 and 2 on tiny models on the CPU (the tests do); part 3 needs a GPU
-and says so, as part 4 does without vLLM.
+``--device cpu --quick`` runs parts 1 and 2 on tiny models on the CPU (the tests do); parts 3 and 4 need a
+GPU and say so, as part 5 does without vLLM.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-SHARES = {"validate": 0.40, "widths": 0.30, "offload": 0.15, "vllm": 0.15}
+SHARES = {"validate": 0.35, "widths": 0.27, "offload": 0.13, "plan": 0.12, "vllm": 0.13}
 
 
 def part_validate(args, budget_s: float) -> str:
@@ -86,6 +90,39 @@ def part_offload(args, budget_s: float) -> str:
     return "offload.json"
 
 
+def part_plan(args, budget_s: float) -> str:
+    """The first offloaded plan of Llama-3.2-3B on a described 3 GiB GPU, probed as planned: does each
+    GPU's measured peak stay within what the plan promised (its memory less the buffer)?"""
+    from vramcal.calibrate.plan import plan_model
+    from vramcal.probes.hardware import described, parse_hardware
+    from vramcal.probes.probe import run_probe
+    from vramcal.units import MIB
+
+    if not args.device.startswith("cuda"):
+        print("plan: skipped, it needs a GPU to probe the plan on", file=sys.stderr)
+        return ""
+    device = args.device if ":" in args.device else "cuda:0"
+    hw = described(parse_hardware(f"{device}=3GiB,cpu=32GiB"))
+    result = plan_model("llama-3.2-3b", hw, buffer=512 * MIB, ctx=1024)
+    plans = [p for p in result.plans if p.offloaded] or result.plans
+    out = {"hardware": hw.sizes(), "buffer_bytes": 512 * MIB, "plans": [p.to_dict() for p in result.plans],
+           "why": result.why, "shortfall": result.shortfall}
+    if plans:
+        p = plans[0]
+        dm = p.from_pretrained.get("device_map")
+        r = run_probe("llama-3.2-3b", p.quant, p.ctx, p.batch, device=device, synthetic=True, keep_samples=False,
+                      kv_dtype=p.kv_dtype, max_memory=p.max_memory,
+                      device_map=dm if isinstance(dm, str) and dm != "auto" else None, timeout_s=budget_s)
+        measured = r.to_dict(samples=False)
+        out.update(probed=p.to_dict(), status=r.status, error=r.error, command=r.command,
+                   planned_peak_bytes=p.peak_bytes,
+                   measured_peak_bytes={d: max((s.get("peak_bytes") or 0) for s in st.values())
+                                        for d, st in (measured.get("devices") or {}).items()},
+                   notes=r.notes)
+    (Path(args.out) / "plan.json").write_text(json.dumps(out, indent=1, default=str))
+    return "plan.json"
+
+
 def part_vllm(args, budget_s: float) -> str:
     """One vLLM probe of Qwen2.5-0.5B with dummy weights: predicted beside logged, term by term."""
     import importlib.util
@@ -123,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.monotonic()
         try:
             done[part] = {"file": {"validate": part_validate, "widths": part_widths,
-                                   "offload": part_offload, "vllm": part_vllm}[part](args, share)}
+                                   "offload": part_offload, "plan": part_plan, "vllm": part_vllm}[part](args, share)}
         except Exception as exc:  # noqa: BLE001 -- one part failing must not lose the others' rows
             done[part] = {"error": f"{type(exc).__name__}: {exc}"}
         done[part]["seconds"] = round(time.monotonic() - t, 1)

@@ -29,7 +29,8 @@ class FakeNVML:
     NVMLError = NVMLError  # the door catches its backend's NVML errors only
 
     def __init__(self, script: dict[int, list], total: int = 80 * 1024**3, procs=None, fail_init: bool = False,
-                 names: dict[int, str] | None = None):
+                 names: dict[int, str] | None = None, gpu_name: str = "NVIDIA H200", pcie: tuple | None = None,
+                 memory_clock: tuple | None = None):
         self.script = {k: list(v) for k, v in script.items()}
         self.calls = {k: 0 for k in script}
         self.total = total
@@ -39,6 +40,9 @@ class FakeNVML:
         self.inits = 0
         self.shutdowns = 0
         self.lost: set[int] = set()
+        self.gpu_name = gpu_name
+        self.pcie = pcie  # (max generation, max lanes); None: not supported
+        self.memory_clock = memory_clock  # (max memory clock MHz, bus width bits); None: not supported
 
     def nvmlInit(self):
         if self.fail_init:
@@ -77,7 +81,27 @@ class FakeNVML:
         return self.names[pid].encode()
 
     def nvmlDeviceGetName(self, h):
-        return b"NVIDIA H200"
+        return self.gpu_name.encode()
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h):
+        if self.pcie is None:
+            raise NVMLError_NotSupported()
+        return self.pcie[0]
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h):
+        if self.pcie is None:
+            raise NVMLError_NotSupported()
+        return self.pcie[1]
+
+    def nvmlDeviceGetMaxClockInfo(self, h, kind):
+        if self.memory_clock is None or kind != 2:
+            raise NVMLError_NotSupported()
+        return self.memory_clock[0]
+
+    def nvmlDeviceGetMemoryBusWidth(self, h):
+        if self.memory_clock is None:
+            raise NVMLError_NotSupported()
+        return self.memory_clock[1]
 
     def nvmlDeviceGetUUID(self, h):
         return f"GPU-fake-{h}"

@@ -8,7 +8,72 @@ from vramcal.probes.child import cache_bytes, held_weight_storages
 
 held_tensors = held_weight_storages
 
-__all__ = ["cache_bytes", "held_tensors"]
+__all__ = ["cache_bytes", "device_key", "from_pretrained_map", "held_tensors", "quantization_config"]
+
+
+def device_key(name):
+    """``cuda:1`` -> 1, as accelerate keys devices."""
+    from vramcal.workload import parse_device
+
+    return parse_device(name, placement=True).accelerate_key
+
+
+def quantization_config(spec, **extra):
+    """The ``BitsAndBytesConfig`` of a QuantSpec (None for none), with ``extra`` arguments."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    kwargs = spec.bnb_config_kwargs()
+    if not kwargs:
+        return None
+    kwargs = {**kwargs, **extra}
+    if "bnb_4bit_compute_dtype" in kwargs:
+        kwargs["bnb_4bit_compute_dtype"] = getattr(torch, kwargs["bnb_4bit_compute_dtype"])
+    return BitsAndBytesConfig(**kwargs)
+
+
+class _Stop(Exception):
+    pass
+
+
+def from_pretrained_map(monkeypatch, path, spec=None, max_memory=None, strategy="auto", device_map=None,
+                        kwargs=None, **extra):
+    """What the real ``from_pretrained`` computes for a device map, stopped right after it (the GPUs named
+    need not exist): (map or None, exception text or None, the model it built). The spy calls the
+    installed ``_get_device_map`` and changes nothing. ``kwargs``: ``from_pretrained``'s arguments as
+    given (instead of ``spec`` / ``max_memory`` / ``strategy``)."""
+    import pytest
+    import torch
+    import transformers.integrations.accelerate as hf_acc
+    import transformers.modeling_utils as hf_mu
+    from transformers import AutoModelForCausalLM
+
+    seen = {}
+    real = hf_mu._get_device_map
+    real_infer = hf_acc.infer_auto_device_map
+
+    def spy(model, device_map, max_memory, hf_quantizer):
+        seen["model"] = model
+        try:
+            seen["map"] = real(model, device_map, max_memory, hf_quantizer)
+        except ValueError as exc:  # the quantizer refused the map it was given: keep what infer returned
+            seen["error"] = str(exc)
+        raise _Stop
+
+    def infer_spy(*args, **kw):
+        seen["map"] = real_infer(*args, **kw)
+        return seen["map"]
+
+    monkeypatch.setattr(hf_mu, "_get_device_map", spy)
+    monkeypatch.setattr(hf_acc, "infer_auto_device_map", infer_spy)
+    if kwargs is None:
+        accel = {device_key(k): v for k, v in max_memory.items()} if max_memory else None
+        kwargs = {"device_map": device_map or strategy, "max_memory": accel,
+                  "quantization_config": quantization_config(spec, **extra), "dtype": getattr(torch, spec.dtype)}
+    with pytest.raises(_Stop):
+        AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    monkeypatch.undo()
+    return seen.get("map"), seen.get("error"), seen["model"]
 
 
 def context(**kw):

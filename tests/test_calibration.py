@@ -76,8 +76,13 @@ def test_memo_has_the_whole_checklist(model, tmp_path):
         assert memo.get(key) not in (None, ""), key
     assert memo["quantization"] == "nf4" and memo["implementation"].startswith("bitsandbytes 4-bit")
     assert memo["peak_stage"] in ("load", "first inference (prefill)", "generation")
+    # the load that ran, as from_pretrained's arguments (what `vramcal plan` prints for a plan)
+    assert memo["from_pretrained"] == {"dtype": "bfloat16", "device_map": "cpu", "quantization_config": {
+        "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False,
+        "bnb_4bit_compute_dtype": "bfloat16"}}
     md = subprocess.run([sys.executable, "-m", "vramcal", "memo", "--db", db], capture_output=True, text=True).stdout
     assert "**Quantization**: nf4" in md and "vramcal check" in md
+    assert "from_pretrained(" in md and 'bnb_4bit_quant_type="nf4"' in md
     again = subprocess.run([sys.executable, "-m", "vramcal", "memo", "--db", db, "--recheck", "--json"],
                            capture_output=True, text=True)
     out = json.loads(again.stdout)

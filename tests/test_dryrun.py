@@ -103,3 +103,50 @@ def test_cpu_target_traces_the_math_attention_mla_falls_back_to(tiny_models):
     fused = next(t for t in cuda._act.traces if t.batch == batch and t.tokens == seq)
     scores = batch * 4 * seq * seq * 2  # batch x heads x seq x seq, bf16
     assert meta.prefill_peak_bytes - fused.prefill_peak_bytes >= scores
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    """The conftest architectures with four layers (the sliding one eight, its Gemma 3 pattern twice)."""
+    from conftest import TINY, save_tiny
+
+    root = tmp_path_factory.mktemp("four")
+    out = {}
+    for name, cfg in TINY.items():
+        if name == "sliding":
+            cfg = {**cfg, "num_hidden_layers": 8, "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 2}
+        out[name] = save_tiny(name, {**cfg, "num_hidden_layers": max(cfg["num_hidden_layers"], 4)}, root)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["dense-gqa", "tied", "moe", "mla", "sliding"])
+@pytest.mark.parametrize("quant", ["bf16", "nf4", "int8"])
+def test_a_trace_by_layer_kinds_equals_the_whole_models(four_layers, arch, quant):
+    """One pair of layers per kind, the rest from the KV layout: the same prefill peak, held cache and decode
+    peak as tracing every layer (MLA's keys and values differ in size, so the halves of a token's growth
+    are rounded apart: within the allocator's rounding there). A sliding window is traced whole."""
+    from vramcal.estimator.dryrun import DryRunner
+
+    s = resolve_model(four_layers[arch])
+    r = DryRunner(s, resolve_quant(quant, s.config))
+    assert bool(r.kinds()) == (arch != "sliding")
+    assert r.kinds() == ([0, 3] if arch == "mla" else [3] if arch != "sliding" else [])
+    for batch, seq in ((1, 64), (2, 300), (1, 4096)):
+        whole = trace_model(r.model, r.quant.method, r.dtype, batch, seq, lambda: r._new_cache(seq + 16))
+        kinds = r.trace(batch, seq)
+        got = (kinds.prefill_peak_bytes, kinds.cache_bytes, kinds.decode_peak_bytes)
+        want = (whole.prefill_peak_bytes, whole.cache_bytes, whole.decode_peak_bytes)
+        if arch == "mla":
+            assert all(abs(g - w) <= 2 * 512 * 4 for g, w in zip(got, want)), (batch, seq, got, want)
+        else:
+            assert got == want, (batch, seq)
+        assert kinds.layers == (len(r.kinds()) or None)
+
+
+@pytest.mark.parametrize("arch", ["dense-gqa", "tied", "moe", "mla", "sliding"])
+def test_the_kv_layout_by_layer_kinds_equals_the_whole_models(four_layers, arch):
+    from vramcal.estimator.dryrun import DryRunner
+
+    s = resolve_model(four_layers[arch])
+    r = DryRunner(s, resolve_quant("nf4", s.config))
+    assert r.kv_layers() == r._measure_kv(1)

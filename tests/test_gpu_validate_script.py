@@ -41,8 +41,9 @@ def test_gpu_session_runs_on_cpu_and_writes_every_part(tmp_path):
                         "--out", str(out), "--budget-s", "600"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     session = json.loads((out / "session.json").read_text())
-    assert set(session["parts"]) == {"validate", "widths", "offload", "vllm"}
+    assert set(session["parts"]) == {"validate", "widths", "offload", "plan", "vllm"}
     assert "offload: skipped, it needs a GPU" in r.stderr and "vllm: skipped" in r.stderr
+    assert "plan: skipped, it needs a GPU" in r.stderr
     gpu = list(csv.DictReader((out / "gpu.csv").open()))
     assert gpu and all(row["status"] == "ok" for row in gpu)
     widths = list(csv.DictReader((out / "gpu-widths.csv").open()))

@@ -19,26 +19,21 @@ from dataclasses import replace
 
 import pytest
 import torch
-import transformers.integrations.accelerate as hf_acc
-import transformers.modeling_utils as hf_mu
-from helpers import held_tensors
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from helpers import device_key, from_pretrained_map, held_tensors, quantization_config
+from transformers import AutoModelForCausalLM
 from transformers.integrations.accelerate import _get_device_map, expand_device_map
 
 from vramcal.errors import UserError
 from vramcal.estimator.dryrun import DryRunner, cache_keyword, layer_bytes
 from vramcal.estimator.inventory import count_meta_model, inventory
+from vramcal.estimator.loading import from_pretrained_kwargs
 from vramcal.estimator.meta import import_bitsandbytes
 from vramcal.estimator.placement import OFFLOAD_FLAG, REFUSAL_START, Placement, parse_max_memory, plan_placement
 from vramcal.estimator.quant import resolve_quant
 from vramcal.estimator.resolve import resolve_model
 from vramcal.estimator.runtime import CUDA_DEFAULT, default_profile
 from vramcal.estimator.stages import kv_by_device, placed_stages
-from vramcal.workload import parse_device
 
-
-def device_key(name):
-    return parse_device(name, placement=True).accelerate_key
 
 ARCHS = ["dense-gqa", "tied", "moe", "sliding"]
 QUANTS = ["bf16", "nf4", "int8"]
@@ -69,52 +64,10 @@ def tiny_models(tmp_path_factory):
     return {name: save_tiny(name, _deeper(TINY[name]), root) for name in ARCHS}
 
 
-class _Stop(Exception):
-    pass
-
-
-def _qc(spec, **extra):
-    kwargs = spec.bnb_config_kwargs()
-    if not kwargs:
-        return None
-    kwargs = {**kwargs, **extra}
-    if "bnb_4bit_compute_dtype" in kwargs:
-        kwargs["bnb_4bit_compute_dtype"] = getattr(torch, kwargs["bnb_4bit_compute_dtype"])
-    return BitsAndBytesConfig(**kwargs)
-
-
 def _budget(path: str, quant: str, name: str) -> dict[str, int]:
     source = resolve_model(path)
     total = inventory(source, resolve_quant(quant, source.config)).tensor_bytes
     return {dev: int(f * total) for dev, f in BUDGETS[name].items()}
-
-
-def _from_pretrained_map(monkeypatch, path, spec, max_memory, strategy="auto", device_map=None, **extra):
-    """What the real from_pretrained computes: (map or None, exception text or None, the model it built)."""
-    seen = {}
-    real = hf_mu._get_device_map
-    real_infer = hf_acc.infer_auto_device_map
-
-    def spy(model, device_map, max_memory, hf_quantizer):
-        seen["model"] = model
-        try:
-            seen["map"] = real(model, device_map, max_memory, hf_quantizer)
-        except ValueError as exc:  # the quantizer refused the map it was given: keep what infer returned
-            seen["error"] = str(exc)
-        raise _Stop
-
-    def infer_spy(*args, **kwargs):
-        seen["map"] = real_infer(*args, **kwargs)
-        return seen["map"]
-
-    monkeypatch.setattr(hf_mu, "_get_device_map", spy)
-    monkeypatch.setattr(hf_acc, "infer_auto_device_map", infer_spy)
-    accel = {device_key(k): v for k, v in max_memory.items()} if max_memory else None
-    with pytest.raises(_Stop):
-        AutoModelForCausalLM.from_pretrained(path, device_map=device_map or strategy, max_memory=accel,
-                                             quantization_config=_qc(spec, **extra), dtype=getattr(torch, spec.dtype))
-    monkeypatch.undo()
-    return seen.get("map"), seen.get("error"), seen["model"]
 
 
 def _edge(accel_map) -> dict[str, str]:
@@ -122,7 +75,7 @@ def _edge(accel_map) -> dict[str, str]:
 
 
 def _real_cpu_load(path, spec):
-    return AutoModelForCausalLM.from_pretrained(path, device_map="cpu", quantization_config=_qc(spec),
+    return AutoModelForCausalLM.from_pretrained(path, device_map="cpu", quantization_config=quantization_config(spec),
                                                 dtype=getattr(torch, spec.dtype))
 
 
@@ -161,7 +114,7 @@ def test_map_is_the_one_from_pretrained_computes(tiny_models, monkeypatch, arch,
     spec = resolve_quant(quant, source.config)
     mm = _budget(path, quant, budget)
     plan = plan_placement(source, spec, mm, "auto", use_cache=False)
-    truth, error, _ = _from_pretrained_map(monkeypatch, path, spec, mm)
+    truth, error, _ = from_pretrained_map(monkeypatch, path, spec, mm)
     assert plan.device_map == _edge(truth)
     assert list(plan.device_map) == list(truth)  # same entries in the same order
     assert len(set(plan.device_map.values())) >= 2, "the budget must split the model"
@@ -183,7 +136,7 @@ def test_other_strategies(tiny_models, monkeypatch, arch, strategy):
     mm = _budget(path, "nf4", "2gpu-uneven")
     mm["cuda:2"] = mm["cuda:1"]
     plan = plan_placement(source, spec, mm, strategy, use_cache=False)
-    truth, error, _ = _from_pretrained_map(monkeypatch, path, spec, mm, strategy)
+    truth, error, _ = from_pretrained_map(monkeypatch, path, spec, mm, strategy)
     assert plan.device_map == _edge(truth)
     assert (error is None) == (plan.refused is None)
     assert len(set(plan.device_map.values())) >= 2 and plan.strategy == strategy
@@ -241,9 +194,11 @@ def test_alternative_is_what_from_pretrained_builds(tiny_models, monkeypatch, ar
     plan = plan_placement(source, spec, _budget(path, quant, "gpu+cpu"), use_cache=False)
     assert plan.refused and plan.alternative is not None
     alt = plan.alternative
-    assert alt.load_kwargs["quantization_config"][OFFLOAD_FLAG] is True
-    custom = {k: device_key(v) if v.startswith("cuda") else v for k, v in alt.load_kwargs["device_map"].items()}
-    got_map, error, model = _from_pretrained_map(monkeypatch, path, spec, None, device_map=custom,
+    kwargs = from_pretrained_kwargs(spec, "cuda:0", plan)  # what vramcal tells a user to load with
+    assert kwargs["quantization_config"][OFFLOAD_FLAG] is True and "max_memory" not in kwargs
+    custom = kwargs["device_map"]
+    assert custom == {k: device_key(v) if v.startswith("cuda") else v for k, v in alt.device_map.items()}
+    got_map, error, model = from_pretrained_map(monkeypatch, path, spec, None, device_map=custom,
                                                  **{OFFLOAD_FLAG: True})
     assert error is None and got_map == custom
     bnb = import_bitsandbytes()

@@ -15,17 +15,18 @@ from fake_nvml import NVMLError_NotSupported
 
 from vramcal import cli
 from vramcal.calibrate import corrections, reconcile
-from vramcal.calibrate.proposals import ladder, offload_step
+from vramcal.calibrate.proposals import ladder
 from vramcal.calibrate.runs import record_probe
+from vramcal.calibrate.search import Budget, Search
 from vramcal.errors import UserError
 from vramcal.estimator.correction import CorrectionSet
 from vramcal.estimator.estimate import Estimator, estimate
 from vramcal.estimator.inventory import inventory
+from vramcal.estimator.loading import load_kwargs
 from vramcal.estimator.placement import parse_max_memory, plan_placement
 from vramcal.estimator.quant import resolve_quant
 from vramcal.estimator.resolve import resolve_model
 from vramcal.probes import nvml
-from vramcal.probes.child import placed_kwargs
 from vramcal.probes.machine import free_memory
 from vramcal.probes.readings import StageReading
 from vramcal.probes.result import ProbeResult, device_readings
@@ -120,7 +121,8 @@ def test_refusal_is_said_with_what_loads_instead(deep):
     assert "llm_int8_enable_fp32_cpu_offload=True" in r.stdout
     e = estimate(deep, "nf4", ctx=256, max_memory=mm)
     alt = e.placement.alternative
-    assert e.placement.refused and alt.load_kwargs["quantization_config"]["llm_int8_enable_fp32_cpu_offload"]
+    assert e.placement.refused and e.from_pretrained["quantization_config"]["llm_int8_enable_fp32_cpu_offload"]
+    assert e.from_pretrained["device_map"] == {k: 0 if v == "cuda:0" else v for k, v in alt.device_map.items()}
     # the figures are the alternative's: offloaded modules unquantized
     assert e.devices["cpu"].components["weights"] == alt.weights["cpu"] > e.placement.weights["cpu"]
 
@@ -239,20 +241,25 @@ def test_offload_rung_position_in_each_policy():
 
 
 @pytest.mark.parametrize("quant", ["bf16", "nf4"])
-def test_offload_step_fits_the_gpu_and_says_the_pcie_cost(wide, quant):
+def test_the_offload_split_fits_the_gpu_and_says_the_pcie_cost(wide, quant):
     s = resolve_model(wide)
-    est = Estimator(s, resolve_quant(quant, s.config))
+    search = Search(s, device="cuda:0")
+    est = search.estimator(quant)
     w = Workload(240, 16, 1)
     plain = est.estimate(batch=1, prompt=240, new_tokens=16, exact=False)
     # nf4: an offloaded layer stays bf16 and is copied whole to the GPU while it runs, so less can be saved
     usable = plain.peak - plain.components["weights"] // (2 if quant == "bf16" else 4)
-    found = offload_step(est, w, usable, CorrectionSet({}), "cuda:0", 8 * GIB)
-    assert found is not None
-    e, peak, mm, plan = found
+    split = search.split(est, w, Budget({"cuda:0": usable}, 8 * GIB))
+    assert split is not None and split.offloaded
+    peak, mm, plan = split.peaks["cuda:0"], split.max_memory, split.placement
     loads = plan.loads
     assert peak <= usable < plain.peak
     assert "cpu" in loads.layer_devices and loads.pcie_bytes_per_token == loads.weights["cpu"] > 0
     assert (plan.refused is not None) == (quant == "nf4")
+    # the split is what the estimator says of the map it gives: priced again from scratch, it fits
+    again = est.estimate(batch=1, prompt=240, new_tokens=16, exact=False,
+                         placement=plan_placement(s, est.quant, mm, "auto"))
+    assert max(again.devices["cuda:0"].stages.values()) == peak
     cfg = Configuration(wide, w, quant=quant, max_memory=mm)
     args = cli.build_parser().parse_args(cfg.command("check").split()[1:])
     assert parse_max_memory(args.max_memory) == mm  # the proposal's command reads back to the byte
@@ -261,10 +268,16 @@ def test_offload_step_fits_the_gpu_and_says_the_pcie_cost(wide, quant):
 # --------------------------------------------------------------------------- probe and records
 
 def test_child_load_arguments():
-    assert placed_kwargs({"device_map": "auto", "max_memory": {"cuda:0": 5, "cpu": 9, "disk": 20}}, "/t/off") == {
-        "device_map": "auto", "max_memory": {0: 5, "cpu": 9, "disk": 20}, "offload_folder": "/t/off"}
-    assert placed_kwargs({"device_map": {"model.layers.0": "cuda:1", "lm_head": "cpu"}}, "/t/off") == {
-        "device_map": {"model.layers.0": 1, "lm_head": "cpu"}}
+    assert load_kwargs("bfloat16", "cuda:0", None, {"device_map": "auto",
+                       "max_memory": {"cuda:0": 5, "cpu": 9, "disk": 20}}, None, "/t/off") == {
+        "dtype": "bfloat16", "device_map": "auto", "max_memory": {0: 5, "cpu": 9, "disk": 20}, "offload_folder": "/t/off"}
+    assert load_kwargs("bfloat16", "cuda:0", {"load_in_8bit": True}, {"device_map": {"model.layers.0": "cuda:1",
+                       "lm_head": "cpu"}, "bnb_extra": {"llm_int8_enable_fp32_cpu_offload": True}}, "sdpa", "/t/off") == {
+        "dtype": "bfloat16", "device_map": {"model.layers.0": 1, "lm_head": "cpu"},
+        "quantization_config": {"load_in_8bit": True, "llm_int8_enable_fp32_cpu_offload": True},
+        "attn_implementation": "sdpa"}
+    assert load_kwargs("float16", "cuda:1")["device_map"] == {"": 1}
+    assert load_kwargs("float16", "cpu")["device_map"] == "cpu"
 
 
 def test_device_stages_from_samples():

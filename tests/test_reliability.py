@@ -352,12 +352,14 @@ def test_an_interrupted_estimate_says_interrupted(tmp_path):
 
     proc = subprocess.Popen(VRAMCAL + ["estimate", "llama-3.1-70b", "--no-disk-cache", "--ctx", "131072"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "VRAMCAL_CACHE": str(tmp_path)},
+                            env={**os.environ, "VRAMCAL_CACHE": str(tmp_path), "VRAMCAL_PROGRESS": "1"},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    time.sleep(2.5)
+    first = proc.stderr.readline()  # the first slow step has started (building the meta model)
+    assert "building the model" in first, first
+    time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and err.strip() == "vramcal: interrupted", err
+    assert proc.returncode == 130 and err.strip() == "vramcal: interrupted", (first, err)
 
 
 def test_an_interrupted_push_says_how_far_it_got(tmp_path, monkeypatch):

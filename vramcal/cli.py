@@ -424,6 +424,12 @@ def cmd_fit(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from .cli_plan import cmd_plan as plan
+
+    return plan(args, _out)
+
+
 RECORDS_ACTIONS = ("list", "show", "export", "summary", "push", "pull", "import", "init-fleet")
 RUN_STATUSES = ("ok", "oom", "crashed", "error", "killed", "interrupted")
 
@@ -661,6 +667,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_estimate(sub)
     _add_probe(sub)
     _add_calibration(sub)
+    from .cli_plan import add_plan
+
+    add_plan(sub, cmd_plan)
     m = sub.add_parser("models", help="list the built-in catalog of model configs")
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)

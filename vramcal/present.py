@@ -3,6 +3,8 @@ arithmetic of memory here."""
 
 from __future__ import annotations
 
+from .estimator.loading import python_code
+from .estimator.placement import OFFLOAD_FLAG
 from .units import fmt_gib_gb, gb, gib
 from .workload import STAGE_LABELS, STAGES
 
@@ -84,8 +86,7 @@ def placement_lines(e, corrected: str = "") -> list[str]:
     if p.refused:
         lines += ["  REFUSED by transformers: " + p.refused.split(". ")[0] + ".",
                   "  what loads instead: this map as a custom device_map, with "
-                  + ", ".join(f"{k}=True" for k, v in loads.load_kwargs.get("quantization_config", {}).items()
-                              if v is True and k.startswith("llm_int8_enable")) + " (figures below are for it)"]
+                  + f"{OFFLOAD_FLAG}=True (figures below are for it)"]
     devs = list(e.devices)
     gpus = [d for d in devs if d.startswith("cuda")]
     head = f"  {'':<26}" + "".join(f"{d:>14}" for d in devs) + (f"{'GPUs total':>14}" if len(gpus) > 1 else "")
@@ -327,6 +328,8 @@ def memo_markdown(m: dict) -> str:
         f"- **Device**: {m['gpu_model'] or m['device']}, {fmt_gib_gb(m['total_memory_bytes'])} total",
         f"- **Command**: `{m['command']}`",
         f"- Recorded {m['recorded_at']} on {m['host']}, run {m['run_id']}",
+        *(["", "Load it in Python with the same arguments:", "", "```python",
+           python_code(m["model"], m["from_pretrained"]), "```"] if m.get("from_pretrained") else []),
         "",
         "Recheck after a change: `vramcal memo --recheck` re-runs the command and compares the peak.",
     ]) + "\n"
@@ -478,6 +481,52 @@ def vllm_probe_table(r, run_id) -> str:
     est = r.estimate.stages if r.estimate is not None else {}
     for name, s in r.stages.items():
         lines.append(f"  {name:<14} peak {_gib_cell(s.get('peak_bytes')):>12}   predicted {_gib_cell(est.get(name)):>12}")
+    if r.notes:
+        lines += ["", "notes"] + ["  " + n for n in r.notes]
+    return "\n".join(lines)
+
+
+def plan_text(r) -> str:
+    """``vramcal plan``: the machine, the ranked plans, why nothing better, the first plan's load and the
+    command that verifies it; or, when nothing fits, what is missing."""
+    hw = r.hardware
+    gpus = ", ".join(f"{g.device} {fmt_gib_gb(g.memory_bytes)}" + (f" ({g.name})" if g.name else "")
+                     + (f" [{g.held_by}]" if g.held_by else "") for g in hw.gpus)
+    ram = f"RAM {fmt_gib_gb(hw.cpu_bytes)}" if hw.cpu_bytes else "no RAM for offload"
+    disk = f", disk {fmt_gib_gb(hw.disk_bytes)}" if hw.disk_bytes else ""
+    ctx = f"ctx {r.target_ctx:,}" if r.asked else f"the largest ctx (at least {r.target_ctx:,} sought)"
+    lines = [f"plan for {r.model} on {gpus}; {ram}{disk} -- {hw.source}",
+             f"  buffer {fmt_gib_gb(r.buffer)} per GPU, goal {r.goal}, {ctx}"]
+    if not r.plans:
+        lines += ["", "nothing fits: " + (r.shortfall or "no configuration fits")]
+        lines += (["", "notes"] + ["  " + n for n in r.notes]) if r.notes else []
+        return "\n".join(lines)
+    devs = [g.device for g in hw.gpus] + [d for d in ("cpu", "disk") if any(d in p.peak_bytes for p in r.plans)]
+    head = f"  {'#':>2}  {'quant':<7} {'KV':<5} {'ctx':>9}  {'layers':<24}" + "".join(f"{d:>12}" for d in devs) \
+        + f"{'tokens/s <=':>13}"
+    lines += ["", "plans (GPU: whole corrected peak; cpu / disk: the weights held there)", head]
+    for i, p in enumerate(r.plans, 1):
+        where = ("on " + "+".join(d for d in devs if d in p.peak_bytes and d.startswith("cuda"))
+                 if not p.offloaded else f"{p.offloaded_layers} offloaded")
+        if p.max_memory is not None and p.from_pretrained.get("device_map") == "sequential":
+            where += " (sequential)"
+        speed = f"{p.tokens_per_s:,.2f}" if p.tokens_per_s is not None else "unknown"
+        mark = "" if p.reaches else " *"
+        lines.append(f"  {i:>2}  {p.quant:<7} {p.kv_dtype:<5} {p.ctx:>9,}{mark:<2}{where:<24}"
+                     + "".join(f"{gib(p.peak_bytes[d]):>8.2f} GiB" if d in p.peak_bytes else f"{'':>12}" for d in devs)
+                     + f"{speed:>13}")
+    if any(not p.reaches for p in r.plans):
+        lines.append(f"  * short of the {r.target_ctx:,} tokens sought")
+    if r.why:
+        lines += ["", "why nothing better"] + ["  " + w for w in r.why]
+    first = r.plans[0]
+    lines += ["", "plan 1 in detail"] + ["  " + w for w in first.where]
+    if first.speed.bandwidths:
+        lines += ["  decode bound: " + "; ".join(f"{k} {v}" for k, v in first.speed.bandwidths.items())]
+    elif first.speed.why_none:
+        lines += [f"  decode bound {first.speed.why_none}"]
+    lines += ["", "load it with", *(("  " + ln).rstrip() for ln in first.python().splitlines()),
+              "", "verify it on this machine", "  " + first.command]
     if r.notes:
         lines += ["", "notes"] + ["  " + n for n in r.notes]
     return "\n".join(lines)

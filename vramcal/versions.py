@@ -70,7 +70,7 @@ def estimator_source_hash() -> str:
     served (the disk cache's key includes it, beside :data:`VRAMCAL_VERSION`)."""
     root = Path(__file__).resolve().parent / "estimator"
     digest = hashlib.sha256()
-    for path in sorted(root.glob("*.py")):
-        digest.update(path.name.encode())
+    for path in sorted(root.rglob("*.py")):  # subpackages too: a cached figure may come from any of them
+        digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

@@ -34,6 +34,7 @@ STAGE_LABELS = {"load_peak": "load peak", "post_load": "after load", "first_toke
 
 QUANTS = ("auto", "bf16", "fp16", "fp32", "int8", "nf4", "nf4-dq", "fp4", "fp4-dq")
 POLICIES = ("quality", "context", "throughput")  # orders of the what-to-change ladder (calibrate.proposals)
+GOALS = ("quality", "context", "speed")  # vramcal plan --goal (docs/plan.md)
 ATTNS = ("auto", "sdpa", "eager", "flash_attention_2")
 CACHES = ("dynamic", "static")
 KV_DTYPES = ("auto", "fp8")

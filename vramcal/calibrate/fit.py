@@ -4,20 +4,20 @@ One device: the corrected peak (p95 margin) within ``budget - buffer``; on the C
 load's resident set has a run-to-run range, its top until this machine has a correction. Split across devices
 (``max_memory`` / ``device_map``, docs/placement.md): the placement is planned once per quantization,
 and every GPU of the plan that loads must stay within its own budget minus the buffer, each with the
-correction of its device position when this machine has one.
+correction of its device position when this machine has one. The questions are asked through
+:class:`vramcal.calibrate.search.Search`, as ``plan`` and the what-to-change ladder ask them.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..estimator.correction import apply
-from ..estimator.estimate import Estimator, placement_request
-from ..estimator.quant import resolve_quant
-from ..estimator.resolve import resolve_model, size_field, text_config
 from ..errors import UserError
-from ..workload import MAX_TOKENS, NEW_TOKENS, STAGES, Workload, device_kind
-from .corrections import lookup, lookup_device, lookup_store
+from ..estimator.estimate import placement_request
+from ..estimator.placement import plan_placement
+from ..estimator.resolve import resolve_model
+from ..workload import NEW_TOKENS, Workload
+from .search import Budget, Search, context_limit, stored_corrections
 
 FIT_QUANTS = ("bf16", "int8", "nf4-dq", "nf4")
 FIT_BATCHES = (1, 2, 4, 8)
@@ -67,62 +67,23 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
     main = device if placed is None else next(d for d in placed[0] if d.startswith("cuda"))
     fp = machine_fingerprint(main)
     gpus = [d for d in placed[0] if d.startswith("cuda")] if placed else [device]
-    corr_by_quant: dict[str, dict[str, dict]] = {}
-    store, why = lookup_store(db)
-    notes = [why] if why else []
-    if store is not None:
-        try:
-            with store:
-                for q in quants:
-                    if placed is None:
-                        corr_by_quant[q] = {device: lookup(store, fp, q, source.config_hash).stages}
-                    else:
-                        corr_by_quant[q] = {d: lookup_device(store, fp, d, q, source.config_hash).stages
-                                            for d in gpus}
-        except UserError as exc:
-            corr_by_quant = {}
-            notes.append(f"no correction applied: {exc}")
+    corrections, notes = stored_corrections(db, fp, source, quants, device if placed is None else None,
+                                            gpus if placed is not None else [])
     budgets = budget if isinstance(budget, dict) else {d: budget for d in gpus}
-    max_ctx = min(int(size_field(text_config(source.config), "max_position_embeddings") or 131072), MAX_TOKENS)
-    kind = device_kind(device)
+    max_ctx = context_limit(source)
+    search = Search(source, device=device, corrections=corrections)
+    target = Budget({d: budgets.get(d, 0) - buffer for d in gpus})
     rows = []
     for q in quants:
-        spec = resolve_quant(q, source.config)
-        est = Estimator(source, spec, device=kind)
+        est = search.estimator(q)
         plan = None
         if placed is not None:
-            from ..estimator.placement import plan_placement
-
             try:
-                plan = plan_placement(source, spec, placed[0], placed[1])
+                plan = plan_placement(source, est.quant, placed[0], placed[1])
             except UserError as exc:  # e.g. no layer of this quantization fits the GPUs: said in the row
                 rows += [FitRow(q, b, None, new_tokens, None, error=str(exc)) for b in batches]
                 continue
-        corr = corr_by_quant.get(q, {})
-
-        def over(c: int, b: int) -> tuple[bool, int, dict[str, int]]:
-            """(over some budget, the highest peak, peak per GPU) at ctx c, batch b."""
-            pt = est.sweep([(c, b)], new_tokens=new_tokens, placement=plan)[0]
-            # a CPU range (glibc heap kept run to run) is planned at its top until this machine has measured
-            # where its runs land (a correction, with its p95 margin)
-            raw = pt.upper if pt.upper is not None and not corr.get(device) else pt.stages
-            per = pt.devices if plan is not None else {device: {k: raw[k] for k in STAGES}}
-            peaks = {d: max(apply({k: st[k] for k in STAGES}, c * b, corr.get(d, {}), margin="p95").values())
-                     for d, st in per.items() if d.startswith("cuda") or plan is None}
-            return any(p > budgets.get(d, 0) - buffer for d, p in peaks.items()), max(peaks.values()), peaks
-
         for b in batches:
-            lo, hi = new_tokens + 1, max(max_ctx, new_tokens + 1)
-            bad, peak, per = over(lo, b)
-            if bad:
-                rows.append(FitRow(q, b, None, new_tokens, peak, per if plan is not None else None))
-                continue
-            while lo < hi:  # largest ctx within every budget
-                mid_c = (lo + hi + 1) // 2
-                if not over(mid_c, b)[0]:
-                    lo = mid_c
-                else:
-                    hi = mid_c - 1
-            _, peak, per = over(lo, b)
-            rows.append(FitRow(q, b, lo, new_tokens, peak, per if plan is not None else None))
+            ctx, peaks = search.largest_ctx(est, b, new_tokens, target, max_ctx, placement=plan)
+            rows.append(FitRow(q, b, ctx, new_tokens, max(peaks.values()), peaks if plan is not None else None))
     return FitResult(rows, notes)

@@ -41,6 +41,9 @@ def memo_for(run: RunRecord) -> dict:
         "gpu_model": run.machine.get("gpu_name") or (run.machine.get("cpu_model") if cpu else None),
         "total_memory_bytes": run.machine.get("total_bytes"), "host": run.machine.get("hostname"),
         "command": ctx.command, "status": run.status,
+        # the load that ran, as from_pretrained's arguments (vramcal.estimator.loading); None for a run
+        # recorded without an estimate
+        "from_pretrained": (ctx.estimate or {}).get("from_pretrained"),
     }
 
 

@@ -40,12 +40,10 @@ from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 from ..errors import UserError
-from ..estimator.correction import apply
-from ..estimator.estimate import Estimator
-from ..estimator.quant import resolve_quant
 from ..estimator.resolve import ModelSource
-from ..units import MIB, fmt_gib_gb
+from ..units import fmt_gib_gb
 from ..workload import POLICIES, Configuration, Workload, device_kind
+from .search import Budget, Search, offloaded_layers
 
 # Weight quantizations from most to least memory: what "lower the quantization" steps through
 QUANT_LADDER = ("fp32", "bf16", "int8", "nf4-dq", "nf4")
@@ -148,19 +146,15 @@ def propose(source: ModelSource, quant: str, work: Workload, usable: int, correc
             requantize: bool = True, cpu_bytes: int | None = None) -> list[Proposal]:
     """Concrete next configurations, in the policy's order, whose corrected estimate (p95 margin) fits
     ``usable`` bytes; ``corrections_for(quant)`` gives this machine's corrections for a quantization.
-    ``cpu_bytes``: RAM available for offloaded layers (no offload rung when None or on the CPU)."""
-    estimators: dict[tuple[str, str], Estimator] = {}
+    ``cpu_bytes``: RAM available for offloaded layers (no offload rung when None or on the CPU). Each
+    question is asked through :class:`~vramcal.calibrate.search.Search`, as ``fit`` and ``plan`` ask it."""
     kind = device_kind(device)
-
-    def estimator(q: str, kv: str = "auto") -> Estimator:
-        if (q, kv) not in estimators:
-            estimators[(q, kv)] = Estimator(source, resolve_quant(q, source.config), attn=attn, kv_dtype=kv,
-                                            device=kind)
-        return estimators[(q, kv)]
+    search = Search(source, device=device, attn=attn,
+                    corrections=lambda q, devices, placed: {d: corrections_for(q).stages for d in devices})
+    budget = Budget({device: usable}, cpu_bytes or 0)
 
     def raw_peak(q: str) -> int:
-        return estimator(q).estimate(batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
-                                     exact=False).peak
+        return search.peaks(search.estimator(q), work, corrected=False)[device]
 
     lower = None
     if requantize:  # a step down must save memory here: on the CPU a bitsandbytes load adds to the
@@ -175,28 +169,25 @@ def propose(source: ModelSource, quant: str, work: Workload, usable: int, correc
         q, w, kv, what = step.quant, step.work, step.kv_dtype, step.change
         if step.offload and (kind == "cpu" or not cpu_bytes):
             continue
+        split = None
         try:
-            est = estimator(q, kv)
+            est = search.estimator(q, kv)
             if step.offload:
-                found = offload_step(est, w, usable, corrections_for(q), device, cpu_bytes)
-                if found is None:
-                    continue
-                e, peak, max_memory, plan = found
-                what = f"{what[:-len('offload to CPU')]}offload {_offloaded_layers(plan)} to CPU"
-            else:
-                e = est.estimate(batch=w.batch, prompt=w.prompt, new_tokens=w.new_tokens, exact=False)
-                max_memory = plan = None
+                split = search.split(est, w, budget)
+                if split is None or not split.offloaded:
+                    continue  # no share fits, or nothing spills: the plain rungs already cover this
+                what = f"{what[:-len('offload to CPU')]}offload {offloaded_layers(split.placement)} to CPU"
+            fits, peaks = search.fits(est, w, budget, None if split is None else split.placement)
+            raw = search.peaks(est, w, None if split is None else split.placement, corrected=False)[device]
         except UserError:
             continue
-        if not step.offload:
-            peak = max(apply(e.stages, w.tokens, corrections_for(q).stages, margin="p95").values())
-        if peak <= usable:
+        if fits:
             cfg = Configuration(source.name, w, quant=q, device=device, kv_dtype=kv, attn=attn, synthetic=synthetic,
-                                max_memory=max_memory)
-            row = Proposal(q, w.ctx, w.batch, w.new_tokens, kv, what, peak, e.peak, cfg.command("check"))
-            if plan is not None:
-                loads = plan.loads
-                row.max_memory, row.device_map, row.grouped = max_memory, dict(loads.device_map), loads.grouped()
+                                max_memory=None if split is None else split.max_memory)
+            row = Proposal(q, w.ctx, w.batch, w.new_tokens, kv, what, peaks[device], raw, cfg.command("check"))
+            if split is not None:
+                plan, loads = split.placement, split.placement.loads
+                row.max_memory, row.device_map, row.grouped = split.max_memory, dict(loads.device_map), loads.grouped()
                 row.pcie_bytes_per_token = loads.pcie_bytes_per_token
                 row.warning = (f"slow: every generated token copies {fmt_gib_gb(loads.pcie_bytes_per_token)} of "
                                f"offloaded weights over PCIe to {loads.main_device}"
@@ -206,34 +197,3 @@ def propose(source: ModelSource, quant: str, work: Workload, usable: int, correc
             if len(out) >= limit:
                 break
     return out
-
-
-def _offloaded_layers(plan) -> str:
-    loads = plan.loads
-    n = sum(1 for d in loads.layer_devices if d in ("cpu", "disk"))
-    return f"{n} of {len(loads.layers)} layers" if n else "the modules that do not fit"
-
-
-def offload_step(est: Estimator, w: Workload, usable: int, corrections, device: str, cpu_bytes: int,
-                 tries: int = 6):
-    """The largest GPU share (``max_memory[device]``, whole MiB) whose placed estimate -- corrected at
-    the p95 -- peaks within ``usable`` on ``device``, with ``cpu_bytes`` for the CPU. Returns
-    (estimate, corrected GPU peak, max_memory, plan) or None (no share fits, or nothing spills)."""
-    from ..estimator.placement import plan_placement
-
-    plain = est.estimate(batch=w.batch, prompt=w.prompt, new_tokens=w.new_tokens, exact=False)
-    share = usable - (plain.peak - plain.components["weights"])  # what the weights may take at first
-    for _ in range(tries):
-        share = share // MIB * MIB
-        if share <= 0:
-            return None
-        mm = {device: share, "cpu": cpu_bytes // MIB * MIB}
-        plan = plan_placement(est.source, est.quant, mm, "auto")
-        e = est.estimate(batch=w.batch, prompt=w.prompt, new_tokens=w.new_tokens, exact=False, placement=plan)
-        if "cpu" not in e.devices and "disk" not in e.devices:
-            return None  # nothing spilled: the plain rungs already cover this
-        peak = max(apply(e.devices[device].stages, w.tokens, corrections.stages, margin="p95").values())
-        if peak <= usable:
-            return e, peak, mm, plan
-        share -= peak - usable + MIB
-    return None

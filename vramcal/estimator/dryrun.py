@@ -59,17 +59,33 @@ class Trace:
     cache_bytes: int  # held by the cache after the prefill
     decode_peak_bytes: int  # during one decode step, above what was held before it
     ops: int
+    layers: int | None = None  # decoder layers traced, one per kind (:meth:`DryRunner.trace`); None: all
 
 
 @dataclass
 class ActivationModel:
-    """Peak extra bytes at traced points, and between them ``a + b*tokens + c*tokens**2/batch`` (tokens =
-    batch x seq) fitted to traces. ``prefill`` / ``decode`` are None until a fit was made: an exact
-    estimate traces only its own point."""
+    """Peak extra bytes at traced points, and between them a model of the traces. ``prefill`` /
+    ``decode`` are None until a fit was made: an exact estimate traces only its own point.
+
+    The prefill's extra is the largest of many transients, each linear in the tokens (``batch x seq``)
+    where attention never holds ``seq x seq`` scores (fused SDPA / flash), so it is convex and piecewise
+    linear: ``pieces`` interpolates between the batch-1 traces, which bounds it from above between them
+    and is exact at them; the estimator traces a point beyond the largest before it answers there
+    (:meth:`covers`). Eager attention's scores grow with ``seq**2`` per row: there the least-squares fit
+    ``a + b*tokens + c*batch*seq**2`` (``prefill``) is used. The decode step's extra is fitted linearly."""
 
     prefill: tuple[float, float, float] | None
     decode: tuple[float, float] | None
     traces: list[Trace] = field(default_factory=list)
+    pieces: bool = False
+
+    def _points(self) -> list[tuple[int, int]]:
+        pts = {t.tokens: t.prefill_peak_bytes - t.cache_bytes for t in self.traces if t.batch == 1}
+        return sorted(pts.items())
+
+    def covers(self, tokens: int) -> bool:
+        """Whether a batch-1 trace reaches ``tokens`` (batch x seq), so the model interpolates there."""
+        return not self.pieces or any(t.batch == 1 and t.tokens >= tokens for t in self.traces)
 
     def _trace(self, batch: int, seq: int) -> Trace | None:
         for t in self.traces:
@@ -81,8 +97,13 @@ class ActivationModel:
         t = self._trace(batch, seq)
         if t is not None:
             return t.prefill_peak_bytes - t.cache_bytes
-        a, b, c = self.prefill
         n = batch * seq
+        pts = self._points() if self.pieces else []
+        if len(pts) >= 2:
+            i = next((k for k in range(1, len(pts)) if pts[k][0] >= n), len(pts) - 1)
+            (n0, y0), (n1, y1) = pts[i - 1], pts[i]
+            return max(int(y0 + (y1 - y0) * (n - n0) / (n1 - n0)), 0)
+        a, b, c = self.prefill
         return int(a + b * n + c * batch * seq * seq)
 
     def decode_extra(self, batch: int, seq: int, new_tokens: int = 2, growth_per_row_token: int = 0) -> int:
@@ -325,11 +346,153 @@ class DryRunner:
         return DynamicCache(config=cfg)
 
     def trace(self, batch: int, seq: int) -> Trace:
+        """The prefill and first decode step at ``batch`` x ``seq``: traced one decoder layer per kind
+        (:meth:`kinds`) where the model allows, else whole.
+
+        By kinds: a model's layers of one kind (the same class, parameter shapes, settings and layer
+        type) allocate the same transients wherever they sit; what differs is the cache around them.
+        Each kind's last layer is traced with the layer before it (the model cut to those two: the layer
+        then reads another layer's output while the embeddings' output is still held, as in the whole
+        model), and the whole model's figures follow from the KV layout: held after the prefill = the
+        traced pair's held bytes less their cache plus every layer's cache; the prefill's extra above
+        that = the largest over kinds of the pair's extra less the cache of the layers after it (not yet
+        written while it runs); the decode step's = the largest over kinds (every cache is held by then).
+        The last layer's trace carries the logits. An 80-layer model then costs two layers' trace
+        instead of eighty. Checked against whole traces for every architecture the tests build."""
+        kinds = self.kinds()
+        if kinds:
+            try:
+                return self._trace_kinds(kinds, batch, seq)
+            except Exception:  # noqa: BLE001 -- a model that does not take being cut: traced whole
+                self._kinds = []
         return trace_model(self.model, self.quant.method, self.dtype, batch, seq,
                            lambda: self._new_cache(seq + 16), device="meta", target=self.target)
 
+    def _trace_kinds(self, kinds: list[int], batch: int, seq: int) -> Trace:
+        kv = self._layout()
+        # right after the prefill a layer holds the whole prompt (a sliding window's view included)
+        cache = [batch * (layer.fixed_bytes + layer.bytes_per_token * seq) for layer in kv]
+        traces = {}
+        for i in kinds:
+            with self._only_layers(i):
+                traces[i] = trace_model(self.model, self.quant.method, self.dtype, batch, seq,
+                                        lambda: self._new_cache(seq + 16), device="meta", target=self.target)
+        last = traces[kinds[-1]]
+        held = last.cache_bytes - sum(cache[max(kinds[-1] - 1, 0):kinds[-1] + 1]) + sum(cache)
+        extra = max(t.prefill_peak_bytes - t.cache_bytes - sum(cache[i + 1:]) for i, t in traces.items())
+        # a decode step appends a token to every layer it passed (a new concatenation of keys and of values,
+        # the old ones freed): the layers before the pair had grown by then
+        grow = [2 * (round_alloc(batch * layer.bytes_per_token * (seq + 1) // 2)
+                     - round_alloc(batch * layer.bytes_per_token * seq // 2)) for layer in kv]
+        decode = max(t.decode_peak_bytes + sum(grow[:max(i - 1, 0)]) for i, t in traces.items())
+        return Trace(batch=batch, tokens=seq, prefill_peak_bytes=held + extra, cache_bytes=held,
+                     decode_peak_bytes=decode, ops=sum(t.ops for t in traces.values()), layers=len(kinds))
+
+    def _decoder_list(self):
+        """(parent module, attribute, ModuleList) of the decoder layers, or None."""
+        from .placement import decoder_layers
+
+        names = decoder_layers(self.model)
+        if not names:
+            return None
+        path = names[0].rsplit(".", 1)[0]
+        parent_path, _, attr = path.rpartition(".")
+        parent = self.model.get_submodule(parent_path) if parent_path else self.model
+        return parent, attr, getattr(parent, attr)
+
+    def kinds(self) -> list[int]:
+        """One decoder layer per kind, its last occurrence, in order; [] when the model is traced whole:
+        fewer than two layers, an fp8 or a static cache (their layouts at long contexts are not their
+        tiny prefills'), a config with per-layer lists besides ``layer_types`` (the cache or the masks may
+        read them), cache layers that are not one per decoder layer, or any with a sliding window or a
+        fixed state (what they hold while the prefill runs is not what their layout says after it)."""
+        if getattr(self, "_kinds", None) is not None:
+            return self._kinds
+        self._kinds = []
+        kind_of = self._kind_map()
+        if not kind_of:
+            return self._kinds
+        kv = self._layout()
+        if len(kv) != len(kind_of) or any(layer.max_tokens is not None or layer.fixed_bytes for layer in kv):
+            return self._kinds  # a sliding window's storage during the prefill is not its layout's
+        self._kinds = sorted(set(kind_of))
+        return self._kinds
+
+    def _kind_map(self) -> list[int] | None:
+        """For each decoder layer, the index of the last layer of its kind (:func:`_signature`); None when
+        the model is not cut (see :meth:`kinds`)."""
+        if getattr(self, "_kind_of", False) is not False:
+            return self._kind_of
+        self._kind_of = None
+        found = self._decoder_list()
+        tc = self.model.config.get_text_config()
+        if found is None or self.kv_dtype != "auto" or self.cache_kind != "dynamic":
+            return None
+        layers = list(found[2])
+        n = len(layers)
+        types = getattr(tc, "layer_types", None)
+        if n < 2 or getattr(tc, "num_hidden_layers", None) != n or (types is not None and len(types) != n):
+            return None
+        if any(isinstance(v, (list, tuple)) and len(v) == n and k != "layer_types" for k, v in vars(tc).items()):
+            return None
+        sigs = [_signature(layer, types[i] if types else None) for i, layer in enumerate(layers)]
+        last = {sig: i for i, sig in enumerate(sigs)}
+        self._kind_of = [last[sig] for sig in sigs]
+        return self._kind_of
+
+    def _layout(self) -> list[KVLayer]:
+        if getattr(self, "_kv_layout", None) is None:
+            self._kv_layout = self.kv_layers()
+        return self._kv_layout
+
+    def _only_layers(self, index: int):
+        """The model cut to decoder layers ``index - 1`` and ``index`` (renumbered from 0), restored after."""
+        return self._cut(list(range(max(index - 1, 0), index + 1)))
+
+    @contextlib.contextmanager
+    def _cut(self, keep: list[int]):
+        """The model cut to the decoder layers ``keep`` (renumbered from 0), restored after."""
+        import torch
+
+        parent, attr, full = self._decoder_list()
+        tc = self.model.config.get_text_config()
+        saved = (tc.num_hidden_layers, getattr(tc, "layer_types", None))
+        numbered = [(m, m.layer_idx, new) for new, i in enumerate(keep) for m in full[i].modules()
+                    if isinstance(getattr(m, "layer_idx", None), int)]
+        try:
+            setattr(parent, attr, torch.nn.ModuleList([full[i] for i in keep]))
+            tc.num_hidden_layers = len(keep)
+            if saved[1] is not None:
+                tc.layer_types = [saved[1][i] for i in keep]
+            for m, _, new in numbered:
+                m.layer_idx = new
+            yield
+        finally:
+            setattr(parent, attr, full)
+            tc.num_hidden_layers = saved[0]
+            if saved[1] is not None:
+                tc.layer_types = saved[1]
+            for m, i, _ in numbered:
+                m.layer_idx = i
+
     def kv_layers(self, batch: int = 1) -> list[KVLayer]:
-        """Each cache layer's bytes per token (per batch row) and fixed part, from two tiny prefills."""
+        """Each cache layer's bytes per token (per batch row) and fixed part, from two tiny prefills: of
+        one layer per kind (:meth:`kinds`), each layer then given its kind's, where the model is cut;
+        else of the whole model."""
+        kind_of = self._kind_map()
+        if kind_of:
+            reps = sorted(set(kind_of))
+            try:
+                with self._cut(reps):
+                    measured = self._measure_kv(batch)
+            except Exception:  # noqa: BLE001 -- a model that does not take being cut: measured whole
+                measured = []
+            if len(measured) == len(reps):
+                by_kind = dict(zip(reps, measured))
+                return [by_kind[k] for k in kind_of]
+        return self._measure_kv(batch)
+
+    def _measure_kv(self, batch: int) -> list[KVLayer]:
         torch = self.torch
         small, large = 4, 12
         sizes = []
@@ -352,6 +515,20 @@ class DryRunner:
         return out
 
 
+def _signature(layer, layer_type) -> tuple:
+    """What makes two decoder layers allocate alike: their classes, parameter shapes and dtypes, the
+    plain settings of every submodule (a sliding window, an attention type, whether it uses rope, ...)
+    and the config's layer type; not the layer's index."""
+    parts: list = [type(layer).__name__, layer_type]
+    for name, module in layer.named_modules():
+        settings = sorted((k, v) for k, v in vars(module).items()
+                          if not k.startswith("_") and k not in ("layer_idx", "training")
+                          and (v is None or isinstance(v, (bool, int, float, str))))
+        params = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters(recurse=False)]
+        parts.append((name, type(module).__name__, tuple(settings), tuple(params)))
+    return tuple(parts)
+
+
 def _window(layer, cache_kind: str) -> int | None:
     win = getattr(layer, "sliding_window", None)
     if not isinstance(win, int) or win <= 0:
@@ -361,8 +538,9 @@ def _window(layer, cache_kind: str) -> int | None:
     return win
 
 
-def fit_activations(traces: list[Trace]) -> ActivationModel:
-    """Least-squares fit of the prefill and decode extras over traces at batch 1."""
+def fit_activations(traces: list[Trace], pieces: bool = False) -> ActivationModel:
+    """The prefill and decode models over traces at batch 1 (:class:`ActivationModel`): interpolated
+    between them where ``pieces``, else a least-squares fit."""
     import numpy as np
 
     ones = [t for t in traces if t.batch == 1] or traces
@@ -378,7 +556,7 @@ def fit_activations(traces: list[Trace]) -> ActivationModel:
     else:
         coef_d = np.array([dec.mean(), 0.0])
     return ActivationModel(prefill=tuple(float(x) for x in coef_p), decode=tuple(float(x) for x in coef_d),
-                           traces=list(traces))
+                           traces=list(traces), pieces=pieces)
 
 
 def cache_keyword(model) -> str:

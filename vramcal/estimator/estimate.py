@@ -21,6 +21,7 @@ from .correction import CorrectionSet
 from .cpu import CpuStages, cpu_inputs, cpu_resident_stages, out_features
 from .dryrun import ActivationModel, KVLayer, Trace, fit_activations
 from .inventory import Inventory, inventory
+from .loading import from_pretrained_kwargs
 from .quant import QuantSpec, resolve_quant
 from .quick import compare_formula, formula_activations, formula_kv
 from .resolve import ModelSource, resolve_model, size_field, text_config
@@ -28,7 +29,12 @@ from .result import DeviceEstimate, Estimate
 from .runtime import RuntimeProfile, default_profile
 from .stages import DeviceLoad, device_stages, model_id, placed_stages, weights_alloc
 
-FIT_TOKENS = (512, 2048, 8192)
+FIT_TOKENS = (512, 2048, 8192)  # eager attention's quadratic fit; interpolation needs only the ends
+PIECE_TOKENS = (512, 8192)
+# KV layouts measured in this process, by what decides them (not the weights' quantization): a search
+# over quantizations measures each model's layout once
+_KV_LAYOUTS: dict[tuple, list[KVLayer]] = {}
+COVER_LIMIT = 1 << 24  # the longest batch-1 trace made to cover a point (MAX_TOKENS); beyond, the last piece
 LARGEST_GPU_BYTES = 288 * GB  # the largest memory on one GPU sold today (B300); beyond it, split the model
 LARGEST_HOST_BYTES = 64 * 1024**4  # 64 TiB: beyond any single host's memory
 
@@ -115,7 +121,7 @@ class Estimator:
             if act is not None:
                 model = ActivationModel(prefill=tuple(act["prefill"]) if act["prefill"] else None,
                                         decode=tuple(act["decode"]) if act["decode"] else None,
-                                        traces=[Trace(**t) for t in act["traces"]])
+                                        traces=[Trace(**t) for t in act["traces"]], pieces=bool(act["pieces"]))
             attn_used = str(data["attn_used"])
             sane = all(k.bytes_per_token >= 0 and k.fixed_bytes >= 0 for k in kv) and all(
                 t.prefill_peak_bytes >= t.cache_bytes >= 0 and t.decode_peak_bytes >= 0
@@ -134,7 +140,7 @@ class Estimator:
             return
         act = {"prefill": list(self._act.prefill) if self._act.prefill else None,
                "decode": list(self._act.decode) if self._act.decode else None,
-               "traces": [asdict(t) for t in self._act.traces]}
+               "traces": [asdict(t) for t in self._act.traces], "pieces": self._act.pieces}
         store_cached(self.source, self._act_key, {"kv": [asdict(k) for k in self._kv], "act": act,
                                                    "attn_used": self.attn_used}, kind="activations")
 
@@ -150,32 +156,43 @@ class Estimator:
     def _traced(self, batch: int, prompt: int) -> bool:
         return bool(self._act and any(t.batch == batch and t.tokens == prompt for t in self._act.traces))
 
-    def _ensure_dry_run(self, batch: int, prompt: int, exact: bool) -> None:
+    def _ensure_dry_run(self, batch: int, prompt: int, exact: bool, cover: int | None = None) -> None:
         """Make sure the KV layout exists and the activations at (batch, prompt) are known: traced
-        there if ``exact``, else from a fit over a few traced points (traced once, then cached)."""
+        there if ``exact``, else from a fit over a few traced points (traced once, then cached) that
+        reach ``cover`` tokens (batch x prompt; default this point's): beyond the traced ones, one more
+        trace at the next power of two (:class:`~vramcal.estimator.dryrun.ActivationModel`)."""
         if self._dry_error is not None or self.inv.method in ("checkpoint", "formula"):
             return  # formula: transformers cannot build this model here, so it cannot run it either
         need_kv = self._kv is None
         need_point = exact and not self._traced(batch, prompt)
         need_fit = not exact and (self._act is None or self._act.prefill is None)
-        if not (need_kv or need_point or need_fit):
+        reach = min(cover if cover is not None else batch * prompt, COVER_LIMIT)
+        need_cover = not exact and not need_fit and not self._act.covers(reach)
+        if not (need_kv or need_point or need_fit or need_cover):
             return
         try:
             runner = self._dry_runner()
             if need_kv:
-                self._progress("measuring the KV cache layout (two tiny prefills on meta tensors)")
-                self._kv = runner.kv_layers()
+                key = (self.source.config_hash, self.quant.dtype, self.attn, self.cache, self.kv_dtype, self.device)
+                if key not in _KV_LAYOUTS or not self.use_cache:
+                    self._progress("measuring the KV cache layout (two tiny prefills on meta tensors)")
+                    _KV_LAYOUTS[key] = runner.kv_layers()
+                self._kv = list(_KV_LAYOUTS[key])
+            runner._kv_layout = list(self._kv)  # the runner's traces by layer kind read the same layout
             traces = list(self._act.traces) if self._act else []
             if need_point:
                 self._progress(f"tracing the prefill of {prompt:,} tokens x {batch} and a decode step")
                 traces.append(runner.trace(batch, prompt))
-            if need_fit:
-                for n in FIT_TOKENS:
+            pieces = self.attn_used != "eager"
+            if need_fit or need_cover:
+                points = PIECE_TOKENS if pieces else FIT_TOKENS
+                far = max(points[-1], 1 << max(reach - 1, 1).bit_length())
+                for n in points + ((far,) if far > points[-1] else ()):
                     if not any(t.batch == 1 and t.tokens == n for t in traces):
                         self._progress(f"tracing {n:,} tokens for the activation fit")
                         traces.append(runner.trace(1, n))
-            self._act = fit_activations(traces) if need_fit or (self._act and self._act.prefill) else \
-                ActivationModel(prefill=None, decode=None, traces=traces)
+            self._act = fit_activations(traces, pieces) if need_fit or need_cover or (self._act and self._act.prefill) \
+                else ActivationModel(prefill=None, decode=None, traces=traces, pieces=pieces)
         except UserError:
             raise
         except (RuntimeError, ValueError, TypeError, NotImplementedError, IndexError, KeyError,
@@ -286,6 +303,8 @@ class Estimator:
             ranges=ranges, estimator_model=model_id(device_kind(device)), vramcal_version=VRAMCAL_VERSION)
         if placement is not None:
             self._place(out, placement, work, parts, runtime)
+        out.from_pretrained = from_pretrained_kwargs(self.quant, device, placement,
+                                                     None if self.attn == "auto" else self.attn_used)
         return out
 
     def _kv_layers_or_split(self, work: Workload, parts: _Parts) -> tuple[list[int], list[int]]:
@@ -347,7 +366,8 @@ class Estimator:
             if budget is not None and peak > budget:
                 out.warnings.append(f"{dev} peaks at {fmt_gib_gb(peak)}, above its max_memory {fmt_gib_gb(budget)}: "
                                     "max_memory bounds the weights transformers places there; the cache, the "
-                                    "activations and the CUDA context come on top")
+                                    "activations and the CUDA context come on top (`vramcal plan` finds a "
+                                    "max_memory whose whole peak fits)")
         out.notes += [n for n in loads.notes if n not in out.notes]
 
     def _same_kind(self, device: str | None) -> str:
@@ -360,14 +380,16 @@ class Estimator:
     def sweep(self, points, device: str | None = None, runtime: RuntimeProfile | None = None,
               new_tokens: int = NEW_TOKENS, placement=None) -> list[Point]:
         """The stages at many ``(ctx, batch)`` points from the cached KV layout and activation fit:
-        arithmetic only, no tracing. Points outside the traced ones use the fit (see ``methods``).
-        With a ``placement``, each point has each device's stages (the plan that loads)."""
+        arithmetic only, once the fit's traces reach the longest point (a trace beyond the traced ones is
+        made once, then cached). With a ``placement``, each point has each device's stages (the plan that
+        loads)."""
         device = self._same_kind(device)
         rt = runtime or default_profile(device)
         points = list(points)
-        if self._kv is None or self._act is None or self._act.prefill is None:
-            first = workload(*(points[0] if points else (4096, 1)), new_tokens)
-            self._ensure_dry_run(first.batch, first.prompt, exact=False)
+        works = [workload(ctx, batch, new_tokens) for ctx, batch in points] or [workload(4096, 1, new_tokens)]
+        reach = max(w.batch * w.prompt for w in works)
+        if self._kv is None or self._act is None or self._act.prefill is None or not self._act.covers(reach):
+            self._ensure_dry_run(works[0].batch, works[0].prompt, exact=False, cover=reach)
         if self._kv is None or self._act is None or self._act.prefill is None:
             raise UserError(f"{self.source.name}: the dry run is unavailable ({self._dry_error}); "
                             "use `estimate` for formula-based figures")

@@ -128,7 +128,6 @@ class Placement:
     pcie_bytes_per_token: int  # cpu-held weights copied host -> GPU at every forward (each generated token)
     disk_bytes_per_token: int  # disk-held weights read and copied at every forward
     refused: str | None  # the installed stack's refusal, if from_pretrained would not load this
-    load_kwargs: dict  # from_pretrained arguments that give this plan
     alternative: Placement | None = None  # what loads instead of a refused plan
     notes: list[str] = field(default_factory=list)
     software: dict[str, str | None] = field(default_factory=dict)
@@ -264,9 +263,6 @@ def _compute(source: ModelSource, quant: QuantSpec, mm: dict[str, int], strategy
     _check_budget(source, mm, edge_map, model, hf_quantizer)
 
     plan = _describe(source, quant, model, hf_quantizer, dtype, strategy, mm, effective, accel_map, edge_map)
-    plan.load_kwargs = {"device_map": strategy, "max_memory": dict(mm)}
-    if quant.method in ("bnb4", "bnb8"):
-        plan.load_kwargs["quantization_config"] = quant.bnb_config_kwargs()
     if refused is not None:
         plan.refused = refused
         plan.alternative = _alternative(source, quant, strategy, mm, effective, accel_map, edge_map)
@@ -398,7 +394,7 @@ def _describe(source, quant, model, hf_quantizer, dtype, strategy, mm, effective
         offloaded=dict(block), offloaded_alloc=dict(block_alloc),
         pcie_bytes_per_token=sum(b for e, b in block.items() if edge_map[e] == "cpu"),
         disk_bytes_per_token=sum(b for e, b in block.items() if edge_map[e] == "disk"),
-        refused=None, load_kwargs={}, notes=notes, software=software_versions())
+        refused=None, notes=notes, software=software_versions())
 
 
 def _layer_device(layer: str, names: list[str], where: dict) -> str:
@@ -453,8 +449,6 @@ def _alternative(source, quant, strategy, mm, effective, accel_map, edge_map) ->
     hf_quantizer.validate_environment(device_map=dict(accel_map))  # as get_hf_quantizer does: must pass now
     plan = _describe(source, quant, model, hf_quantizer, dtype, strategy, mm, effective, accel_map, edge_map)
     plan.strategy = "custom"
-    plan.load_kwargs = {"device_map": dict(edge_map),
-                        "quantization_config": {**quant.bnb_config_kwargs(), OFFLOAD_FLAG: True}}
     plan.notes.append(f"modules on cpu / disk stay unquantized in {str(dtype).removeprefix('torch.')} "
                       f"({OFFLOAD_FLAG} keeps them out of bitsandbytes' conversion)")
     cpu = plan.weights.get("cpu", 0)

@@ -123,6 +123,8 @@ class Estimate:
     vramcal_version: str = ""
     # --engine vllm: what `vllm serve` logs at startup, per rank (vramcal.estimator.vllm; docs/vllm.md)
     vllm: VllmEstimate | None = None
+    # from_pretrained's keyword arguments for this load, as plain data (vramcal.estimator.loading)
+    from_pretrained: dict | None = None
 
     # ------------------------------------------------------------------ views
     @property

@@ -147,26 +147,6 @@ def cache_bytes(cache) -> int | None:
     return sum(storages(objs).values())
 
 
-def _accel_device(name):
-    """``cuda:1`` -> 1 (accelerate's key), ``cpu`` / ``disk`` unchanged."""
-    from ..workload import parse_device
-
-    return parse_device(name, placement=True).accelerate_key
-
-
-def placed_kwargs(load: dict, offload_folder: str | None) -> dict:
-    """``from_pretrained`` arguments of a placement: a strategy with ``max_memory``, or a custom map."""
-    dm = load["device_map"]
-    out = {"device_map": dm if isinstance(dm, str) else {k: _accel_device(v) for k, v in dm.items()}}
-    if load.get("max_memory"):
-        out["max_memory"] = {_accel_device(k): int(v) for k, v in load["max_memory"].items()}
-        if "disk" in load["max_memory"] and offload_folder:
-            out["offload_folder"] = offload_folder
-    elif isinstance(dm, dict) and "disk" in dm.values() and offload_folder:
-        out["offload_folder"] = offload_folder
-    return out
-
-
 def _preimport(spec: dict) -> None:
     """Import the code ``from_pretrained`` will import (the model's module, bitsandbytes), so the
     baseline includes it and the stages measure tensors, not Python modules."""
@@ -205,7 +185,9 @@ def run(spec: dict, emit: Emitter) -> int:
     phase = "baseline"
     try:
         import torch
-        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+        from transformers import AutoModelForCausalLM
+
+        from ..estimator.loading import load_kwargs, materialize
 
         device = spec["device"]
         cuda = device.startswith("cuda")
@@ -235,19 +217,10 @@ def run(spec: dict, emit: Emitter) -> int:
             emit("stage", name="context", **torch_stats())
 
         phase = "load_peak"
-        kwargs = {"dtype": getattr(torch, spec["dtype"]),
-                  "device_map": {"": device} if cuda else "cpu"}
-        load = spec.get("load")
-        if load:  # placement (docs/placement.md): the plan's device_map, max_memory and, if refused, the flag
-            kwargs.update(placed_kwargs(load, spec.get("offload_folder")))
-        if spec.get("bnb"):
-            bnb = {**spec["bnb"], **((load or {}).get("bnb_extra") or {})}
-            if "bnb_4bit_compute_dtype" in bnb:
-                bnb["bnb_4bit_compute_dtype"] = getattr(torch, bnb["bnb_4bit_compute_dtype"])
-            kwargs["quantization_config"] = BitsAndBytesConfig(**bnb)
-        if spec.get("attn") and spec["attn"] != "auto":
-            kwargs["attn_implementation"] = spec["attn"]
-        model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], **kwargs)
+        # placement (docs/placement.md): the plan's device_map, max_memory and, if refused, the flag
+        kwargs = load_kwargs(spec["dtype"], device, spec.get("bnb"), spec.get("load"), spec.get("attn"),
+                             spec.get("offload_folder"))
+        model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], **materialize(kwargs))
         model.eval()
         if cuda:
             torch.cuda.synchronize(device)

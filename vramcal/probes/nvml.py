@@ -203,6 +203,29 @@ def process_used(handle, pid: int) -> int | NA:
     return NA(f"process {pid} not listed on this device")
 
 
+def pcie_link(handle) -> tuple[int | NA, int | NA]:
+    """(PCIe generation, lanes) the link can run at in this slot (``Max``, not ``Curr``: an idle link
+    drops to Gen1 to save power). NA each where the driver does not say (vGPU, MIG, GH200's C2C link)."""
+    if isinstance(handle, NA):
+        return handle, handle
+    return query("nvmlDeviceGetMaxPcieLinkGeneration", handle), query("nvmlDeviceGetMaxPcieLinkWidth", handle)
+
+
+def memory_bandwidth(handle) -> int | NA:
+    """Peak memory bandwidth in bytes per second: 2 x max memory clock x bus width / 8 (NVML reports the
+    memory clock as half the per-pin data rate, HBM included; nvbench computes its peak so)."""
+    if isinstance(handle, NA):
+        return handle
+    bits = query("nvmlDeviceGetMemoryBusWidth", handle)
+    mhz = query("nvmlDeviceGetMaxClockInfo", handle, 2)  # NVML_CLOCK_MEM
+    for v in (bits, mhz):
+        if isinstance(v, NA):
+            return v
+    if not bits or not mhz:
+        return NA("bus width or memory clock reported as 0")
+    return int(2 * int(mhz) * 1_000_000 * int(bits) // 8)
+
+
 def device_info(index: int) -> dict:
     """Name, UUID, total memory and driver of device ``index``; each field a value or NA."""
     h = device_handle(index)

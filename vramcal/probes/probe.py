@@ -196,15 +196,13 @@ def _placed_load(source, spec, max_memory, device_map, device: str) -> dict:
     alternative it suggests: the same map as a custom ``device_map`` with ``llm_int8_enable_fp32_cpu_offload``.
     Returns the child's ``load`` arguments, the GPUs to sample (main device first) and the plan's dict."""
     from ..estimator.estimate import placement_request
-    from ..estimator.placement import OFFLOAD_FLAG, plan_placement
+    from ..estimator.loading import placed_load
+    from ..estimator.placement import plan_placement
 
     mm, strategy = placement_request(max_memory, device_map, device)
     plan = plan_placement(source, spec, mm, strategy)
     loads = plan.alternative if plan.refused and plan.alternative is not None else plan
-    if loads is plan:
-        load = {"device_map": plan.strategy, "max_memory": dict(mm)}
-    else:
-        load = {"device_map": dict(loads.device_map), "bnb_extra": {OFFLOAD_FLAG: True}}
+    load = placed_load(plan)
     gpus = [loads.main_device] + [g for g in loads.gpus if g != loads.main_device]
     return {"load": load, "gpus": gpus, "main_device": loads.main_device, "plan": plan}
 

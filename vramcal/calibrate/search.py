@@ -1,0 +1,268 @@
+"""The one search over configurations: does a workload fit, what is the largest context that fits, and
+how should a model be split across GPUs, RAM and disk so that each GPU's *whole* peak fits.
+
+``fit``, the what-to-change ladder of ``check`` (its offload rung) and ``plan`` all ask these questions
+through :class:`Search`, so a configuration one of them calls fitting is one the others call fitting.
+
+What "fits" means: every GPU's peak at every stage -- weights, the cache of the layers it runs, the
+activations, the offloaded block copied in, the CUDA context -- corrected by this machine's runs where
+it has some, with their p95 margin, stays within that GPU's usable memory (its memory minus the
+buffer); with offload, what the CPU holds stays within the RAM given (with bitsandbytes the offloaded
+modules stay 16-bit: transformers' map sizes them at 0.5 or 1 byte an element, the load holds 2).
+
+Splitting (:meth:`Search.split`): ``max_memory`` bounds only the weights transformers places on a
+device, so a GPU's budget is searched, not set to its size: start from its usable memory less what the
+workload adds beside the weights, ask transformers' own device map (``plan_placement``) for the
+placement, price every device's stages, take back from a GPU what it went over by; once it holds, offer
+a GPU as many whole layers as its slack holds while weights still sit in RAM (one fewer while that goes
+over), until less than a layer's room is left -- the proof that one more layer does not fit. Where
+transformers cannot place the model in the budgets (a module fits no device), the budgets go back up
+toward the GPU's usable memory, half way to the last that went over. At most :data:`MAX_STEPS` maps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import UserError
+from ..estimator.correction import apply
+from ..estimator.estimate import Estimator
+from ..estimator.quant import resolve_quant
+from ..units import MIB
+from ..workload import MAX_TOKENS, STAGES, Workload, device_kind
+
+MAX_STEPS = 10
+MARGIN = 2 * MIB  # one allocator segment: what a budget is taken back by beyond the overshoot
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Where a configuration must fit: each GPU's usable memory (its memory minus the buffer), the RAM
+    offloaded weights may take, and disk room (None: no disk offload)."""
+
+    usable: dict[str, int]
+    cpu_bytes: int = 0
+    disk_bytes: int | None = None
+
+
+@dataclass
+class Split:
+    """A placement that fits: the ``max_memory`` transformers is given, its plan, each GPU's peak."""
+
+    max_memory: dict[str, int]
+    placement: object  # vramcal.estimator.placement.Placement
+    peaks: dict[str, int]
+
+    @property
+    def offloaded(self) -> bool:
+        loads = self.placement.loads
+        return bool(loads.pcie_bytes_per_token or loads.disk_bytes_per_token)
+
+
+class Search:
+    """One model's configurations against budgets. ``corrections(quant, devices)`` gives this machine's
+    corrections per device (``{device: {stage: Correction}}``; devices of a split by position), or
+    nothing; ``device`` is ``cuda``/``cuda:N`` or ``cpu``."""
+
+    def __init__(self, source, *, device: str = "cuda", attn: str = "auto", strategy: str = "auto",
+                 corrections: Callable[[str, list[str], bool], dict] | None = None, progress=None):
+        self.source, self.device, self.attn, self.strategy = source, device, attn, strategy
+        self.kind = device_kind(device)
+        self._corrections = corrections or (lambda quant, devices, placed: {})
+        self._estimators: dict[tuple[str, str], Estimator] = {}
+        self._progress = progress
+
+    # ------------------------------------------------------------------ building blocks
+    def estimator(self, quant: str, kv_dtype: str = "auto") -> Estimator:
+        key = (quant, kv_dtype)
+        if key not in self._estimators:
+            self._estimators[key] = Estimator(self.source, resolve_quant(quant, self.source.config), attn=self.attn,
+                                              kv_dtype=kv_dtype, device=self.kind, progress=self._progress)
+        return self._estimators[key]
+
+    def corrections(self, quant: str, devices: list[str], placed: bool) -> dict:
+        return self._corrections(quant, devices, placed) or {}
+
+    def placement(self, est: Estimator, max_memory: dict[str, int], strategy: str | None = None):
+        from ..estimator.placement import plan_placement
+
+        return plan_placement(self.source, est.quant, max_memory, strategy or self.strategy)
+
+    def peaks(self, est: Estimator, work: Workload, placement=None, exact: bool = False,
+              corrected: bool = True) -> dict[str, int]:
+        """Each GPU's highest stage (one device: that device's), corrected at the p95 of this machine's
+        residuals where it has runs. On the CPU after an on-the-fly bitsandbytes load, the top of the
+        run-to-run range until this machine has a correction (docs/cpu-memory.md). ``corrected=False``:
+        the estimator's own figures."""
+        if exact:
+            e = est.estimate(batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens, exact=True,
+                             placement=placement)
+            per = {d: v.stages for d, v in e.devices.items()} if e.devices else {self.device: e.stages}
+            upper = {k: hi for k, (_, hi) in e.ranges.items()} if e.ranges else None
+        else:
+            pt = est.sweep([(work.ctx, work.batch)], new_tokens=work.new_tokens, placement=placement)[0]
+            per = pt.devices if placement is not None else {self.device: pt.stages}
+            upper = pt.upper
+        corr = {} if not corrected else self.corrections(
+            est.quant.name, [d for d in per if d.startswith("cuda") or placement is None], placement is not None)
+        if corrected and placement is None and upper is not None and not corr.get(self.device):
+            per = {self.device: upper}
+        return {d: max(apply({k: st[k] for k in STAGES}, work.tokens, corr.get(d, {}), margin="p95").values())
+                for d, st in per.items() if d.startswith("cuda") or placement is None}
+
+    def fits(self, est: Estimator, work: Workload, budget: Budget, placement=None,
+             exact: bool = False) -> tuple[bool, dict[str, int]]:
+        peaks = self.peaks(est, work, placement, exact)
+        ok = all(p <= budget.usable.get(d, 0) for d, p in peaks.items())
+        if placement is not None:
+            held = placement.loads.weights
+            ok = ok and held.get("cpu", 0) <= budget.cpu_bytes and held.get("disk", 0) <= (budget.disk_bytes or 0)
+        return ok, peaks
+
+    # ------------------------------------------------------------------ the questions
+    def largest_ctx(self, est: Estimator, batch: int, new_tokens: int, budget: Budget, limit: int,
+                    placement=None, lowest: int | None = None) -> tuple[int | None, dict[str, int]]:
+        """The largest context (prompt + ``new_tokens``, at most ``limit``) whose peaks fit ``budget``:
+        bisection on the estimator's activation fit (arithmetic, no trace). None when not even the
+        shortest (``lowest``, default one prompt token) fits."""
+        lo = max(lowest or new_tokens + 1, new_tokens + 1)
+        hi = max(limit, lo)
+
+        def work(c: int) -> Workload:
+            return Workload(c - new_tokens, new_tokens, batch)
+
+        ok, peaks = self.fits(est, work(lo), budget, placement)
+        if not ok:
+            return None, peaks
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.fits(est, work(mid), budget, placement)[0]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo, self.fits(est, work(lo), budget, placement)[1]
+
+    def split(self, est: Estimator, work: Workload, budget: Budget, offload: bool = True,
+              strategy: str | None = None) -> Split | None:
+        """The placement that keeps the most weights on the GPUs while every GPU's whole peak fits (see the
+        module's doc). ``offload=False``: the GPUs alone (None when they cannot hold the model).
+        ``strategy``: the device map's (default the search's)."""
+        gpus = list(budget.usable)
+        one = est.sweep([(work.ctx, work.batch)], new_tokens=work.new_tokens)[0]  # everything on one device
+        beside = max(one.stages.values()) - est.inv.tensor_bytes  # what the workload adds to the weights
+        layer_bytes = _layer_bytes(est)
+        budgets = {g: max(budget.usable[g] - beside // (1 if len(gpus) == 1 else 2), MIB) for g in gpus}
+        best: Split | None = None
+        fitted: dict[str, int] = {}  # the budgets of the best split
+        too_small: dict[str, int] | None = None  # budgets transformers could not place the model in
+        too_large: dict[str, int] | None = None  # budgets whose peaks went over
+        for _ in range(MAX_STEPS):
+            mm = dict(budgets)
+            if offload and budget.cpu_bytes:
+                mm["cpu"] = budget.cpu_bytes
+            if offload and budget.disk_bytes:
+                mm["disk"] = budget.disk_bytes
+            try:
+                placement = self.placement(est, mm, strategy)
+            except UserError:  # a module fits no device given: the GPUs need more of their memory
+                too_small = budgets
+                full = {g: budget.usable[g] for g in gpus}
+                budgets = full if too_large is None else _between(budgets, too_large)
+                if budgets == too_small or budgets == full and too_small == full:
+                    break
+                continue
+            ok, peaks = self.fits(est, work, budget, placement)
+            if not ok:
+                over = {g: peaks.get(g, 0) - budget.usable[g] for g in gpus}
+                if all(v <= 0 for v in over.values()):  # the RAM, not a GPU: shrinking a GPU only adds to it
+                    break
+                if best is not None:  # the layers offered were too many: one fewer, down to the last fit
+                    fewer = {g: b - (layer_bytes if over[g] > 0 else 0) for g, b in budgets.items()}
+                    if all(fewer[g] <= fitted[g] for g in gpus if over[g] > 0):
+                        break
+                    budgets = fewer
+                    continue
+                too_large = budgets
+                budgets = {g: max(b - max(over[g], 0) - (MARGIN if over[g] > 0 else 0), MIB)
+                           for g, b in budgets.items()}
+                if too_small is not None:
+                    budgets = _between(too_small, too_large)
+                    if budgets in (too_small, too_large):
+                        break
+                continue
+            best, fitted = Split(mm, placement, peaks), dict(budgets)
+            if not best.offloaded:
+                break
+            # room for more layers: offer as many whole layers as the slack holds (too many: one fewer, above);
+            # less room than a layer holds is proof enough that one more does not fit
+            grow = {g: (s // layer_bytes) * layer_bytes for g in gpus
+                    if (s := budget.usable[g] - peaks.get(g, 0)) >= layer_bytes > 0}
+            if not grow:
+                break
+            budgets = {g: b + grow.get(g, 0) for g, b in budgets.items()}
+        if best is not None and not offload and best.offloaded:
+            return None
+        return best
+
+
+def _between(low: dict[str, int], high: dict[str, int]) -> dict[str, int]:
+    """Half way between two budgets per GPU, in whole MiB."""
+    return {g: (low[g] + high[g]) // 2 // MIB * MIB for g in low}
+
+
+def offloaded_layers(placement) -> str:
+    """How much of a placement is offloaded, for a person: ``12 of 80 layers``."""
+    loads = placement.loads
+    n = sum(1 for d in loads.layer_devices if d in ("cpu", "disk"))
+    return f"{n} of {len(loads.layers)} layers" if n else "the modules that do not fit"
+
+
+def context_limit(source) -> int:
+    """The longest context searched: the model's ``max_position_embeddings`` (131072 when it names
+    none), at most :data:`~vramcal.workload.MAX_TOKENS`."""
+    from ..estimator.resolve import size_field, text_config
+
+    return min(int(size_field(text_config(source.config), "max_position_embeddings") or 131072), MAX_TOKENS)
+
+
+def stored_corrections(db: str | None, fingerprint: dict, source, quants, device: str | None,
+                       gpus: list[str]) -> tuple[Callable[[str, list[str], bool], dict], list[str]]:
+    """This machine's corrections (else its machine class's) per quantization, read once through a short
+    lookup: for an unplaced run on ``device`` (None: none wanted) and for each GPU position of a split.
+    Returns the ``corrections`` argument of :class:`Search` and notes on why none could be read."""
+    from .corrections import lookup, lookup_device, lookup_store
+
+    plain: dict[str, dict] = {}
+    placed: dict[str, dict] = {}
+    store, why = lookup_store(db)
+    notes = [why] if why else []
+    if store is not None:
+        try:
+            with store:
+                for q in quants:
+                    if device is not None:
+                        plain[q] = lookup(store, fingerprint, q, source.config_hash).stages
+                    if gpus:
+                        placed[q] = {d: lookup_device(store, fingerprint, d, q, source.config_hash).stages
+                                     for d in gpus}
+        except UserError as exc:
+            plain, placed = {}, {}
+            notes.append(f"no correction applied: {exc}")
+
+    def corrections(quant: str, devices: list[str], is_placed: bool) -> dict:
+        if is_placed:
+            return placed.get(quant, {})
+        return {d: plain[quant] for d in devices if quant in plain}
+
+    return corrections, notes
+
+
+def _layer_bytes(est: Estimator) -> int:
+    """A decoder layer's weights in this quantization: all but the embeddings (lm_head included), norms and
+    buffers, over the layers."""
+    from ..estimator.resolve import size_field, text_config
+
+    layers = max(int(size_field(text_config(est.source.config), "num_hidden_layers") or 1), 1)
+    g = est.inv.groups
+    return max(est.inv.tensor_bytes - g.get("embeddings", 0) - g.get("norms", 0) - g.get("buffers", 0), 0) // layers

@@ -1,0 +1,97 @@
+"""The command line of ``vramcal plan`` (part of the command line, like :mod:`vramcal.cli`; nothing else
+imports it): read the machine -- this one through NVML, or one described with ``--hardware`` -- and the
+workload, search (:mod:`vramcal.calibrate.plan`), say the plans. Every input is validated before the
+search starts; bad input is one line and exit 2; nothing fits is exit 1 with what is missing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .errors import UserError
+from .workload import ATTNS, GOALS, NEW_TOKENS
+
+
+def add_plan(sub, func) -> None:
+    p = sub.add_parser(
+        "plan", help="the best ways to run a model on the GPUs and RAM a machine has (quant, split, offload, ctx)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Searches weight quantizations, KV dtypes, the split across GPUs (transformers' own device "
+                    "map, with a\nmax_memory chosen so that each GPU's whole peak fits its memory less --buffer) and "
+                    "offload to RAM\n(and disk), and proves each plan fits with the estimator's exact trace. Each plan "
+                    "says how fast it\ncan decode at most (bytes read per token over each bandwidth), the "
+                    "from_pretrained(...) call that\nloads it, and the `vramcal check` command that verifies it here.\n\n"
+                    "  --goal quality  reaches the context, on the GPUs alone if possible, highest precision (default)\n"
+                    "  --goal context  the longest context\n"
+                    "  --goal speed    reaches the context, the highest decode bound\n\n"
+                    "Exit code 0 with plans, 1 when nothing fits (what is missing is said), 2 for bad input.")
+    p.add_argument("model")
+    p.add_argument("--hardware", default=None, metavar="DEV=SIZE,...",
+                   help="a machine to plan for: each device's size, e.g. cuda:0=24GiB,cuda:1=12GiB,cpu=64GiB"
+                        "[,disk=500GiB] (default: this machine, each GPU's free memory and the available RAM)")
+    p.add_argument("--gpu", action="append", default=None, metavar="NAME",
+                   help="with --hardware: the GPU model, for its bandwidths (e.g. \"RTX 4090\"); once for all, or "
+                        "once per GPU in order")
+    p.add_argument("--bandwidth", default=None, metavar="DEV=RATE,...",
+                   help="bandwidths per second over the table's and NVML's, e.g. cuda:0=1008GB,pcie=25GB")
+    w = p.add_argument_group("workload")
+    w.add_argument("--ctx", type=int, default=None, help="whole context: prompt + new tokens (default: the largest "
+                                                         "that fits, up to the model's limit)")
+    w.add_argument("--prompt", type=int, default=None, help="prompt tokens, instead of --ctx")
+    w.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help=f"tokens generated (default {NEW_TOKENS})")
+    w.add_argument("--batch", type=int, default=1)
+    p.add_argument("--attn", default="auto", choices=ATTNS)
+    p.add_argument("--buffer", default=None, help="headroom to keep free on each GPU (default 2GiB)")
+    p.add_argument("--goal", default="quality", help=" | ".join(GOALS) + " (see above)")
+    p.add_argument("--db", help="the records database whose corrections apply (this machine only)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=func)
+
+
+def cmd_plan(args, out) -> int:
+    from . import present
+    from .calibrate.check import DEFAULT_BUFFER
+    from .calibrate.plan import plan_model
+    from .probes.hardware import described, parse_bandwidth, parse_hardware, this_machine
+    from .units import parse_size
+    from .workload import choice, workload
+
+    # ---- every input first: nothing is searched for bad input
+    choice(args.goal, GOALS, "--goal")
+    work = workload(args.ctx, args.batch, args.new_tokens, args.prompt) \
+        if args.ctx is not None or args.prompt is not None else workload(None, args.batch, args.new_tokens)
+    asked = work.ctx if args.ctx is not None or args.prompt is not None else None
+    try:
+        buffer = DEFAULT_BUFFER if args.buffer is None else parse_size(args.buffer)
+    except ValueError as exc:
+        raise UserError(f"--buffer: {exc}") from None
+    if buffer < 0:
+        raise UserError("--buffer must not be negative")
+    bandwidths = parse_bandwidth(args.bandwidth)
+    if args.hardware is not None:
+        hardware = described(parse_hardware(args.hardware), args.gpu, bandwidths)
+    elif args.gpu:
+        raise UserError("--gpu names the GPUs of --hardware; this machine's are read through NVML "
+                        "(give --hardware to plan for another)")
+    else:
+        hardware = this_machine(bandwidths)
+    from .estimator.resolve import resolve_model
+
+    resolve_model(args.model)  # an unknown model is bad input, said before the search
+
+    result = plan_model(args.model, hardware, buffer=buffer, batch=work.batch, new_tokens=work.new_tokens,
+                        ctx=asked, goal=args.goal, db=args.db, attn=args.attn, this_machine=args.hardware is None)
+    if args.json:
+        doc = result.to_dict()
+        doc["gpus"] = [{"device": g.device, "name": g.name, "memory_bytes": g.memory_bytes,
+                        "memory_bandwidth_bytes_per_s": g.memory_bandwidth.bytes_per_s,
+                        "memory_bandwidth_source": g.memory_bandwidth.source,
+                        "link_bandwidth_bytes_per_s": g.link_bandwidth.bytes_per_s,
+                        "link_bandwidth_source": g.link_bandwidth.source, "held_by": g.held_by}
+                       for g in hardware.gpus]
+        for d, p in zip(doc["plans"], result.plans):
+            d["python"] = p.python()
+        out(json.dumps(doc))
+    else:
+        out(present.plan_text(result))
+    return 0 if result.plans else 1

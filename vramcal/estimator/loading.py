@@ -1,0 +1,123 @@
+"""How a configuration is loaded: the keyword arguments of ``from_pretrained``, in one home.
+
+The probe's child loads with them (:func:`materialize` turns them into torch and transformers objects),
+an estimate carries them (``Estimate.from_pretrained``), ``plan`` prints them as Python a user can
+paste (:func:`python_code`) and the known-good memo stores them beside the command. So what vramcal
+prices, what it measures and what it tells a user to run are the same load.
+
+The arguments are plain data (JSON): the dtype by name, ``quantization_config`` as the keyword
+arguments of ``BitsAndBytesConfig`` (none for a pre-quantized checkpoint: its config carries its own),
+and a placement as transformers takes it -- a strategy with ``max_memory`` (GPU indices as accelerate
+takes them), or, where the installed transformers refuses a bitsandbytes map with modules on cpu or
+disk, the same map as a custom ``device_map`` with ``llm_int8_enable_fp32_cpu_offload``
+(docs/placement.md). In JSON a GPU index key becomes a string ("0"); :func:`python_code` writes it as
+the integer accelerate wants.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .placement import OFFLOAD_FLAG
+
+
+def accelerate_key(device: str) -> int | str:
+    """``cuda:1`` -> 1 (accelerate's key), ``cpu`` / ``disk`` unchanged."""
+    from ..workload import parse_device
+
+    return parse_device(device, placement=True).accelerate_key
+
+
+def placed_load(plan) -> dict:
+    """The load of a :class:`~vramcal.estimator.placement.Placement`: its strategy with its
+    ``max_memory``, or -- when the installed transformers refuses it -- the alternative it suggests (the
+    same map as a custom ``device_map``, with the offload flag for bitsandbytes)."""
+    loads = plan.alternative if plan.refused and plan.alternative is not None else plan
+    if loads is plan:
+        if plan.strategy in ("auto", "balanced", "balanced_low_0", "sequential"):
+            return {"device_map": plan.strategy, "max_memory": dict(plan.max_memory)}
+        return {"device_map": dict(plan.device_map)}
+    return {"device_map": dict(loads.device_map), "bnb_extra": {OFFLOAD_FLAG: True}}
+
+
+def load_kwargs(dtype: str, device: str, bnb: dict | None = None, load: dict | None = None,
+                attn: str | None = None, offload_folder: str | None = None) -> dict:
+    """``from_pretrained``'s keyword arguments as plain data: ``dtype`` by name, ``device`` the one
+    device of an unplaced load, ``bnb`` the ``BitsAndBytesConfig`` arguments (None: no quantization
+    asked), ``load`` a placement (:func:`placed_load`), ``offload_folder`` where disk entries go."""
+    out: dict = {"dtype": dtype}
+    if load:
+        dm = load["device_map"]
+        out["device_map"] = dm if isinstance(dm, str) else {k: accelerate_key(v) for k, v in dm.items()}
+        if load.get("max_memory"):
+            out["max_memory"] = {accelerate_key(k): int(v) for k, v in load["max_memory"].items()}
+        on_disk = "disk" in (load.get("max_memory") or {}) or (isinstance(dm, dict) and "disk" in dm.values())
+        if on_disk and offload_folder:
+            out["offload_folder"] = offload_folder
+        if bnb and load.get("bnb_extra"):
+            bnb = {**bnb, **load["bnb_extra"]}
+    else:
+        out["device_map"] = "cpu" if device == "cpu" else {"": accelerate_key(device) if ":" in device else 0}
+    if bnb:
+        out["quantization_config"] = dict(bnb)
+    if attn and attn != "auto":
+        out["attn_implementation"] = attn
+    return out
+
+
+def from_pretrained_kwargs(quant, device: str, placement=None, attn: str | None = None,
+                           offload_folder: str | None = None) -> dict:
+    """The arguments that load ``quant`` (a :class:`~vramcal.estimator.quant.QuantSpec`) on ``device``,
+    or as ``placement`` places it."""
+    bnb = None if quant.pre_quantized else quant.bnb_config_kwargs()
+    return load_kwargs(quant.dtype, device, bnb, None if placement is None else placed_load(placement), attn,
+                       offload_folder)
+
+
+def materialize(kwargs: dict) -> dict:
+    """The arguments as ``from_pretrained`` takes them: torch dtypes, a ``BitsAndBytesConfig``."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    out = dict(kwargs)
+    out["dtype"] = getattr(torch, kwargs["dtype"])
+    if kwargs.get("quantization_config"):
+        bnb = dict(kwargs["quantization_config"])
+        if "bnb_4bit_compute_dtype" in bnb:
+            bnb["bnb_4bit_compute_dtype"] = getattr(torch, bnb["bnb_4bit_compute_dtype"])
+        out["quantization_config"] = BitsAndBytesConfig(**bnb)
+    return out
+
+
+def hub_ref(source) -> str:
+    """What ``from_pretrained`` is given for a model: the Hub id of a catalog entry, else vramcal's ref."""
+    hub = (source.config.get("_vramcal_catalog") or {}).get("hub_id") if source.origin == "catalog" else None
+    return hub or source.ref
+
+
+def _literal(value) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def python_code(model: str, kwargs: dict, auto_class: str = "AutoModelForCausalLM") -> str:
+    """The load as Python a user can paste."""
+    lines = ["import torch"]
+    bnb = kwargs.get("quantization_config")
+    lines.append(f"from transformers import {auto_class}" + (", BitsAndBytesConfig" if bnb else ""))
+    lines += ["", f"model = {auto_class}.from_pretrained(", f"    {json.dumps(model)},"]
+    for key, value in kwargs.items():
+        if key == "dtype":
+            text = f"torch.{value}"
+        elif key == "quantization_config":
+            text = "BitsAndBytesConfig(" + ", ".join(
+                f"{k}=torch.{v}" if k == "bnb_4bit_compute_dtype" else f"{k}={_literal(v)}"
+                for k, v in value.items()) + ")"
+        elif key == "device_map" and isinstance(value, dict) and len(value) > 4:
+            text = "{\n" + "".join(f"        {_literal(k)}: {_literal(v)},\n" for k, v in value.items()) + "    }"
+        else:
+            text = _literal(value)
+        lines.append(f"    {key}={text},")
+    lines.append(")")
+    return "\n".join(lines)

@@ -1,0 +1,69 @@
+"""An upper bound on decode speed: generated tokens per second, from the bytes each decode step must move.
+
+A decode step reads every weight once and the whole KV cache of every row (the attention of the new
+token looks at every cached position), and produces one token per batch row. Where the bytes sit
+decides how fast they can be read:
+
+- weights and cache held on a GPU are read from its memory, at most at its memory bandwidth;
+- weights offloaded to the CPU are copied to the GPU that runs them at every step (accelerate's hooks:
+  one tensor at a time, then dropped), at most at the host link's bandwidth, and then read there;
+- weights offloaded to disk are read from disk first (no bandwidth is assumed for a disk: the bound is
+  then unknown, and says so).
+
+The layers run one after the other, so the step's time is the sum of these terms, and
+``tokens/s <= batch / step time``. It is a bound, not a prediction: kernels reach 85-92 % of the memory
+bandwidth at best, and accelerate copies from pageable memory, which measured offload runs show at
+0.4-0.5 of the link's rate (docs/plan.md). Pure arithmetic; bandwidths come with their sources
+(:mod:`vramcal.probes.hardware`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DecodeBound:
+    tokens_per_s: float | None  # None: a bandwidth it needs is unknown (``why_none`` says which)
+    seconds_per_step: float | None
+    terms: dict[str, float] = field(default_factory=dict)  # seconds per step: what each device or link takes
+    bandwidths: dict[str, str] = field(default_factory=dict)  # which bandwidth was used where, and its source
+    why_none: str | None = None
+
+
+def decode_bound(estimate, memory_bw: dict, link_bw: dict) -> DecodeBound:
+    """The bound for an :class:`~vramcal.estimator.result.Estimate` (on one GPU, or placed): ``memory_bw``
+    and ``link_bw`` map each GPU to an object with ``bytes_per_s`` (None when unknown) and ``source``."""
+    batch = estimate.batch
+    terms: dict[str, float] = {}
+    used: dict[str, str] = {}
+    missing: list[str] = []
+
+    def take(label: str, nbytes: int, bw, what: str) -> None:
+        if nbytes <= 0:
+            return
+        if bw is None or bw.bytes_per_s is None:
+            missing.append(f"{what} ({bw.source if bw is not None else 'unknown'})")
+            return
+        terms[label] = terms.get(label, 0.0) + nbytes / bw.bytes_per_s
+        used[label] = f"{bw.bytes_per_s / 1e9:,.0f} GB/s, {bw.source}"
+
+    if estimate.devices:
+        loads = estimate.placement.loads
+        for dev, d in estimate.devices.items():
+            if dev.startswith("cuda"):
+                held = d.components["weights"] + d.components["kv_cache"]
+                copied = loads.pcie_bytes_per_token + loads.disk_bytes_per_token if dev == loads.main_device else 0
+                take(f"{dev} memory", held + copied, memory_bw.get(dev), f"{dev}'s memory bandwidth")
+        take(f"host link to {loads.main_device}", loads.pcie_bytes_per_token, link_bw.get(loads.main_device),
+             f"the host link of {loads.main_device}")
+        if loads.disk_bytes_per_token:
+            missing.append("the disk's read bandwidth (vramcal assumes none)")
+    else:
+        dev = "cuda:0" if estimate.device == "cuda" else estimate.device
+        take(f"{dev} memory", estimate.components["weights"] + estimate.components["kv_cache"], memory_bw.get(dev),
+             f"{dev}'s memory bandwidth")
+    if missing:
+        return DecodeBound(None, None, terms, used, "unknown: " + "; ".join(missing))
+    step = sum(terms.values())
+    return DecodeBound(batch / step if step else None, step, terms, used)

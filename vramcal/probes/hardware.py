@@ -1,0 +1,245 @@
+"""The machine a plan is for: its GPUs (how much memory a run may have on each, their memory bandwidth,
+their host link), its RAM and disk.
+
+Two ways to get one:
+
+- :func:`this_machine` reads it through the one NVML door: each GPU's *free* memory (and who holds the
+  rest), its peak memory bandwidth from its memory clock and bus width, its PCIe link (the generation
+  and lanes the slot allows); the available RAM through psutil.
+- :func:`described` takes the sizes a user gives (``--hardware cuda:0=24GiB,cpu=64GiB``: the devices'
+  sizes, not weight budgets) and, for bandwidths, a GPU model's name (``--gpu "RTX 4090"``) looked up in
+  the table of known GPUs (``vramcal/data/gpus.csv``: vendor specifications, each row with its source),
+  or explicit figures (``--bandwidth``).
+
+Every bandwidth carries where it came from; one that cannot be had is ``None`` with the reason, never 0.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+
+from ..errors import UserError
+from ..units import GB, parse_size
+from ..workload import parse_device
+
+# Per lane and direction, after line encoding (8b/10b to Gen2, 128b/130b from Gen3; Gen6's FLIT mode)
+PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    bytes_per_s: int | None
+    source: str  # where the figure comes from, or why there is none
+
+    def __bool__(self) -> bool:
+        return self.bytes_per_s is not None
+
+
+@dataclass
+class GPU:
+    device: str  # cuda:N
+    memory_bytes: int  # what a run may have: the size given, or free now
+    name: str | None = None
+    total_bytes: int | None = None
+    memory_bandwidth: Bandwidth = field(default_factory=lambda: Bandwidth(None, "unknown"))
+    link_bandwidth: Bandwidth = field(default_factory=lambda: Bandwidth(None, "unknown"))
+    held_by: str | None = None  # this machine: who holds the memory that is not free
+
+
+@dataclass
+class Hardware:
+    gpus: list[GPU]
+    cpu_bytes: int  # RAM offloaded weights may take (0: no offload to the CPU)
+    disk_bytes: int | None = None  # room for disk offload, when given
+    source: str = ""
+
+    def sizes(self) -> dict[str, int]:
+        out = {g.device: g.memory_bytes for g in self.gpus}
+        if self.cpu_bytes:
+            out["cpu"] = self.cpu_bytes
+        if self.disk_bytes:
+            out["disk"] = self.disk_bytes
+        return out
+
+    def gpu(self, device: str) -> GPU:
+        return next(g for g in self.gpus if g.device == device)
+
+
+# ------------------------------------------------------------------------------ known GPUs
+
+@dataclass(frozen=True)
+class KnownGPU:
+    name: str
+    memory_gb: float
+    bandwidth_gbps: float
+    pcie_gen: int | None
+    pcie_lanes: int | None
+    source: str
+
+
+@lru_cache(maxsize=1)
+def known_gpus() -> tuple[KnownGPU, ...]:
+    text = resources.files("vramcal").joinpath("data").joinpath("gpus.csv").read_text()
+    out = []
+    for r in csv.DictReader(text.splitlines()):
+        out.append(KnownGPU(r["nvml_name"], float(r["memory_gib"]), float(r["bandwidth_gbps"]),
+                            int(r["pcie_gen"]) if r["pcie_gen"] else None,
+                            int(r["pcie_lanes"]) if r["pcie_lanes"] else None, r["source"]))
+    return tuple(out)
+
+
+def _words(name: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", name.lower().replace("geforce", " ").replace("nvidia", " "))
+
+
+def find_gpu(name: str, total_bytes: int | None = None) -> KnownGPU | None:
+    """The table's row for a GPU model: the NVML name as reported, or a short name a person types
+    ("RTX 4090", "A100 80GB", "H100 SXM"). Whole words only ("L4" is not "L40", "A10" not "A100"); where
+    two rows share a name, the memory size decides. None when nothing matches, or more than one does."""
+    want = _words(name)
+    if not want:
+        return None
+    exact = [g for g in known_gpus() if g.name.lower() == name.lower().strip()]
+    matches = exact or [g for g in known_gpus() if all(w in _words(g.name) for w in want)]
+    if total_bytes is not None and len(matches) > 1:
+        gb = total_bytes / GB
+        near = [g for g in matches if abs(g.memory_gb - gb) <= 0.12 * g.memory_gb]
+        matches = near or matches
+    if len(matches) > 1:  # the shortest name is the plain model ("RTX 4090" rather than "RTX 4090 D")
+        shortest = min(len(_words(g.name)) for g in matches)
+        matches = [g for g in matches if len(_words(g.name)) == shortest]
+    return matches[0] if len(matches) == 1 else None
+
+
+def link_bandwidth(gen: int | None, lanes: int | None, source: str) -> Bandwidth:
+    if not gen or not lanes or gen not in PCIE_GBPS_PER_LANE:
+        return Bandwidth(None, f"PCIe link unknown ({source})")
+    return Bandwidth(int(PCIE_GBPS_PER_LANE[gen] * lanes * GB), f"PCIe Gen{gen} x{lanes}, {source}")
+
+
+def from_table(gpu: GPU, name: str) -> None:
+    """Fill a GPU's bandwidths from the table row of ``name``, where they are unknown."""
+    row = find_gpu(name, gpu.total_bytes or gpu.memory_bytes)
+    if row is None:
+        if not gpu.memory_bandwidth:
+            gpu.memory_bandwidth = Bandwidth(None, f"{name!r} is not in vramcal's table of GPUs: give --bandwidth")
+        return
+    gpu.name = gpu.name or row.name
+    if not gpu.memory_bandwidth:
+        gpu.memory_bandwidth = Bandwidth(int(row.bandwidth_gbps * GB), f"{row.name} specification ({row.source})")
+    if not gpu.link_bandwidth:
+        gpu.link_bandwidth = link_bandwidth(row.pcie_gen, row.pcie_lanes, f"{row.name} specification")
+
+
+# ------------------------------------------------------------------------------ a described machine
+
+def parse_hardware(text: str) -> dict[str, int]:
+    """``--hardware cuda:0=24GiB,cuda:1=12GiB,cpu=64GiB[,disk=500GiB]``: each device's size. One-line
+    UserError for a size that does not parse, zero or negative, a device twice, no GPU."""
+    from ..estimator.placement import parse_max_memory
+
+    try:
+        sizes = parse_max_memory(text)
+    except UserError as exc:
+        raise UserError(str(exc).replace("--max-memory", "--hardware")) from None
+    for dev, n in sizes.items():
+        if n <= 0:
+            raise UserError(f"--hardware {dev}={n}: a device's size must be above zero")
+    if not any(d.startswith("cuda") for d in sizes):
+        raise UserError("--hardware names no GPU: give at least one cuda:N=SIZE, e.g. cuda:0=24GiB,cpu=64GiB")
+    return sizes
+
+
+def parse_bandwidth(text: str | None) -> dict[str, int]:
+    """``--bandwidth cuda:0=1008GB,pcie=25GB``: bytes per second per GPU's memory, and the host link."""
+    out: dict[str, int] = {}
+    if text is None:
+        return out
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        key = key.strip().lower()
+        if not sep or not value.strip():
+            raise UserError(f"cannot read {item.strip()!r} in --bandwidth: write cuda:0=1008GB,pcie=25GB (per second)")
+        if key != "pcie":
+            key = str(parse_device(key, flag="device in --bandwidth"))
+        if key in out:
+            raise UserError(f"--bandwidth names {key} twice")
+        try:
+            n = parse_size(value.strip().removesuffix("/s"))
+        except ValueError as exc:
+            raise UserError(f"--bandwidth {key}: {exc}") from None
+        if n <= 0:
+            raise UserError(f"--bandwidth {key}: a bandwidth must be above zero")
+        out[key] = n
+    return out
+
+
+def described(sizes: dict[str, int], gpu_names: list[str] | None = None,
+              bandwidths: dict[str, int] | None = None) -> Hardware:
+    """A machine the user describes: sizes per device, a GPU model per GPU (one name for all, or one per
+    GPU in order) for the table's bandwidths, explicit bandwidths over both."""
+    gpus = [GPU(d, n, total_bytes=n) for d, n in sizes.items() if d.startswith("cuda")]
+    names = gpu_names or []
+    if names and len(names) not in (1, len(gpus)):
+        raise UserError(f"--gpu names {len(names)} models for {len(gpus)} GPUs: give one for all, or one per GPU")
+    for i, g in enumerate(gpus):
+        if names:
+            name = names[0] if len(names) == 1 else names[i]
+            if find_gpu(name, g.total_bytes) is None:
+                raise UserError(f"--gpu {name!r}: not a GPU in vramcal's table (or it matches several): write its "
+                                "name as nvidia-smi shows it, or give --bandwidth")
+            from_table(g, name)
+    _override(gpus, bandwidths or {})
+    return Hardware(gpus, sizes.get("cpu", 0), sizes.get("disk"), source="as described (--hardware)")
+
+
+def _override(gpus: list[GPU], bandwidths: dict[str, int]) -> None:
+    for g in gpus:
+        if g.device in bandwidths:
+            g.memory_bandwidth = Bandwidth(bandwidths[g.device], "--bandwidth")
+        if "pcie" in bandwidths:
+            g.link_bandwidth = Bandwidth(bandwidths["pcie"], "--bandwidth")
+    unknown = [d for d in bandwidths if d != "pcie" and d not in {g.device for g in gpus}]
+    if unknown:
+        raise UserError(f"--bandwidth names {', '.join(unknown)}, which the machine has not")
+
+
+# ------------------------------------------------------------------------------ this machine
+
+def this_machine(bandwidths: dict[str, int] | None = None) -> Hardware:
+    """This machine now, through the NVML door: free memory per GPU, bandwidths from the GPU's clocks and
+    link (else the table by its name), available RAM. UserError when no GPU can be read."""
+    import psutil
+
+    from . import nvml
+    from .machine import free_memory
+
+    count = nvml.query("nvmlDeviceGetCount")
+    if isinstance(count, nvml.NA) or count < 1:
+        why = count.reason if isinstance(count, nvml.NA) else "none visible"
+        raise UserError(f"no GPU to plan for here ({why}): describe the machine, e.g. --hardware "
+                        "cuda:0=24GiB,cpu=64GiB")
+    gpus = []
+    for i in range(int(count)):
+        fm = free_memory(f"cuda:{i}")
+        if fm.free_bytes is None:
+            raise UserError(f"cannot read the free memory of cuda:{i} ({fm.why_unread}): describe it with --hardware")
+        h = nvml.device_handle(i)
+        info = nvml.device_info(i)
+        name = None if isinstance(info["name"], nvml.NA) else str(info["name"])
+        g = GPU(f"cuda:{i}", fm.free_bytes, name=name, total_bytes=fm.total_bytes, held_by=fm.describe())
+        bw = nvml.memory_bandwidth(h)
+        if not isinstance(bw, nvml.NA):
+            g.memory_bandwidth = Bandwidth(bw, "NVML: 2 x max memory clock x bus width")
+        gen, lanes = nvml.pcie_link(h)
+        if not isinstance(gen, nvml.NA) and not isinstance(lanes, nvml.NA):
+            g.link_bandwidth = link_bandwidth(int(gen), int(lanes), "NVML max link")
+        if name and (not g.memory_bandwidth or not g.link_bandwidth):
+            from_table(g, name)
+        gpus.append(g)
+    _override(gpus, bandwidths or {})
+    return Hardware(gpus, int(psutil.virtual_memory().available), None, source="this machine, now (NVML, psutil)")
