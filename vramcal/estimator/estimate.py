@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 from ..errors import UserError
 from ..units import GB, fmt_gib_gb
 from ..versions import VRAMCAL_VERSION
-from ..workload import (ATTNS, CACHES, KV_DTYPES, NEW_TOKENS, STAGES, Workload, choice, device_kind, parse_device,
-                        workload)
+from ..workload import (ATTNS, CACHES, KV_DTYPES, NEW_TOKENS, STAGES, Workload, choice, device_kind, images_of,
+                        parse_device, workload)
 from .cache import CACHE_PROBLEMS, load_cached, store_cached
 from .correction import CorrectionSet
 from .cpu import CpuStages, cpu_inputs, cpu_resident_stages, out_features
@@ -27,6 +27,7 @@ from .resolve import ModelSource, resolve_model, size_field, text_config
 from .result import DeviceEstimate, Estimate
 from .runtime import RuntimeProfile, default_profile
 from .stages import DeviceLoad, device_stages, model_id, placed_stages, weights_alloc
+from .vision import Images, check_images, plan_images
 
 FIT_TOKENS = (512, 2048, 8192)
 LARGEST_GPU_BYTES = 288 * GB  # the largest memory on one GPU sold today (B300); beyond it, split the model
@@ -53,10 +54,11 @@ class Point:
         return max(self.stages.values())
 
 
-def _act_cache_key(quant: QuantSpec, attn: str, cache: str, kv_dtype: str, target: str) -> QuantSpec:
+def _act_cache_key(quant: QuantSpec, attn: str, cache: str, kv_dtype: str, target: str, images=None) -> QuantSpec:
     from dataclasses import replace
 
-    return replace(quant, name=f"{quant.name}|{attn}|{cache}|{kv_dtype}|{target}")
+    shown = f"|{images.key()}" if images is not None else ""
+    return replace(quant, name=f"{quant.name}|{attn}|{cache}|{kv_dtype}|{target}{shown}")
 
 
 @dataclass(frozen=True)
@@ -74,10 +76,15 @@ class Estimator:
     activation traces) and reuses them across contexts and batches."""
 
     def __init__(self, source: ModelSource, quant: QuantSpec, attn: str = "auto", cache: str = "dynamic",
-                 kv_dtype: str = "auto", use_cache: bool = True, device: str = "cuda", progress=None):
+                 kv_dtype: str = "auto", use_cache: bool = True, device: str = "cuda", progress=None,
+                 images: int = 0, image_size: tuple[int, int] | str | None = None):
+        """``images`` images of ``image_size`` (None: the processor's default size) in every prompt
+        (:mod:`vramcal.estimator.vision`): every estimate of this Estimator holds them."""
         choice(attn, ATTNS, "--attn")
         choice(cache, CACHES, "--cache")
         choice(kv_dtype, KV_DTYPES, "--kv-dtype")
+        images, image_size = images_of(images, image_size)
+        check_images(source.config, images, source.name)
         self.source, self.quant = source, quant
         self.attn, self.cache, self.kv_dtype = attn, cache, kv_dtype
         self.use_cache = use_cache
@@ -86,8 +93,12 @@ class Estimator:
         start = len(CACHE_PROBLEMS)
         self.inv: Inventory = inventory(source, quant, use_cache=use_cache, progress=self._progress)
         self._w_alloc = weights_alloc(self.inv.alloc_sizes)
+        # the config as transformers filled it: what the formulas, the warnings and the image rules read
+        self.config = self.inv.config or source.config
+        self.text_config = text_config(self.config)
+        self.images: Images | None = plan_images(self.config, source.processor, images, image_size, source.name)
         self.device = device_kind(device)
-        self._act_key = _act_cache_key(quant, attn, cache, kv_dtype, self.device)
+        self._act_key = _act_cache_key(quant, attn, cache, kv_dtype, self.device, self.images)
         self._runner = None
         self._kv: list[KVLayer] | None = None
         self._act: ActivationModel | None = None
@@ -97,6 +108,28 @@ class Estimator:
             self._load_act_cache()
         self._problems += CACHE_PROBLEMS[start:]
         del CACHE_PROBLEMS[start:]
+
+    def lm_workload(self, work: Workload) -> Workload:
+        """``work`` as the language model runs it: every row's prompt holds this Estimator's images, whose
+        tokens add to the text prompt."""
+        if self.images is None:
+            return work
+        return Workload(work.prompt + self.images.tokens, work.new_tokens, work.batch)
+
+    def _image_size(self) -> tuple[int, int] | None:
+        return None if self.images is None else (self.images.plan.width, self.images.plan.height)
+
+    def _images_method(self) -> str:
+        im = self.images
+        p = im.plan
+        from .vision import LABELS
+
+        how = "; ".join(f"{k} {v}" for k, v in p.settings.items())
+        return (f"{LABELS.get(p.family, p.family)} processor rules (docs/vision.md): {im.count} image(s) of "
+                f"{p.width}x{p.height}{'' if im.size_given else ' (the processor default size)'}, {p.tokens} "
+                f"tokens each ({p.placeholders} image features + {p.specials} special tokens); the vision "
+                f"encoder runs {p.encoder_images} image(s) of {p.encoder_size[1]}x{p.encoder_size[0]} "
+                f"({p.encoder_tokens} positions each); settings: {how}")
 
     @property
     def on_the_fly(self) -> bool:
@@ -164,22 +197,23 @@ class Estimator:
             runner = self._dry_runner()
             if need_kv:
                 self._progress("measuring the KV cache layout (two tiny prefills on meta tensors)")
-                self._kv = runner.kv_layers()
+                self._kv = runner.kv_layers(images=self.images)
             traces = list(self._act.traces) if self._act else []
             if need_point:
                 self._progress(f"tracing the prefill of {prompt:,} tokens x {batch} and a decode step")
-                traces.append(runner.trace(batch, prompt))
+                traces.append(runner.trace(batch, prompt, self.images))
             if need_fit:
                 for n in FIT_TOKENS:
+                    n += self.images.tokens if self.images is not None else 0
                     if not any(t.batch == 1 and t.tokens == n for t in traces):
                         self._progress(f"tracing {n:,} tokens for the activation fit")
-                        traces.append(runner.trace(1, n))
+                        traces.append(runner.trace(1, n, self.images))
             self._act = fit_activations(traces) if need_fit or (self._act and self._act.prefill) else \
                 ActivationModel(prefill=None, decode=None, traces=traces)
         except UserError:
             raise
         except (RuntimeError, ValueError, TypeError, NotImplementedError, IndexError, KeyError,
-                AttributeError, AssertionError, ImportError) as exc:  # an op the meta device cannot run: formulas, said so
+                AttributeError, AssertionError, ImportError, StopIteration) as exc:  # an op the meta device cannot run: formulas, said so
             self._dry_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             return
         self._store_act_cache()
@@ -189,7 +223,7 @@ class Estimator:
         """KV and transients at ``work``, how each was obtained, and whether a formula stood in."""
         methods: dict[str, str] = {}
         approximate = False
-        tc = text_config(self.source.config)
+        tc = self.text_config
         if self._kv is not None:
             kv_prompt, kv_end = self._kv_prompt(work), self._kv_end(work)
             methods["kv_cache"] = "cache layers of the installed transformers, measured on meta tensors"
@@ -239,7 +273,8 @@ class Estimator:
                  prompt: int | None = None, placement=None) -> Estimate:
         """``placement`` (a :class:`~vramcal.estimator.placement.Placement` of this model and quant) adds
         per-device figures: see :meth:`_place`."""
-        work = workload(ctx, batch, new_tokens, prompt)
+        text = workload(ctx, batch, new_tokens, prompt)
+        work = self.lm_workload(text)  # what the language model runs: the image tokens in the prompt
         device = self._same_kind(device)
         self._ensure_dry_run(work.batch, work.prompt, exact)
         rt = runtime or default_profile(device)
@@ -268,22 +303,32 @@ class Estimator:
             notes += cpu.notes
             if cpu.lower != cpu.upper:
                 ranges = {k: (rt.context_bytes + cpu.lower[k], rt.context_bytes + cpu.upper[k]) for k in STAGES}
-        tc = text_config(self.source.config)
+        tc = self.text_config
         formula, diffs = compare_formula(tc, inv, self.quant, work, components)
         if self.attn_used == "eager":
             notes.append("eager attention materialises batch x heads x seq x seq scores: the prefill grows with ctx^2")
+        vision_peak = None
+        if self.images is not None:
+            methods["images"] = self._images_method()
+            if self._act is not None and methods["activations"] != "formula (dry run unavailable)":
+                vision_peak = self._act.vision_extra(work.batch, work.prompt)
+            else:
+                notes.append("the vision encoder was not traced (the dry run is unavailable): its activations are "
+                             "not in the figures")
         out = Estimate(
             model=self.source.name, architecture=inv.architecture, quant=self.quant.name,
-            quant_implementation=self.quant.implementation, dtype=inv.dtype, ctx=work.ctx, batch=work.batch,
+            quant_implementation=self.quant.implementation, dtype=inv.dtype, ctx=text.ctx, batch=work.batch,
             kv_dtype=self.kv_dtype, attn=self.attn_used, cache=self.cache, device=device,
             components=components, stages=dict(single.stages), allocated=dict(single.allocated),
             peak=single.peak, approximate=inv.approximate or approx, methods=methods,
             weights_breakdown={k: v for k, v in inv.groups.items() if v}, kv_breakdown=kv_by_kind,
             formula=formula, differences=diffs, notes=notes, runtime_source=rt.source,
-            config_hash=self.source.config_hash, prompt=work.prompt, new_tokens=work.new_tokens,
+            config_hash=self.source.config_hash, prompt=text.prompt, new_tokens=work.new_tokens,
             peak_stage=single.peak_stage, peak_breakdown=dict(single.breakdown),
             warnings=_warnings(tc, work, single.peak if placement is None else 0, device, self.quant),
-            ranges=ranges, estimator_model=model_id(device_kind(device)), vramcal_version=VRAMCAL_VERSION)
+            ranges=ranges, estimator_model=model_id(device_kind(device)), vramcal_version=VRAMCAL_VERSION,
+            weights_parts=dict(inv.parts), images=text.images if self.images else 0,
+            image_size=self._image_size(), image_tokens=work.prompt - text.prompt, vision_peak=vision_peak)
         if placement is not None:
             self._place(out, placement, work, parts, runtime)
         return out
@@ -297,7 +342,7 @@ class Estimator:
             else:
                 prompt = [work.batch * (layer.fixed_bytes + layer.bytes_per_token * work.prompt) for layer in self._kv]
             return prompt, self._kv_end_layers(work)
-        n = max(int(size_field(text_config(self.source.config), "num_hidden_layers") or 1), 1)
+        n = max(int(size_field(self.text_config, "num_hidden_layers") or 1), 1)
         return [parts.kv_prompt // n] * n, [parts.kv_end // n] * n
 
     def _device_figures(self, plan, work: Workload, parts: _Parts,
@@ -366,26 +411,27 @@ class Estimator:
         rt = runtime or default_profile(device)
         points = list(points)
         if self._kv is None or self._act is None or self._act.prefill is None:
-            first = workload(*(points[0] if points else (4096, 1)), new_tokens)
+            first = self.lm_workload(workload(*(points[0] if points else (4096, 1)), new_tokens))
             self._ensure_dry_run(first.batch, first.prompt, exact=False)
         if self._kv is None or self._act is None or self._act.prefill is None:
             raise UserError(f"{self.source.name}: the dry run is unavailable ({self._dry_error}); "
                             "use `estimate` for formula-based figures")
         out = []
         for ctx, batch in points:
-            work = workload(ctx, batch, new_tokens)
+            text = workload(ctx, batch, new_tokens)
+            work = self.lm_workload(text)
             parts, _, _ = self._parts(work)
             if placement is not None:
                 per = self._device_figures(placement, work, parts, runtime)
                 devices = {d: dict(v.stages) for d, v in per.items()}
                 stages = {k: sum(v[k] for d, v in devices.items() if d.startswith("cuda")) for k in STAGES}
-                out.append(Point(work.ctx, work.batch, self.quant.name, stages, devices=devices))
+                out.append(Point(text.ctx, work.batch, self.quant.name, stages, devices=devices))
                 continue
             single, cpu = self._single(rt, parts, work)
             upper = None
             if cpu is not None and cpu.lower != cpu.upper:  # the run-to-run top (docs/cpu-memory.md)
                 upper = {k: rt.context_bytes + v for k, v in cpu.upper.items()}
-            out.append(Point(work.ctx, work.batch, self.quant.name, dict(single.stages), upper=upper))
+            out.append(Point(text.ctx, work.batch, self.quant.name, dict(single.stages), upper=upper))
         return out
 
     # ---------------------------------------------------------------- the cache's positions
@@ -445,8 +491,14 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
              device: str = "cuda", runtime: RuntimeProfile | None = None, use_cache: bool = True,
              exact: bool = True, new_tokens: int = NEW_TOKENS, prompt: int | None = None,
              correction: CorrectionSet | None = None, progress=None, max_memory: dict | str | None = None,
-             device_map: str | None = None) -> Estimate:
+             device_map: str | None = None, images: int = 0, image_size: tuple[int, int] | str | None = None
+             ) -> Estimate:
     """Estimate peak memory per stage for ``model`` (anything ``vramcal estimate`` accepts).
+
+    ``images`` images of ``image_size`` (``(width, height)`` or ``"1024x768"``; default: the model's
+    processor's size) in every prompt of a vision-language model (docs/vision.md): their tokens add to the
+    prompt; the result's ``image_tokens`` and ``context`` say how many, ``vision_peak`` what the vision
+    encoder adds while it runs.
 
     ``max_memory`` (``{"cuda:0": bytes, "cpu": bytes}`` or ``"cuda:0=24GiB,cpu=64GiB"``) and ``device_map``
     (``auto`` | ``balanced`` | ``balanced_low_0`` | ``sequential``; ``auto`` when only ``max_memory`` is
@@ -458,10 +510,11 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
     :class:`~vramcal.estimator.correction.CorrectionSet`, e.g. from
     :func:`vramcal.calibrate.corrections.machine_correction`) returns the corrected estimate.
     ``progress(step)`` is told each slow step as it starts."""
-    work = workload(ctx, batch, new_tokens, prompt)
+    work = workload(ctx, batch, new_tokens, prompt, images, image_size)
     kind = device_kind(parse_device(device, default="cuda"))
     placed = placement_request(max_memory, device_map, kind)
     source = model if isinstance(model, ModelSource) else resolve_model(model)
+    check_images(source.config, work.images, source.name)
     spec = resolve_quant(quant, source.config, dtype)
     if source.config.get("quantization_config") and (quant or "auto").lower() != "auto":
         qm = source.config["quantization_config"].get("quant_method", "?")
@@ -474,7 +527,7 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
             progress("planning the placement with transformers' device-map functions")
         plan = plan_placement(source, spec, placed[0], placed[1], use_cache=use_cache)
     est = Estimator(source, spec, attn=attn, cache=cache, kv_dtype=kv_dtype, use_cache=use_cache, device=kind,
-                    progress=progress)
+                    progress=progress, images=work.images, image_size=work.image_size)
     out = est.estimate(batch=work.batch, runtime=runtime, exact=exact, new_tokens=work.new_tokens,
                        prompt=work.prompt, placement=plan)
     return out.corrected(correction) if correction is not None else out

@@ -120,11 +120,27 @@ class Estimate:
     ranges: dict[str, tuple[int, int]] | None = None
     estimator_model: str = ""  # the stage arithmetic that made it (vramcal.estimator.stages.MODEL_IDS)
     vramcal_version: str = ""
+    # A vision-language model (docs/vision.md): the weights by part (model.vision_tower,
+    # model.multi_modal_projector, model.language_model, lm_head); and with images, how many each prompt
+    # holds and their size (width, height), the tokens they add to each prompt (over all its images: the
+    # language model runs prompt + image_tokens), and the vision encoder's own activation peak (what it
+    # adds above what was live when it started; part of first_token), None when not traced.
+    weights_parts: dict[str, int] = field(default_factory=dict)
+    images: int = 0
+    image_size: tuple[int, int] | None = None
+    image_tokens: int = 0
+    vision_peak: int | None = None
 
     # ------------------------------------------------------------------ views
     @property
     def workload(self) -> Workload:
-        return Workload(self.prompt, self.new_tokens, self.batch)
+        return Workload(self.prompt, self.new_tokens, self.batch, self.images,
+                        tuple(self.image_size) if self.image_size else None)
+
+    @property
+    def context(self) -> int:
+        """The whole context the language model holds: ctx (text prompt + new tokens) + image tokens."""
+        return self.ctx + self.image_tokens
 
     @property
     def placed(self) -> bool:
@@ -201,6 +217,8 @@ class Estimate:
         d["ranges"] = None if self.ranges is None else {k: list(v) for k, v in self.ranges.items()}
         if self.placement is not None:
             d["device_map"] = dict(self.placement.device_map)
+        d["image_size"] = None if self.image_size is None else list(self.image_size)
+        d["context"] = self.context
         return d
 
     @classmethod
@@ -220,4 +238,6 @@ class Estimate:
             kw["devices"] = {k: DeviceEstimate.from_dict(v) for k, v in kw["devices"].items()}
         if kw.get("ranges") is not None:
             kw["ranges"] = {k: tuple(v) for k, v in kw["ranges"].items()}
+        if kw.get("image_size") is not None:
+            kw["image_size"] = tuple(kw["image_size"])
         return cls(**kw)
