@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass
 from ..estimator.correction import apply
 from ..estimator.estimate import Estimator, placement_request
 from ..estimator.quant import resolve_quant
-from ..estimator.resolve import resolve_model, size_field, text_config
+from ..estimator.resolve import resolve_model, size_field
+from ..estimator.vision import check_images
 from ..errors import UserError
-from ..workload import MAX_TOKENS, NEW_TOKENS, STAGES, Workload, device_kind
+from ..workload import MAX_TOKENS, NEW_TOKENS, STAGES, Workload, device_kind, images_of
 from .corrections import lookup, lookup_device, lookup_store
 
 FIT_QUANTS = ("bf16", "int8", "nf4-dq", "nf4")
@@ -35,13 +36,16 @@ class FitRow:
     peak_bytes: int | None
     device_peaks: dict[str, int] | None = None  # a placement: each GPU's peak at max_ctx
     error: str | None = None
+    images: int = 0  # images in every prompt (their tokens come on top of max_ctx)
+    image_size: tuple[int, int] | None = None
 
     @property
     def workload(self) -> list[str] | None:
         """The flags that reproduce the row's workload, when it has one."""
         if self.max_ctx is None:
             return None
-        return Workload(self.max_ctx - self.new_tokens, self.new_tokens, self.batch).args()
+        return Workload(self.max_ctx - self.new_tokens, self.new_tokens, self.batch, self.images,
+                        self.image_size).args()
 
     def to_dict(self) -> dict:
         return {**asdict(self), "workload": self.workload}
@@ -55,15 +59,19 @@ class FitResult:
 
 def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: str | None, buffer: int,
                  quants=FIT_QUANTS, batches=FIT_BATCHES, new_tokens: int = NEW_TOKENS,
-                 max_memory: dict | str | None = None, device_map: str | None = None) -> FitResult:
+                 max_memory: dict | str | None = None, device_map: str | None = None, images: int = 0,
+                 image_size=None) -> FitResult:
     """The largest ctx (prompt + ``new_tokens``) per quant and batch whose corrected estimate, at the p95
     of this machine's residuals, stays within ``budget - buffer``; searched up to the model's
     ``max_position_embeddings``. ``budget`` is one figure, or with a placement one per GPU
-    ({"cuda:0": bytes, ...}; a single figure applies to each GPU)."""
+    ({"cuda:0": bytes, ...}; a single figure applies to each GPU). ``images`` of ``image_size`` sit in
+    every prompt: their tokens come on top of the ctx found (docs/vision.md)."""
     from ..probes.machine import machine_fingerprint
 
+    images, image_size = images_of(images, image_size)
     placed = placement_request(max_memory, device_map, device)
     source = resolve_model(model)
+    check_images(source.config, images, source.name)
     main = device if placed is None else next(d for d in placed[0] if d.startswith("cuda"))
     fp = machine_fingerprint(main)
     gpus = [d for d in placed[0] if d.startswith("cuda")] if placed else [device]
@@ -83,12 +91,14 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
             corr_by_quant = {}
             notes.append(f"no correction applied: {exc}")
     budgets = budget if isinstance(budget, dict) else {d: budget for d in gpus}
-    max_ctx = min(int(size_field(text_config(source.config), "max_position_embeddings") or 131072), MAX_TOKENS)
     kind = device_kind(device)
     rows = []
     for q in quants:
         spec = resolve_quant(q, source.config)
-        est = Estimator(source, spec, device=kind)
+        est = Estimator(source, spec, device=kind, images=images, image_size=image_size)
+        image_tokens = est.images.tokens if est.images is not None else 0
+        limit = int(size_field(est.text_config, "max_position_embeddings") or 131072)
+        max_ctx = min(max(limit - image_tokens, new_tokens + 1), MAX_TOKENS)
         plan = None
         if placed is not None:
             from ..estimator.placement import plan_placement
@@ -115,7 +125,8 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
             lo, hi = new_tokens + 1, max(max_ctx, new_tokens + 1)
             bad, peak, per = over(lo, b)
             if bad:
-                rows.append(FitRow(q, b, None, new_tokens, peak, per if plan is not None else None))
+                rows.append(FitRow(q, b, None, new_tokens, peak, per if plan is not None else None, images=images,
+                                   image_size=image_size))
                 continue
             while lo < hi:  # largest ctx within every budget
                 mid_c = (lo + hi + 1) // 2
@@ -124,5 +135,6 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
                 else:
                     hi = mid_c - 1
             _, peak, per = over(lo, b)
-            rows.append(FitRow(q, b, lo, new_tokens, peak, per if plan is not None else None))
+            rows.append(FitRow(q, b, lo, new_tokens, peak, per if plan is not None else None, images=images,
+                               image_size=image_size))
     return FitResult(rows, notes)

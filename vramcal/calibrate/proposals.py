@@ -93,7 +93,7 @@ def ladder(quant: str, work: Workload, prefer: str, requantize: bool = True,
     lq = "lowest quant, " if low != quant else ""  # say a quantization changed only where one did
 
     def w(ctx: int = work.ctx, batch: int = work.batch) -> Workload:
-        return Workload(ctx - work.new_tokens, work.new_tokens, batch)
+        return Workload(ctx - work.new_tokens, work.new_tokens, batch, work.images, work.image_size)
 
     steps: list[tuple] = []
     if prefer == "quality":
@@ -155,7 +155,7 @@ def propose(source: ModelSource, quant: str, work: Workload, usable: int, correc
     def estimator(q: str, kv: str = "auto") -> Estimator:
         if (q, kv) not in estimators:
             estimators[(q, kv)] = Estimator(source, resolve_quant(q, source.config), attn=attn, kv_dtype=kv,
-                                            device=kind)
+                                            device=kind, images=work.images, image_size=work.image_size)
         return estimators[(q, kv)]
 
     def raw_peak(q: str) -> int:

@@ -124,7 +124,7 @@ class Estimator:
         p = im.plan
         from .vision import LABELS
 
-        how = "; ".join(f"{k} {v}" for k, v in p.settings.items())
+        how = "; ".join(f"{k} {v} ({where})" for k, (v, where) in p.settings.items())
         return (f"{LABELS.get(p.family, p.family)} processor rules (docs/vision.md): {im.count} image(s) of "
                 f"{p.width}x{p.height}{'' if im.size_given else ' (the processor default size)'}, {p.tokens} "
                 f"tokens each ({p.placeholders} image features + {p.specials} special tokens); the vision "
@@ -327,7 +327,7 @@ class Estimator:
             peak_stage=single.peak_stage, peak_breakdown=dict(single.breakdown),
             warnings=_warnings(tc, work, single.peak if placement is None else 0, device, self.quant),
             ranges=ranges, estimator_model=model_id(device_kind(device)), vramcal_version=VRAMCAL_VERSION,
-            weights_parts=dict(inv.parts), images=text.images if self.images else 0,
+            weights_parts=dict(inv.parts), images=self.images.count if self.images else 0,
             image_size=self._image_size(), image_tokens=work.prompt - text.prompt, vision_peak=vision_peak)
         if placement is not None:
             self._place(out, placement, work, parts, runtime)

@@ -55,7 +55,8 @@ class ImagePlan:
     grid: tuple[int, int, int] | None = None  # Qwen's image_grid_thw
     tiles: tuple[int, int] | None = None  # Idefics3: (rows, cols); Mllama: (tiles high, tiles wide)
     patch_values: int | None = None  # Qwen: values per flattened patch (3 x temporal x patch x patch)
-    settings: dict = field(default_factory=dict, compare=False, hash=False)  # {setting: "value (source)"}
+    # {setting: [value, where it came from]}: the processor file, the model config or a class default
+    settings: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def placeholders(self) -> int:
@@ -110,10 +111,10 @@ class _Settings:
 
     def __init__(self, processor: dict | None):
         self.pre, self.proc = _files(processor)
-        self.used: dict[str, str] = {}
+        self.used: dict[str, list] = {}
 
     def note(self, name: str, value, source: str):
-        self.used[name] = f"{value} ({source})"
+        self.used[name] = [value, source]
         return value
 
     def pick(self, name: str, *candidates):
@@ -559,3 +560,39 @@ def decode_inputs(images: Images, prefill: dict) -> dict:
     if images.plan.family == "mllama" and mask is not None:
         return {"cross_attention_mask": mask[:, -1:].clone()}
     return {}
+
+
+# Where a plan's setting lives in the family's image processor (None: the model's, not the processor's)
+_PROCESSOR_KEYS = {
+    "gemma3": {"size": lambda v: {"size": {"height": v, "width": v}}, "do_pan_and_scan": "do_pan_and_scan",
+               "pan_and_scan_min_crop_size": "pan_and_scan_min_crop_size",
+               "pan_and_scan_max_num_crops": "pan_and_scan_max_num_crops",
+               "pan_and_scan_min_ratio_to_activate": "pan_and_scan_min_ratio_to_activate"},
+    "qwen": {"min_pixels": "min_pixels", "max_pixels": "max_pixels", "patch_size": "patch_size",
+             "merge_size": "merge_size", "temporal_patch_size": "temporal_patch_size"},
+    "llava": {"crop_size": lambda v: {"crop_size": {"height": v, "width": v}, "size": {"shortest_edge": v}}},
+    "idefics3": {"max_image_size": lambda v: {"max_image_size": {"longest_edge": v}},
+                 "size.longest_edge": lambda v: {"size": {"longest_edge": v}},
+                 "do_image_splitting": "do_image_splitting"},
+    "mllama": {"size": lambda v: {"size": {"height": v, "width": v}}, "max_image_tiles": "max_image_tiles"},
+}
+
+
+def image_processor_settings(plan: ImagePlan, processor: dict | None) -> dict:
+    """Keyword arguments for the family's image processor that make it do what ``plan`` says: the
+    checkpoint's preprocessor_config.json, plus each setting the plan took from the model config or a
+    class default (a checkpoint without the file)."""
+    pre, _ = _files(processor)
+    out = {k: v for k, v in pre.items() if k not in ("image_processor_type", "processor_class", "auto_map",
+                                                     "image_seq_length")}
+    fam = "qwen" if plan.family in ("qwen2_vl", "qwen2_5_vl") else plan.family
+    for name, (value, source) in plan.settings.items():
+        key = _PROCESSOR_KEYS.get(fam, {}).get(name)
+        if key is None or source == PREPROCESSOR:
+            continue
+        out.update(key(value) if callable(key) else {key: value})
+    if fam == "qwen":  # the class reads min / max pixels from size
+        out["size"] = {"shortest_edge": plan.settings["min_pixels"][0], "longest_edge": plan.settings["max_pixels"][0]}
+        out.pop("min_pixels", None)
+        out.pop("max_pixels", None)
+    return out
