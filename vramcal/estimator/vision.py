@@ -35,6 +35,7 @@ from ..errors import UserError
 
 PREPROCESSOR = "preprocessor_config.json"
 PROCESSOR = "processor_config.json"
+CALL = "call"  # what a caller passes to processor(...) itself (Gemma 3's do_pan_and_scan=True), beside the files
 
 IDEFICS3_MAX_SIDE = 4096  # transformers' MAX_IMAGE_SIZE in idefics3's image processor
 
@@ -111,6 +112,8 @@ class _Settings:
 
     def __init__(self, processor: dict | None):
         self.pre, self.proc = _files(processor)
+        call = (processor or {}).get(CALL)
+        self.call = call if isinstance(call, dict) else {}
         self.used: dict[str, list] = {}
 
     def note(self, name: str, value, source: str):
@@ -170,16 +173,18 @@ def gemma3_plan(config: dict, processor: dict | None, width: int, height: int) -
     patch = _int(s.pick("patch_size", (vc.get("patch_size"), "vision_config")), "patch_size")
     per = _int(s.pick("tokens per image", (config.get("mm_tokens_per_image"), "mm_tokens_per_image")),
                "mm_tokens_per_image")
-    pas = bool(s.pick("do_pan_and_scan", (s.pre.get("do_pan_and_scan"), PREPROCESSOR),
-                      (False, "processor default")))
+    # Gemma3Processor hands its own defaults for pan-and-scan to the image processor at every call, over
+    # whatever preprocessor_config.json says: only a caller's own argument turns it on
+    default = "Gemma3Processor default (it overrides the preprocessor file)"
+    pas = bool(s.pick("do_pan_and_scan", (s.call.get("do_pan_and_scan"), CALL), (False, default)))
     crops = 0
     if pas:
-        min_crop = _int(s.pick("pan_and_scan_min_crop_size", (s.pre.get("pan_and_scan_min_crop_size"), PREPROCESSOR),
-                               (256, "processor default")), "pan_and_scan_min_crop_size")
-        max_crops = _int(s.pick("pan_and_scan_max_num_crops", (s.pre.get("pan_and_scan_max_num_crops"), PREPROCESSOR),
-                                (4, "processor default")), "pan_and_scan_max_num_crops")
+        min_crop = _int(s.pick("pan_and_scan_min_crop_size", (s.call.get("pan_and_scan_min_crop_size"), CALL),
+                               (256, default)), "pan_and_scan_min_crop_size")
+        max_crops = _int(s.pick("pan_and_scan_max_num_crops", (s.call.get("pan_and_scan_max_num_crops"), CALL),
+                                (4, default)), "pan_and_scan_max_num_crops")
         ratio = s.pick("pan_and_scan_min_ratio_to_activate",
-                       (s.pre.get("pan_and_scan_min_ratio_to_activate"), PREPROCESSOR), (1.2, "processor default"))
+                       (s.call.get("pan_and_scan_min_ratio_to_activate"), CALL), (1.2, default))
         crops = pan_and_scan_crops(width, height, min_crop, max_crops, float(ratio))
     n = 1 + crops
     return ImagePlan("gemma3", width, height, tokens=n * (per + 2), blocks=(per,) * n, encoder_images=n,
@@ -589,7 +594,7 @@ def image_processor_settings(plan: ImagePlan, processor: dict | None) -> dict:
     for name, (value, source) in plan.settings.items():
         key = _PROCESSOR_KEYS.get(fam, {}).get(name)
         if key is None or source == PREPROCESSOR:
-            continue
+            continue  # the model's own setting, or one the file already gives
         out.update(key(value) if callable(key) else {key: value})
     if fam == "qwen":  # the class reads min / max pixels from size
         out["size"] = {"shortest_edge": plan.settings["min_pixels"][0], "longest_edge": plan.settings["max_pixels"][0]}
