@@ -377,3 +377,46 @@ def test_json_reports_image_tokens_and_context(tiny_vlms):
     assert set(d["weights_parts"]) == {"model.vision_tower", "model.multi_modal_projector", "model.language_model"}
     assert d["vision_peak"] > 0 and "Gemma 3 processor rules" in d["methods"]["images"]
     assert Estimate.from_dict(d).to_dict() == d
+
+
+def test_cached_estimate_with_images_does_not_import_torch(tiny_vlms, tmp_path):
+    """The image rules are pure: a second estimate of the same images reads the cached inventory (with the
+    config transformers filled) and the cached traces, and imports no torch; other images are traced."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VRAMCAL_CACHE": str(tmp_path / "c"), "VRAMCAL_DB": str(tmp_path / "none.db")}
+    args = [sys.executable, "-c",
+            "import sys; from vramcal.cli import main; rc = main(sys.argv[1:]); "
+            "print('TORCH' if 'torch' in sys.modules else 'NOTORCH', file=sys.stderr); sys.exit(rc)",
+            "estimate", tiny_vlms["qwen2_5_vl"], "--quant", "nf4", "--prompt", "40", "--images", "2", "--json"]
+    first = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert first.returncode == 0 and first.stderr.split()[-1] == "TORCH", first.stderr
+    again = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert again.returncode == 0 and again.stderr.split()[-1] == "NOTORCH", again.stderr
+    assert json.loads(again.stdout)["stages"] == json.loads(first.stdout)["stages"]
+    other = subprocess.run(args + ["--image-size", "56x56"], capture_output=True, text=True, env=env)
+    assert other.returncode == 0 and other.stderr.split()[-1] == "TORCH", other.stderr
+    assert json.loads(other.stdout)["image_tokens"] < json.loads(first.stdout)["image_tokens"]
+
+
+def test_fit_keeps_the_vision_encoder_apart(tiny_vlms):
+    """Between traced points (--fast, fit, proposals) the prefill is the larger of the vision encoder's
+    window and the fitted rest, and the fit's shortest point is the images and a few words: for Mllama
+    with two images (8 tiles) under a short prompt the fit stays within 10 % of the traced figure, where
+    the rest of the prefill alone is 20 % short; the fit read back from the disk cache is the same."""
+    from vramcal.estimator.estimate import Estimator
+
+    source = resolve_model(tiny_vlms["mllama"])
+    spec = resolve_quant("auto", source.config)
+    exact = Estimator(source, spec, images=2, image_size=(112, 112), use_cache=False).estimate(prompt=40)
+    est = Estimator(source, spec, images=2, image_size=(112, 112))
+    fitted = est.estimate(prompt=40, exact=False)
+    assert fitted.methods["activations"].startswith("fit over")
+    assert abs(fitted.components["activations"] - exact.components["activations"]) <= 0.1 * exact.components["activations"]
+    assert abs(fitted.vision_peak - exact.vision_peak) <= 0.1 * exact.vision_peak
+    est._act.vision = None  # the rest of the prefill alone
+    assert est.estimate(prompt=40, exact=False).components["activations"] < 0.9 * exact.components["activations"]
+    again = Estimator(source, spec, images=2, image_size=(112, 112)).estimate(prompt=40, exact=False)
+    assert again.components == fitted.components and again.vision_peak == fitted.vision_peak

@@ -30,6 +30,9 @@ from .stages import DeviceLoad, device_stages, model_id, placed_stages, weights_
 from .vision import Images, check_images, plan_images
 
 FIT_TOKENS = (512, 2048, 8192)
+# with images every prompt holds their tokens: the fit's shortest point is the images and a few words,
+# where the vision encoder's window often sets the prefill (text tokens, the image tokens come on top)
+FIT_TOKENS_IMAGES = (16, 2048, 8192)
 LARGEST_GPU_BYTES = 288 * GB  # the largest memory on one GPU sold today (B300); beyond it, split the model
 LARGEST_HOST_BYTES = 64 * 1024**4  # 64 TiB: beyond any single host's memory
 
@@ -148,7 +151,9 @@ class Estimator:
             if act is not None:
                 model = ActivationModel(prefill=tuple(act["prefill"]) if act["prefill"] else None,
                                         decode=tuple(act["decode"]) if act["decode"] else None,
-                                        traces=[Trace(**t) for t in act["traces"]])
+                                        traces=[Trace(**t) for t in act["traces"]],
+                                        vision=tuple(act["vision"]) if act.get("vision") else None,
+                                        vision_own=tuple(act["vision_own"]) if act.get("vision_own") else None)
             attn_used = str(data["attn_used"])
             sane = all(k.bytes_per_token >= 0 and k.fixed_bytes >= 0 for k in kv) and all(
                 t.prefill_peak_bytes >= t.cache_bytes >= 0 and t.decode_peak_bytes >= 0
@@ -167,7 +172,9 @@ class Estimator:
             return
         act = {"prefill": list(self._act.prefill) if self._act.prefill else None,
                "decode": list(self._act.decode) if self._act.decode else None,
-               "traces": [asdict(t) for t in self._act.traces]}
+               "traces": [asdict(t) for t in self._act.traces],
+               "vision": list(self._act.vision) if self._act.vision else None,
+               "vision_own": list(self._act.vision_own) if self._act.vision_own else None}
         store_cached(self.source, self._act_key, {"kv": [asdict(k) for k in self._kv], "act": act,
                                                    "attn_used": self.attn_used}, kind="activations")
 
@@ -203,7 +210,7 @@ class Estimator:
                 self._progress(f"tracing the prefill of {prompt:,} tokens x {batch} and a decode step")
                 traces.append(runner.trace(batch, prompt, self.images))
             if need_fit:
-                for n in FIT_TOKENS:
+                for n in FIT_TOKENS if self.images is None else FIT_TOKENS_IMAGES:
                     n += self.images.tokens if self.images is not None else 0
                     if not any(t.batch == 1 and t.tokens == n for t in traces):
                         self._progress(f"tracing {n:,} tokens for the activation fit")
