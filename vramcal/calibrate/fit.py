@@ -97,6 +97,10 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
         spec = resolve_quant(q, source.config)
         est = Estimator(source, spec, device=kind, images=images, image_size=image_size)
         image_tokens = est.images.tokens if est.images is not None else 0
+        if est.images is not None and q == quants[0]:
+            p = est.images.plan
+            notes.append(f"every prompt holds {images} image(s) of {p.width}x{p.height} ({image_tokens} image tokens): "
+                         "max ctx is the text, the image tokens come on top")
         limit = int(size_field(est.text_config, "max_position_embeddings") or 131072)
         max_ctx = min(max(limit - image_tokens, new_tokens + 1), MAX_TOKENS)
         plan = None
