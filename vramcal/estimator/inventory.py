@@ -24,7 +24,7 @@ from ..errors import UserError
 from ..versions import software_versions
 from .cache import CACHE_PROBLEMS, load_cached, store_cached
 from .checkpoint import checkpoint_tensors, tensor_bytes
-from .meta import UnknownArchitecture, build_meta_model, import_bitsandbytes
+from .meta import UnknownArchitecture, _first_line, build_meta_model, import_bitsandbytes
 from .quant import (
     DTYPE_BYTES,
     QuantSpec,
@@ -105,11 +105,13 @@ def _compute(source: ModelSource, quant: QuantSpec) -> Inventory:
     try:
         return meta_inventory(source, quant)
     except ImportError as exc:
-        inv = formula_inventory(source, quant)
-        inv.notes.append(f"transformers could not be used ({exc}); weights from a formula")
+        why = f"transformers could not build it ({_first_line(exc)})"
+        inv = formula_inventory(source, quant, why)
+        inv.notes.append(f"{why}; weights from a formula")
         return inv
     except UnknownArchitecture as exc:
-        inv = formula_inventory(source, quant)
+        inv = formula_inventory(source, quant, f"the installed transformers does not know model_type "
+                                               f"{text_config(source.config).get('model_type')!r}")
         inv.notes.append(f"the installed transformers does not know this architecture ({exc}); weights from a formula")
         return inv
 
@@ -367,14 +369,14 @@ def checkpoint_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
         software=software_versions(), config=_plain_config(source.config))
 
 
-def formula_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
-    """A Llama-shaped count from config fields, for architectures transformers cannot build here."""
+def formula_inventory(source: ModelSource, quant: QuantSpec, why: str = "transformers cannot build it") -> Inventory:
+    """A Llama-shaped count from config fields, for architectures transformers cannot build here
+    (``why``: what stopped it, said when the config lacks the fields the formula needs)."""
     tc = text_config(source.config)
     missing = missing_fields(source.config)
     if missing:
-        raise UserError(f"{source.name}: the installed transformers does not know model_type "
-                        f"{tc.get('model_type')!r}, so it cannot fill the fields the config leaves out, and it does "
-                        f"not give {', '.join(missing)}: give them, or use a transformers that knows this model")
+        raise UserError(f"{source.name}: {why}, so nothing fills the fields the config leaves out, and it does "
+                        f"not give {', '.join(missing)}: give them, or use a transformers that builds this model")
     h = int(size_field(tc, "hidden_size"))
     layers = int(size_field(tc, "num_hidden_layers"))
     heads = int(size_field(tc, "num_attention_heads"))
