@@ -27,7 +27,7 @@ from .resolve import ModelSource, resolve_model, size_field, text_config
 from .result import DeviceEstimate, Estimate
 from .runtime import RuntimeProfile, default_profile
 from .stages import DeviceLoad, device_stages, model_id, placed_stages, weights_alloc
-from .vision import Images, check_images, plan_images
+from .vision import LABELS, Images, check_images, plan_images
 
 FIT_TOKENS = (512, 2048, 8192)
 # with images every prompt holds their tokens: the fit's shortest point is the images and a few words,
@@ -125,8 +125,6 @@ class Estimator:
     def _images_method(self) -> str:
         im = self.images
         p = im.plan
-        from .vision import LABELS
-
         how = "; ".join(f"{k} {v} ({where})" for k, (v, where) in p.settings.items())
         return (f"{LABELS.get(p.family, p.family)} processor rules (docs/vision.md): {im.count} image(s) of "
                 f"{p.width}x{p.height}{'' if im.size_given else ' (the processor default size)'}, {p.tokens} "
