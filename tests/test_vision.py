@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers import cache_bytes, held_tensors
 from transformers import AutoModelForImageTextToText, BitsAndBytesConfig, DynamicCache
-from vlm_models import PREPROCESSOR, TINY_VLM
+from vlm_models import TINY_VLM
 
 from vramcal.estimator import vision
 from vramcal.estimator.estimate import estimate

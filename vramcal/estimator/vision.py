@@ -22,14 +22,14 @@ text prompt.
 | Gemma 3 | (1 + crops) x (mm_tokens_per_image + 2); crops only with pan-and-scan | (1 + crops) images at the vision size (896) |
 | Qwen2-VL / 2.5-VL | (h/28)(w/28) + 2 after smart resize between min and max pixels | (h/14)(w/14) patches, one sequence |
 | LLaVA(-1.5) | (S/p)^2 (+1 CLS with "full" feature selection) | 1 image at S (336) |
-| Idefics3 / SmolVLM | (r*c + 1) x image_seq_len + 3 r*c... see :func:`idefics3_plan` | r*c tiles + 1 global image |
+| Idefics3 / SmolVLM | (r*c + 1) x seq + 2 r*c + 3 (:func:`idefics3_plan`) | r*c tiles + 1 global image |
 | Mllama | 1 (the image enters through cross-attention) | max_num_tiles tiles of 560, padded ones too |
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from ..errors import UserError
 
@@ -66,21 +66,6 @@ class ImagePlan:
     @property
     def specials(self) -> int:
         return self.tokens - self.placeholders
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["blocks"] = list(self.blocks)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ImagePlan:
-        d = dict(d)
-        d["blocks"] = tuple(d["blocks"])
-        d["encoder_size"] = tuple(d["encoder_size"])
-        for key in ("grid", "tiles"):
-            if d.get(key) is not None:
-                d[key] = tuple(d[key])
-        return cls(**d)
 
 
 # --------------------------------------------------------------------------------------------- families
