@@ -5,7 +5,7 @@ On the device machine (its image has no bitsandbytes: carry the wheel, docs/vali
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     python benchmarks/gpu_session.py --device cuda:0 --out "$OUT" --budget-s 420
 
-Three parts, each with its own share of the time budget, each writing as it goes (a part cut short
+Four parts, each with its own share of the time budget, each writing as it goes (a part cut short
 still leaves its rows):
 
 1. ``validate``  -- benchmarks/validate.py's matrix on the GPU: ``<out>/gpu.csv``, the CSV that
@@ -19,12 +19,15 @@ still leaves its rows):
    quantization needs offload there), then its first offloaded plan probed as planned (synthetic
    weights): ``<out>/plan.json`` with the plan and the planned beside the measured peak per device
    (commit it to docs/validation/plan/);
-5. ``vllm``      -- when vLLM imports on the machine (carried as wheels: docs/vllm.md), one
+5. ``vlm``       -- Qwen2.5-VL-7B in nf4 with one 1024 x 1024 image (docs/vision.md): the whole vision
+   tower, the language model cut to 4 layers at its real widths, random weights; ``<out>/vlm.json`` with
+   the estimate, the probe's stages and its vision-encoder reading;
+6. ``vllm``      -- when vLLM imports on the machine (carried as wheels: docs/vllm.md), one
    ``vramcal probe --engine vllm --synthetic`` (vLLM's dummy weights, no download): ``<out>/vllm-probe.json``
    with the predicted and the logged startup terms side by side (commit it to docs/validation/vllm/).
 
-``--device cpu --quick`` runs parts 1 and 2 on tiny models on the CPU (the tests do); parts 3 and 4 need a
-GPU and say so, as part 5 does without vLLM.
+``--device cpu --quick`` runs parts 1 and 2 on tiny models on the CPU (the tests do); parts 3 to 5 need a
+GPU and say so, as part 6 does without vLLM.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-SHARES = {"validate": 0.35, "widths": 0.27, "offload": 0.13, "plan": 0.12, "vllm": 0.13}
+SHARES = {"validate": 0.32, "widths": 0.25, "offload": 0.11, "plan": 0.10, "vlm": 0.11, "vllm": 0.11}
 
 
 def part_validate(args, budget_s: float) -> str:
@@ -143,6 +146,33 @@ def part_vllm(args, budget_s: float) -> str:
     return "vllm-probe.json"
 
 
+def part_vlm(args, budget_s: float) -> str:
+    """Qwen2.5-VL-7B, nf4, one 1024 x 1024 image, a 512-token prompt and 64 new tokens; the language model
+    cut to 4 layers (the vision tower whole), estimated and probed with the same cut config."""
+    import gpu_validate
+
+    from vramcal.estimator.estimate import estimate
+    from vramcal.estimator.resolve import resolve_model
+    from vramcal.probes.probe import run_probe
+
+    if not args.device.startswith("cuda"):
+        print("vlm: skipped, it needs a GPU (Qwen2.5-VL-7B's vision tower alone is 1.3 GB of random weights)",
+              file=sys.stderr)
+        return ""
+    model = Path(args.out) / "qwen2.5-vl-7b-4layers"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(gpu_validate._config_for("qwen2.5-vl-7b", 4)))
+    for name, data in resolve_model("qwen2.5-vl-7b").processor.items():
+        (model / name).write_text(json.dumps(data))
+    est = estimate(str(model), "nf4", ctx=512 + 64, new_tokens=64, images=1, image_size=(1024, 1024), device="cuda")
+    r = run_probe(str(model), "nf4", 512 + 64, 1, device=args.device, synthetic=True, keep_samples=False,
+                  new_tokens=64, images=1, image_size=(1024, 1024), timeout_s=budget_s, estimate=est)
+    out = {"command": r.command, "status": r.status, "error": r.error, "estimate": est.to_dict(),
+           "probe": r.to_dict(samples=False), "notes": r.notes}
+    (Path(args.out) / "vlm.json").write_text(json.dumps(out, indent=1, default=str))
+    return "vlm.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
@@ -160,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         t = time.monotonic()
         try:
             done[part] = {"file": {"validate": part_validate, "widths": part_widths,
-                                   "offload": part_offload, "plan": part_plan, "vllm": part_vllm}[part](args, share)}
+                                   "offload": part_offload, "plan": part_plan, "vlm": part_vlm,
+                                   "vllm": part_vllm}[part](args, share)}
         except Exception as exc:  # noqa: BLE001 -- one part failing must not lose the others' rows
             done[part] = {"error": f"{type(exc).__name__}: {exc}"}
         done[part]["seconds"] = round(time.monotonic() - t, 1)

@@ -36,13 +36,18 @@ def _config_for(model: str, layers: int | None) -> dict:
 
     cfg = dict(resolve_model(model).config)
     if layers:
-        n = int(cfg.get("num_hidden_layers", layers))
-        cfg["num_hidden_layers"] = min(n, layers)
-        if isinstance(cfg.get("layer_types"), list):
-            cfg["layer_types"] = cfg["layer_types"][: cfg["num_hidden_layers"]]
+        # a vision-language config holds its language model's depth in text_config (the vision tower
+        # keeps its own depth)
+        text = cfg
+        if isinstance(cfg.get("text_config"), dict):
+            text = cfg["text_config"] = dict(cfg["text_config"])
+        n = int(text.get("num_hidden_layers", layers))
+        text["num_hidden_layers"] = min(n, layers)
+        if isinstance(text.get("layer_types"), list):
+            text["layer_types"] = text["layer_types"][: text["num_hidden_layers"]]
         for key in ("max_window_layers",):
-            if key in cfg:
-                cfg[key] = min(cfg[key], cfg["num_hidden_layers"])
+            if key in text:
+                text[key] = min(text[key], text["num_hidden_layers"])
     return cfg
 
 

@@ -60,6 +60,15 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     return {name: save_tiny(name, cfg, root) for name, cfg in TINY.items()}
 
 
+@pytest.fixture(scope="session")
+def tiny_vlms(tmp_path_factory) -> dict[str, str]:
+    """Tiny vision-language checkpoints of each family (tests/vlm_models.py)."""
+    from vlm_models import TINY_VLM, save_tiny_vlm
+
+    root = tmp_path_factory.mktemp("tiny-vlm")
+    return {name: save_tiny_vlm(name, root) for name in TINY_VLM}
+
+
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
     """Each test gets its own inventory cache directory, so no test reads another's results."""

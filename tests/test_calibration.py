@@ -165,8 +165,10 @@ def test_every_ladder_step_is_a_command_the_parser_accepts():
 
     steps = 0
     for prefer in POLICIES:
-        for quant, requantize in (("bf16", True), ("auto", False)):
-            for q, w, kv, *_ in ladder(quant, Workload(8000, 192, 4), prefer, requantize):
+        for quant, requantize, work in (("bf16", True, Workload(8000, 192, 4)), ("auto", False, Workload(8000, 192, 4)),
+                                        ("nf4", True, Workload(8000, 192, 4, 2, (1024, 768)))):
+            for q, w, kv, *_ in ladder(quant, work, prefer, requantize):
+                assert (w.images, w.image_size) == (work.images, work.image_size)
                 cmd = Configuration("llama-3.1-8b", w, quant=q, device="cuda:1", kv_dtype=kv, attn="eager",
                                     synthetic=True).command("check")
                 c = config_of_command(cmd)
@@ -188,7 +190,8 @@ def test_memo_recheck_replays_a_prequantized_runs_command(model, tmp_path):
 
 def test_bad_input_to_check_writes_nothing(model, tmp_path):
     db = tmp_path / "never.db"
-    for extra in (["--device", "cuda:3"], ["--ctx", "8"], ["--dtype", "int4"], ["--buffer", "1TiB"]):
+    for extra in (["--device", "cuda:3"], ["--ctx", "8"], ["--dtype", "int4"], ["--buffer", "1TiB"],
+                  ["--images", "1"], ["--images", "1", "--image-size", "1x"], ["--image-size", "64x64"]):
         r = subprocess.run([sys.executable, "-m", "vramcal", "check", model, "--quant", "bf16", "--device", "cpu",
                             "--db", str(db), *extra], capture_output=True, text=True)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (extra, r.stderr)

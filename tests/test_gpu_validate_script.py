@@ -31,7 +31,7 @@ def test_validation_script_on_cpu(tmp_path):
 
 def test_gpu_session_runs_on_cpu_and_writes_every_part(tmp_path):
     """The one command a lent GPU runs: on the CPU with tiny models, the validate and widths parts write
-    their CSVs; the offload part says it needs a GPU instead of failing."""
+    their CSVs; the offload and vlm parts say they need a GPU instead of failing."""
     d = tmp_path / "mid"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(MID))
@@ -41,9 +41,9 @@ def test_gpu_session_runs_on_cpu_and_writes_every_part(tmp_path):
                         "--out", str(out), "--budget-s", "600"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     session = json.loads((out / "session.json").read_text())
-    assert set(session["parts"]) == {"validate", "widths", "offload", "plan", "vllm"}
+    assert set(session["parts"]) == {"validate", "widths", "offload", "plan", "vlm", "vllm"}
     assert "offload: skipped, it needs a GPU" in r.stderr and "vllm: skipped" in r.stderr
-    assert "plan: skipped, it needs a GPU" in r.stderr
+    assert "plan: skipped, it needs a GPU" in r.stderr and "vlm: skipped, it needs a GPU" in r.stderr
     gpu = list(csv.DictReader((out / "gpu.csv").open()))
     assert gpu and all(row["status"] == "ok" for row in gpu)
     widths = list(csv.DictReader((out / "gpu-widths.csv").open()))

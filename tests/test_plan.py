@@ -320,3 +320,17 @@ def test_hardware_sizes_parse():
     assert parse_hardware("cuda:0=24GiB,cuda:1=12GiB,cpu=64GiB,disk=500GiB") == {
         "cuda:0": 24 * GIB, "cuda:1": 12 * GIB, "cpu": 64 * GIB, "disk": 500 * GIB}
     assert parse_bandwidth("cuda:0=1008GB,pcie=25GB/s") == {"cuda:0": 1008 * GB, "pcie": 25 * GB}
+
+
+def test_a_vision_language_model_is_planned_with_its_images():
+    """SmolVLM-256M with one image in every prompt: the plan's context is the text (the image tokens come on
+    top, as in `estimate --images`), it loads through the auto class that builds the checkpoint's class,
+    and fed back with its images the estimate fits."""
+    hw = _hw(cuda_0=2 * GIB, cpu=8 * GIB)
+    result = plan_model("smolvlm-256m", hw, buffer=256 * MIB, ctx=2048, images=1)
+    assert result.plans
+    p = result.plans[0]
+    assert p.auto_class == "AutoModelForImageTextToText" and "AutoModelForImageTextToText" in p.python()
+    assert "--images 1" in p.command
+    e = estimate("smolvlm-256m", p.quant, ctx=p.ctx, kv_dtype=p.kv_dtype, images=1, max_memory=p.max_memory)
+    assert e.image_tokens > 0 and max(_gpu_peaks(e).values()) <= 2 * GIB - 256 * MIB

@@ -77,6 +77,19 @@ BAD = [
     (["probe", "llama-3.1-8b", "--device", "cuda:x"], "unknown device"),
     (["fit", "llama-3.1-8b", "--budget", "1GiB", "--buffer", "2GiB", "--device", "cpu"], "--buffer"),
     (["records", "list", "--out", "x.csv"], "records export"),
+    # images (docs/vision.md)
+    (["estimate", "llama-3.1-8b", "--images", "1"], "text-only model"),
+    (["estimate", "gemma-3-4b", "--images", "1", "--image-size", "1024"], "does not parse"),
+    (["estimate", "gemma-3-4b", "--images", "1", "--image-size", "0x768"], "width"),
+    (["estimate", "gemma-3-4b", "--images", "1", "--image-size", "1024x-768"], "does not parse"),
+    (["estimate", "gemma-3-4b", "--images", "-1"], "--images"),
+    (["estimate", "gemma-3-4b", "--images", "two"], "invalid int"),
+    (["estimate", "gemma-3-4b", "--image-size", "64x64"], "needs --images"),
+    (["estimate", "--params-b", "7", "--bits", "4", "--images", "1"], "--images"),
+    (["probe", "llama-3.1-8b", "--images", "1", "--device", "cpu", "--synthetic"], "text-only model"),
+    (["fit", "llama-3.1-8b", "--budget", "24GiB", "--images", "2", "--device", "cpu"], "text-only model"),
+    (["fit", "gemma-3-4b", "--budget", "24GiB", "--images", "1", "--image-size", "axb", "--device", "cpu"],
+     "does not parse"),
 ]
 
 
@@ -101,7 +114,6 @@ CONFIG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "n
     ({"vocab_size": True}, "vocab_size must be a whole number"),
     ({"num_key_value_heads": 3}, "not a multiple"),
     ({"hidden_size": 65}, "not divisible"),
-    ({"vocab_size": None}, "does not give vocab_size"),
 ])
 def test_configs_with_impossible_sizes_are_refused(tmp_path, change, needle):
     d = tmp_path / "m"
@@ -111,12 +123,22 @@ def test_configs_with_impossible_sizes_are_refused(tmp_path, change, needle):
     assert r.returncode == 2 and needle in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
 
 
-def test_config_with_only_model_type_is_refused_not_defaulted(tmp_path):
+def test_config_leaning_on_defaults_is_estimated_unless_transformers_cannot_fill_them(tmp_path):
+    """A field left out is the config class's default, as from_pretrained takes it (named in the notes);
+    only an architecture the installed transformers does not know, without the size fields, is refused."""
     d = tmp_path / "m"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    r = run("estimate", str(d), "--ctx", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    notes = " ".join(json.loads(r.stdout)["notes"])
+    assert "hidden_size (transformers' LlamaConfig default 4096 used)" in notes
+    assert "vocab_size (transformers' LlamaConfig default 32000 used)" in notes
+    (d / "config.json").write_text(json.dumps({"model_type": "not-a-model", "hidden_size": 64}))
     r = run("estimate", str(d))
-    assert r.returncode == 2 and "does not give hidden_size, num_hidden_layers" in r.stderr, r.stderr
+    assert r.returncode == 2 and "does not give num_hidden_layers, num_attention_heads, vocab_size" in r.stderr, \
+        r.stderr
+    assert len(r.stderr.splitlines()) == 1
     (d / "config.json").write_text('{"model_type": "llama", "hidden_size": NaN}')
     r = run("estimate", str(d))
     assert r.returncode == 2 and "not valid JSON" in r.stderr and "NaN" in r.stderr, r.stderr

@@ -43,11 +43,21 @@ def _add_model_args(p, *, ctx_help: str) -> None:
     w.add_argument("--prompt", type=int, default=None, help="prompt tokens, instead of --ctx (ctx = prompt + new tokens)")
     w.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help=f"tokens generated (default {NEW_TOKENS})")
     w.add_argument("--batch", type=int, default=1)
+    _add_image_args(w)
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="auto (model dtype) | fp8 "
                                                                         "(transformers' QuantizedCache)")
     p.add_argument("--attn", default="auto", choices=ATTNS)
     p.add_argument("--cache", default="dynamic", choices=CACHES, help="dynamic | static (pre-allocated to --ctx)")
     _add_placement_args(p)
+
+
+def _add_image_args(g) -> None:
+    """``--images`` and ``--image-size``: images in every prompt of a vision-language model (docs/vision.md)."""
+    g.add_argument("--images", type=int, default=0, metavar="N",
+                   help="images in every prompt (a vision-language model); their tokens add to the prompt")
+    g.add_argument("--image-size", default=None, metavar="WxH",
+                   help="each image's width x height in pixels, e.g. 1024x768 (default: the model's processor's "
+                        "size: 896x896 for Gemma 3, 336x336 for LLaVA-1.5 ...)")
 
 
 def _add_placement_args(p) -> None:
@@ -88,7 +98,8 @@ def _placement(args, device: str) -> tuple[str | dict | None, str | None]:
 
 def _work(args, default_ctx: int):
     ctx = args.ctx if (args.ctx is not None or args.prompt is not None) else default_ctx
-    return workload(ctx, args.batch, args.new_tokens, args.prompt)
+    return workload(ctx, args.batch, args.new_tokens, args.prompt, getattr(args, "images", 0),
+                    getattr(args, "image_size", None))
 
 
 def _add_estimate(sub) -> None:
@@ -152,6 +163,7 @@ def cmd_estimate(args) -> int:
                                            ("--cache", args.cache != "dynamic"), ("--fast", args.fast),
                                            ("--max-memory", getattr(args, "max_memory", None) is not None),
                                            ("--device-map", getattr(args, "device_map", None) is not None),
+                                           ("--images", bool(work.images)),
                                            ("--device cpu", str(args.device).startswith("cpu"))) if used]
         if ignored:
             raise UserError(f"quick mode (--params-b, --bits) does not use {', '.join(ignored)}: say the weights "
@@ -170,7 +182,7 @@ def cmd_estimate(args) -> int:
     e = estimate(args.model, args.quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
                  dtype=parse_dtype(args.dtype), kv_dtype=args.kv_dtype, attn=args.attn, cache=args.cache,
                  device=args.device, use_cache=not args.no_disk_cache, exact=not args.fast, progress=_progress(args),
-                 max_memory=max_memory, device_map=device_map)
+                 max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size)
     if not args.no_correction:
         from .calibrate.corrections import machine_correction, machine_device_corrections
 
@@ -241,7 +253,7 @@ def cmd_probe(args) -> int:
         r = run_probe(args.model, args.quant, work.ctx, work.batch, device=args.device, synthetic=args.synthetic,
                       interval_ms=args.interval_ms, dtype=config.dtype, attn=args.attn, new_tokens=work.new_tokens,
                       kv_dtype=args.kv_dtype, cache=args.cache, command=config.command("probe", _probe_extra(args)),
-                      max_memory=max_memory, device_map=device_map)
+                      max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size)
     except ProbeInterrupted as exc:  # show what was measured before the signal, then exit 130 / 143
         _show_probe(exc.result, args)
         raise
@@ -319,7 +331,7 @@ def cmd_check(args) -> int:
     r = check(args.model, args.quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
               device=args.device, db=args.db, budget=budget, buffer=buffer, prefer=args.prefer,
               synthetic=args.synthetic, attn=args.attn, dtype=args.dtype, kv_dtype=args.kv_dtype, cache=args.cache,
-              max_memory=max_memory, device_map=device_map)
+              max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size)
     _out(json.dumps(r.to_dict()) if args.json else present.check_table(r))
     return 0 if r.verdict.fits else 1
 
@@ -387,8 +399,11 @@ def cmd_fit(args) -> int:
     from .calibrate.fit import fit_contexts
     from .workload import count, parse_device
 
+    from .workload import images_of
+
     device = str(parse_device(args.device))
     new_tokens = count(args.new_tokens, "--new-tokens")
+    images, image_size = images_of(args.images, args.image_size)
     buffer = DEFAULT_BUFFER if args.buffer is None else _size(args.buffer, "--buffer")
     max_memory, device_map = _placement(args, device)
     others: list[str] = []
@@ -417,7 +432,7 @@ def cmd_fit(args) -> int:
     if buffer >= smallest:
         raise UserError(f"--buffer ({buffer:,} B) must be below --budget ({smallest:,} B)")
     fit = fit_contexts(args.model, budget, device=device, db=args.db, buffer=buffer, new_tokens=new_tokens,
-                       max_memory=max_memory, device_map=device_map)
+                       max_memory=max_memory, device_map=device_map, images=images, image_size=image_size)
     _out(json.dumps({"budget_bytes": budget, "buffer_bytes": buffer, "new_tokens": new_tokens, "free": others,
                      "rows": [r.to_dict() for r in fit.rows], "notes": fit.notes})
          if args.json else present.fit_table(args.model, budget, buffer, fit.rows, others, fit.notes))
@@ -616,6 +631,7 @@ def _add_calibration(sub) -> None:
     f.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                    help=f"tokens each answer generates (default {NEW_TOKENS}); max ctx includes them")
     f.add_argument("--device", default=None, help="cuda:N or cpu (default cuda:0)")
+    _add_image_args(f.add_argument_group("images"))
     _add_placement_args(f)
     from .cli_vllm import add_engine_arg, add_vllm_args
 
@@ -669,7 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibration(sub)
     from .cli_plan import add_plan
 
-    add_plan(sub, cmd_plan)
+    _add_image_args(add_plan(sub, cmd_plan).add_argument_group("images"))
     m = sub.add_parser("models", help="list the built-in catalog of model configs")
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)

@@ -46,6 +46,7 @@ def add_plan(sub, func) -> None:
     p.add_argument("--db", help="the records database whose corrections apply (this machine only)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=func)
+    return p
 
 
 def cmd_plan(args, out) -> int:
@@ -58,9 +59,10 @@ def cmd_plan(args, out) -> int:
 
     # ---- every input first: nothing is searched for bad input
     choice(args.goal, GOALS, "--goal")
-    work = workload(args.ctx, args.batch, args.new_tokens, args.prompt) \
-        if args.ctx is not None or args.prompt is not None else workload(None, args.batch, args.new_tokens)
-    asked = work.ctx if args.ctx is not None or args.prompt is not None else None
+    given = args.ctx is not None or args.prompt is not None
+    work = workload(args.ctx if given else None, args.batch, args.new_tokens, args.prompt, args.images,
+                    args.image_size)
+    asked = work.ctx if given else None
     try:
         buffer = DEFAULT_BUFFER if args.buffer is None else parse_size(args.buffer)
     except ValueError as exc:
@@ -76,11 +78,13 @@ def cmd_plan(args, out) -> int:
     else:
         hardware = this_machine(bandwidths)
     from .estimator.resolve import resolve_model
+    from .estimator.vision import check_images
 
-    resolve_model(args.model)  # an unknown model is bad input, said before the search
+    check_images(resolve_model(args.model).config, work.images, args.model)  # bad input, before the search
 
     result = plan_model(args.model, hardware, buffer=buffer, batch=work.batch, new_tokens=work.new_tokens,
-                        ctx=asked, goal=args.goal, db=args.db, attn=args.attn, this_machine=args.hardware is None)
+                        ctx=asked, goal=args.goal, db=args.db, attn=args.attn, this_machine=args.hardware is None,
+                        images=work.images, image_size=work.image_size)
     if args.json:
         doc = result.to_dict()
         doc["gpus"] = [{"device": g.device, "name": g.name, "memory_bytes": g.memory_bytes,

@@ -22,7 +22,12 @@ def _row(label: str, n: int | None, width: int = 26) -> str:
 def estimate_table(e) -> str:
     lines = [f"{e.model}  [{e.architecture}]  quant={e.quant} ({e.quant_implementation})  dtype={e.dtype}",
              f"ctx={e.ctx} (prompt {e.prompt} + {e.new_tokens} new)  batch={e.batch}  attn={e.attn}  cache={e.cache}  "
-             f"kv-dtype={e.kv_dtype}  device={e.device}" + ("   APPROXIMATE" if e.approximate else ""), ""]
+             f"kv-dtype={e.kv_dtype}  device={e.device}" + ("   APPROXIMATE" if e.approximate else "")]
+    if e.images:
+        lines.append(f"images: {e.images} of {e.image_size[0]}x{e.image_size[1]} per prompt = {e.image_tokens} image "
+                     f"tokens; context {e.context} (ctx {e.ctx} + image tokens)"
+                     + (f"; vision encoder peak {gib(e.vision_peak):.2f} GiB" if e.vision_peak is not None else ""))
+    lines.append("")
     if e.warnings:
         lines += ["WARNING"] + ["  " + w for w in e.warnings] + [""]
     lines.append("components (sizes; the peak's own make-up is below)")
@@ -57,6 +62,10 @@ def estimate_table(e) -> str:
     lines += ["", "weights by group"]
     for key, value in e.weights_breakdown.items():
         lines.append(_row(key.replace("_", " "), value))
+    if e.weights_parts:
+        lines += ["", "weights by part (vision tower, projector, language model)"]
+        for key, value in e.weights_parts.items():
+            lines.append(_row(key, value, width=30))
     if e.formula:
         f = e.formula
         lines += ["", f"the usual formula (params x {f.bits:g} bits / 8 + KV, x 1.18)"]
@@ -112,7 +121,9 @@ def placement_lines(e, corrected: str = "") -> list[str]:
 def probe_table(r) -> str:
     cpu = r.series == "rss"
     head = [f"{r.model}  quant={r.quant} ({r.quant_implementation})  ctx={r.ctx} ({r.new_tokens} new)  "
-            f"batch={r.batch}  device={r.device}",
+            f"batch={r.batch}  device={r.device}"
+            + (f"  images={r.images}" + (f" of {r.image_size[0]}x{r.image_size[1]}" if r.image_size else "")
+               + f" ({r.image_tokens} image tokens per prompt)" if r.images else ""),
             f"status: {r.status.upper()}"
             + (f" at {r.oom.stage}, asked for {fmt_gib_gb(r.oom.requested_bytes)}" if r.oom else "")
             + (f" ({r.error})" if r.error else ""),
@@ -142,6 +153,15 @@ def probe_table(r) -> str:
                 e = est_dev[d].stages.get(name) if d in est_dev else None
                 row += f"{_cell(st[name].peak_bytes if name in st else None, 18)}{_cell(e, 12)}"
             lines.append(row)
+    if r.vision is not None:
+        v = r.vision
+        seen = [f"{v.t_end - v.t_start:.3f} s"]
+        if v.peak_bytes is not None:
+            seen.append(f"{r.series} peak {_g(v.peak_bytes)}")
+        if v.extra_allocated_bytes is not None:
+            seen.append(f"torch allocated +{_g(v.extra_allocated_bytes)} above its start")
+        est_v = r.estimate.vision_peak if r.estimate is not None else None
+        lines.append("  vision encoder: " + ", ".join(seen) + (f" (estimate +{_g(est_v)})" if est_v is not None else ""))
     for n in r.notes:
         lines.append("  note: " + n)
     lines.append(f"  reproduce: {r.command}")
@@ -329,7 +349,8 @@ def memo_markdown(m: dict) -> str:
         f"- **Command**: `{m['command']}`",
         f"- Recorded {m['recorded_at']} on {m['host']}, run {m['run_id']}",
         *(["", "Load it in Python with the same arguments:", "", "```python",
-           python_code(m["model"], m["from_pretrained"]), "```"] if m.get("from_pretrained") else []),
+           python_code(m["model"], m["from_pretrained"], m.get("auto_class") or "AutoModelForCausalLM"), "```"]
+          if m.get("from_pretrained") else []),
         "",
         "Recheck after a change: `vramcal memo --recheck` re-runs the command and compares the peak.",
     ]) + "\n"

@@ -48,6 +48,8 @@ DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # Beyond these a figure is not a workload anyone runs; refused rather than computed.
 MAX_TOKENS = 1 << 24  # 16.7 M positions
 MAX_BATCH = 1 << 16
+MAX_IMAGES = 256  # per prompt
+MAX_IMAGE_SIDE = 1 << 15  # 32768 px
 
 
 def parse_dtype(text: str | None, flag: str = "--dtype") -> str | None:
@@ -151,13 +153,40 @@ def positive_number(value, flag: str, example: str) -> float:
     return float(value)
 
 
+_IMAGE_SIZE = re.compile(r"\s*([0-9]+)\s*[xX×]\s*([0-9]+)\s*")
+
+
+def parse_image_size(text) -> tuple[int, int]:
+    """``1024x768`` -> (1024, 768): width x height in pixels, each 1 to 32768. One-line UserError else."""
+    if isinstance(text, (tuple, list)) and len(text) == 2:
+        w, h = text
+    else:
+        m = _IMAGE_SIZE.fullmatch(str(text))
+        if m is None:
+            raise UserError(f"--image-size {text!r} does not parse: give WIDTHxHEIGHT in pixels, e.g. "
+                            "--image-size 1024x768")
+        w, h = int(m.group(1)), int(m.group(2))
+    for value, what in ((w, "width"), (h, "height")):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_IMAGE_SIDE:
+            raise UserError(f"--image-size {text!r}: the {what} must be a whole number of pixels from 1 to "
+                            f"{MAX_IMAGE_SIDE:,}, e.g. --image-size 1024x768")
+    return w, h
+
+
 @dataclass(frozen=True)
 class Workload:
-    """What runs: ``batch`` rows of a ``prompt``-token prompt, then ``new_tokens`` generated tokens."""
+    """What runs: ``batch`` rows of a ``prompt``-token prompt, then ``new_tokens`` generated tokens.
+
+    ``images`` images of ``image_size`` (width, height; None: the model's processor's default size) go
+    into every row's prompt. Their tokens depend on the model (:mod:`vramcal.estimator.vision`) and are
+    added to ``prompt``: ``ctx`` counts the text only, an estimate reports the image tokens and the
+    context they make."""
 
     prompt: int
     new_tokens: int = NEW_TOKENS
     batch: int = 1
+    images: int = 0
+    image_size: tuple[int, int] | None = None
 
     @property
     def ctx(self) -> int:
@@ -178,11 +207,28 @@ class Workload:
         out = ["--ctx", str(self.ctx), "--batch", str(self.batch)]
         if self.new_tokens != NEW_TOKENS:
             out += ["--new-tokens", str(self.new_tokens)]
+        if self.images:
+            out += ["--images", str(self.images)]
+            if self.image_size is not None:
+                out += ["--image-size", f"{self.image_size[0]}x{self.image_size[1]}"]
         return out
 
 
-def workload(ctx=None, batch=1, new_tokens=NEW_TOKENS, prompt=None) -> Workload:
-    """Validate and build a :class:`Workload` from ``ctx`` (prompt + new) or ``prompt``."""
+def images_of(images=0, image_size=None) -> tuple[int, tuple[int, int] | None]:
+    """``--images N`` and ``--image-size WxH``, validated: (count, (width, height) or None)."""
+    images = count(0 if images is None else images, "--images", 0, MAX_IMAGES)
+    if image_size is None:
+        return images, None
+    size = parse_image_size(image_size)
+    if not images:
+        raise UserError("--image-size needs --images N (how many images of that size each prompt holds)")
+    return images, size
+
+
+def workload(ctx=None, batch=1, new_tokens=NEW_TOKENS, prompt=None, images=0, image_size=None) -> Workload:
+    """Validate and build a :class:`Workload` from ``ctx`` (prompt + new) or ``prompt``, and the images
+    each prompt holds."""
+    images, image_size = images_of(images, image_size)
     new_tokens = count(new_tokens, "--new-tokens", 1, MAX_TOKENS)
     batch = count(batch, "--batch", 1, MAX_BATCH)
     if prompt is not None and ctx is not None:
@@ -197,7 +243,7 @@ def workload(ctx=None, batch=1, new_tokens=NEW_TOKENS, prompt=None) -> Workload:
     prompt = count(prompt, "--prompt", 1, MAX_TOKENS)
     if prompt + new_tokens > MAX_TOKENS:
         raise UserError(f"prompt + new tokens = {prompt + new_tokens:,} is beyond {MAX_TOKENS:,} positions")
-    return Workload(prompt=prompt, new_tokens=new_tokens, batch=batch)
+    return Workload(prompt=prompt, new_tokens=new_tokens, batch=batch, images=images, image_size=image_size)
 
 
 @dataclass(frozen=True)

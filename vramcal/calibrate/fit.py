@@ -16,7 +16,8 @@ from ..errors import UserError
 from ..estimator.estimate import placement_request
 from ..estimator.placement import plan_placement
 from ..estimator.resolve import resolve_model
-from ..workload import NEW_TOKENS, Workload
+from ..estimator.vision import check_images
+from ..workload import NEW_TOKENS, Workload, images_of
 from .search import Budget, Search, context_limit, stored_corrections
 
 FIT_QUANTS = ("bf16", "int8", "nf4-dq", "nf4")
@@ -35,13 +36,16 @@ class FitRow:
     peak_bytes: int | None
     device_peaks: dict[str, int] | None = None  # a placement: each GPU's peak at max_ctx
     error: str | None = None
+    images: int = 0  # images in every prompt (their tokens come on top of max_ctx)
+    image_size: tuple[int, int] | None = None
 
     @property
     def workload(self) -> list[str] | None:
         """The flags that reproduce the row's workload, when it has one."""
         if self.max_ctx is None:
             return None
-        return Workload(self.max_ctx - self.new_tokens, self.new_tokens, self.batch).args()
+        return Workload(self.max_ctx - self.new_tokens, self.new_tokens, self.batch, self.images,
+                        self.image_size).args()
 
     def to_dict(self) -> dict:
         return {**asdict(self), "workload": self.workload}
@@ -55,35 +59,45 @@ class FitResult:
 
 def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: str | None, buffer: int,
                  quants=FIT_QUANTS, batches=FIT_BATCHES, new_tokens: int = NEW_TOKENS,
-                 max_memory: dict | str | None = None, device_map: str | None = None) -> FitResult:
+                 max_memory: dict | str | None = None, device_map: str | None = None, images: int = 0,
+                 image_size=None) -> FitResult:
     """The largest ctx (prompt + ``new_tokens``) per quant and batch whose corrected estimate, at the p95
     of this machine's residuals, stays within ``budget - buffer``; searched up to the model's
     ``max_position_embeddings``. ``budget`` is one figure, or with a placement one per GPU
-    ({"cuda:0": bytes, ...}; a single figure applies to each GPU)."""
+    ({"cuda:0": bytes, ...}; a single figure applies to each GPU). ``images`` of ``image_size`` sit in
+    every prompt: their tokens come on top of the ctx found (docs/vision.md)."""
     from ..probes.machine import machine_fingerprint
 
+    images, image_size = images_of(images, image_size)
     placed = placement_request(max_memory, device_map, device)
     source = resolve_model(model)
+    check_images(source.config, images, source.name)
     main = device if placed is None else next(d for d in placed[0] if d.startswith("cuda"))
     fp = machine_fingerprint(main)
     gpus = [d for d in placed[0] if d.startswith("cuda")] if placed else [device]
     corrections, notes = stored_corrections(db, fp, source, quants, device if placed is None else None,
                                             gpus if placed is not None else [])
     budgets = budget if isinstance(budget, dict) else {d: budget for d in gpus}
-    max_ctx = context_limit(source)
-    search = Search(source, device=device, corrections=corrections)
+    search = Search(source, device=device, corrections=corrections, images=images, image_size=image_size)
     target = Budget({d: budgets.get(d, 0) - buffer for d in gpus})
     rows = []
     for q in quants:
         est = search.estimator(q)
+        if est.images is not None and q == quants[0]:
+            p = est.images.plan
+            notes.append(f"every prompt holds {images} image(s) of {p.width}x{p.height} ({est.images.tokens} image "
+                         "tokens): max ctx is the text, the image tokens come on top")
+        max_ctx = context_limit(est, new_tokens)
         plan = None
         if placed is not None:
             try:
                 plan = plan_placement(source, est.quant, placed[0], placed[1])
             except UserError as exc:  # e.g. no layer of this quantization fits the GPUs: said in the row
-                rows += [FitRow(q, b, None, new_tokens, None, error=str(exc)) for b in batches]
+                rows += [FitRow(q, b, None, new_tokens, None, error=str(exc), images=images, image_size=image_size)
+                         for b in batches]
                 continue
         for b in batches:
             ctx, peaks = search.largest_ctx(est, b, new_tokens, target, max_ctx, placement=plan)
-            rows.append(FitRow(q, b, ctx, new_tokens, max(peaks.values()), peaks if plan is not None else None))
+            rows.append(FitRow(q, b, ctx, new_tokens, max(peaks.values()), peaks if plan is not None else None,
+                               images=images, image_size=image_size))
     return FitResult(rows, notes)

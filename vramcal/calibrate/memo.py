@@ -44,6 +44,7 @@ def memo_for(run: RunRecord) -> dict:
         # the load that ran, as from_pretrained's arguments (vramcal.estimator.loading); None for a run
         # recorded without an estimate
         "from_pretrained": (ctx.estimate or {}).get("from_pretrained"),
+        "auto_class": (ctx.estimate or {}).get("auto_class") or "AutoModelForCausalLM",
     }
 
 
@@ -69,7 +70,8 @@ def recheck(memo: dict, config: Configuration, db: str | None, interval_ms: floa
               config.max_memory, config.device_map)
     est = estimate(source, config.quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
                    dtype=config.dtype, attn=config.attn, kv_dtype=config.kv_dtype, cache=config.cache,
-                   device=device_kind(config.device), max_memory=config.max_memory, device_map=config.device_map)
+                   device=device_kind(config.device), max_memory=config.max_memory, device_map=config.device_map,
+                   images=work.images, image_size=work.image_size)
     device = est.main_device if est.devices else config.device
     with Store(db) as store:
         new_id, _, result = probe_and_record(store, machine_fingerprint(device), config, source, spec, est,

@@ -64,6 +64,7 @@ class Plan:
     command: str  # the vramcal check command that verifies it here
     model_ref: str = ""
     offloaded_layers: str | None = None  # an offloaded plan: "12 of 80 layers"
+    auto_class: str = "AutoModelForCausalLM"
 
     @property
     def offloaded(self) -> bool:
@@ -74,7 +75,7 @@ class Plan:
         return self.speed.tokens_per_s
 
     def python(self) -> str:
-        return python_code(self.model_ref, self.from_pretrained)
+        return python_code(self.model_ref, self.from_pretrained, self.auto_class)
 
     def to_dict(self) -> dict:
         return {"quant": self.quant, "kv_dtype": self.kv_dtype, "batch": self.batch, "ctx": self.ctx,
@@ -133,15 +134,10 @@ class Planner:
 
     def __init__(self, source, hardware, *, buffer: int, batch: int = 1, new_tokens: int = NEW_TOKENS,
                  ctx: int | None = None, goal: str = "quality", corrections=None, attn: str = "auto",
-                 progress=None):
+                 progress=None, images: int = 0, image_size=None):
         choice(goal, GOALS, "--goal")
         self.source, self.hw, self.buffer, self.batch, self.new_tokens = source, hardware, buffer, batch, new_tokens
-        self.goal, self.attn = goal, attn
-        self.limit = context_limit(source)
-        self.asked = ctx is not None
-        self.target = ctx if ctx is not None else min(self.limit, OFFLOAD_CTX)
-        if goal == "context" and ctx is None:
-            self.target = self.limit
+        self.goal, self.attn, self.images, self.image_size = goal, attn, images, image_size
         usable = {g.device: g.memory_bytes - buffer for g in hardware.gpus}
         short = [d for d, u in usable.items() if u <= 0]
         if short:
@@ -149,7 +145,13 @@ class Planner:
                             "--buffer or more memory")
         self.usable = usable
         self.biggest = max(usable, key=lambda d: usable[d])
-        self.search = Search(source, device=self.biggest, attn=attn, corrections=corrections, progress=progress)
+        self.search = Search(source, device=self.biggest, attn=attn, corrections=corrections, progress=progress,
+                             images=images, image_size=image_size)
+        self.limit = context_limit(self.search.estimator(candidate_quants(source.config)[0]), new_tokens)
+        self.asked = ctx is not None
+        self.target = ctx if ctx is not None else min(self.limit, OFFLOAD_CTX)
+        if goal == "context" and ctx is None:
+            self.target = self.limit
         self.why: list[str] = []
 
     # ------------------------------------------------------------------ layouts
@@ -171,7 +173,7 @@ class Planner:
         return out
 
     def work(self, ctx: int) -> Workload:
-        return Workload(ctx - self.new_tokens, self.new_tokens, self.batch)
+        return Workload(ctx - self.new_tokens, self.new_tokens, self.batch, self.images, self.image_size)
 
     def _ctx_for(self, est, budget: Budget, placement) -> int | None:
         """The context of a plan: the asked one when it fits, else the largest that does (None: none)."""
@@ -238,10 +240,10 @@ class Planner:
         mm = None if split is None else dict(split.max_memory)
         strategy = None if split is None or placement.strategy == "auto" else placement.strategy
         cfg = Configuration(self.source.ref, work, quant=quant, device=device, kv_dtype=kv, attn=self.attn,
-                            max_memory=mm, device_map=strategy)
+                            max_memory=mm, device_map=strategy)  # work carries the images (their flags)
         return Plan(quant if quant != "auto" else est.quant.name, kv, self.batch, ctx, self.new_tokens, layout,
                     ctx >= self.target, peaks, dmap, where, mm, speed, e.from_pretrained, cfg.command("check"),
-                    hub_ref(self.source), off)
+                    hub_ref(self.source), off, e.auto_class)
 
     # ------------------------------------------------------------------ the search
     def run(self) -> PlanResult:
@@ -348,7 +350,7 @@ def _distinct(plans: list[Plan]) -> list[Plan]:
 
 def plan_model(model: str, hardware, *, buffer: int, batch: int = 1, new_tokens: int = NEW_TOKENS,
                ctx: int | None = None, goal: str = "quality", db: str | None = None, attn: str = "auto",
-               this_machine: bool = False, progress=None) -> PlanResult:
+               this_machine: bool = False, progress=None, images: int = 0, image_size=None) -> PlanResult:
     """The plans for ``model`` on ``hardware`` (:mod:`vramcal.probes.hardware`). On this machine, its
     recorded corrections (else its class's) per device are applied; a described machine has none."""
     from ..estimator.resolve import resolve_model
@@ -367,7 +369,7 @@ def plan_model(model: str, hardware, *, buffer: int, batch: int = 1, new_tokens:
     else:
         notes.append("no correction applied: a described machine (--hardware) has no runs of its own")
     planner = Planner(source, hardware, buffer=buffer, batch=batch, new_tokens=new_tokens, ctx=ctx, goal=goal,
-                      corrections=corrections, attn=attn, progress=progress)
+                      corrections=corrections, attn=attn, progress=progress, images=images, image_size=image_size)
     out = planner.run()
     out.notes = notes + out.notes + [w for w in planner.why if w not in out.why]
     return out

@@ -91,7 +91,7 @@ def ladder(quant: str, work: Workload, prefer: str, requantize: bool = True,
     lq = "lowest quant, " if low != quant else ""  # say a quantization changed only where one did
 
     def w(ctx: int = work.ctx, batch: int = work.batch) -> Workload:
-        return Workload(ctx - work.new_tokens, work.new_tokens, batch)
+        return Workload(ctx - work.new_tokens, work.new_tokens, batch, work.images, work.image_size)
 
     steps: list[tuple] = []
     if prefer == "quality":
@@ -149,7 +149,7 @@ def propose(source: ModelSource, quant: str, work: Workload, usable: int, correc
     ``cpu_bytes``: RAM available for offloaded layers (no offload rung when None or on the CPU). Each
     question is asked through :class:`~vramcal.calibrate.search.Search`, as ``fit`` and ``plan`` ask it."""
     kind = device_kind(device)
-    search = Search(source, device=device, attn=attn,
+    search = Search(source, device=device, attn=attn, images=work.images, image_size=work.image_size,
                     corrections=lambda q, devices, placed: {d: corrections_for(q).stages for d in devices})
     budget = Budget({device: usable}, cpu_bytes or 0)
 

@@ -142,7 +142,8 @@ def probe_and_record(store: Store, fingerprint: dict, config: Configuration, sou
                            synthetic=config.synthetic, interval_ms=interval_ms, dtype=config.dtype, attn=config.attn,
                            command=command, with_estimate=False, estimate=estimate, new_tokens=work.new_tokens,
                            kv_dtype=config.kv_dtype, cache=config.cache, journal=journal, on_event=on_event,
-                           max_memory=config.max_memory, device_map=config.device_map)
+                           max_memory=config.max_memory, device_map=config.device_map, images=work.images,
+                           image_size=work.image_size)
     except ProbeInterrupted as exc:  # Ctrl-C or SIGTERM: the record keeps what was measured
         keep(exc.result)
         raise

@@ -66,8 +66,10 @@ class Search:
     nothing; ``device`` is ``cuda``/``cuda:N`` or ``cpu``."""
 
     def __init__(self, source, *, device: str = "cuda", attn: str = "auto", strategy: str = "auto",
-                 corrections: Callable[[str, list[str], bool], dict] | None = None, progress=None):
+                 corrections: Callable[[str, list[str], bool], dict] | None = None, progress=None,
+                 images: int = 0, image_size=None):
         self.source, self.device, self.attn, self.strategy = source, device, attn, strategy
+        self.images, self.image_size = images, image_size  # in every prompt (docs/vision.md)
         self.kind = device_kind(device)
         self._corrections = corrections or (lambda quant, devices, placed: {})
         self._estimators: dict[tuple[str, str], Estimator] = {}
@@ -78,7 +80,8 @@ class Search:
         key = (quant, kv_dtype)
         if key not in self._estimators:
             self._estimators[key] = Estimator(self.source, resolve_quant(quant, self.source.config), attn=self.attn,
-                                              kv_dtype=kv_dtype, device=self.kind, progress=self._progress)
+                                              kv_dtype=kv_dtype, device=self.kind, progress=self._progress,
+                                              images=self.images, image_size=self.image_size)
         return self._estimators[key]
 
     def corrections(self, quant: str, devices: list[str], placed: bool) -> dict:
@@ -218,12 +221,14 @@ def offloaded_layers(placement) -> str:
     return f"{n} of {len(loads.layers)} layers" if n else "the modules that do not fit"
 
 
-def context_limit(source) -> int:
-    """The longest context searched: the model's ``max_position_embeddings`` (131072 when it names
-    none), at most :data:`~vramcal.workload.MAX_TOKENS`."""
-    from ..estimator.resolve import size_field, text_config
+def context_limit(est: Estimator, new_tokens: int = 1) -> int:
+    """The longest (text) context searched: the model's ``max_position_embeddings`` (131072 when it
+    names none) less the image tokens every prompt holds, at most :data:`~vramcal.workload.MAX_TOKENS`."""
+    from ..estimator.resolve import size_field
 
-    return min(int(size_field(text_config(source.config), "max_position_embeddings") or 131072), MAX_TOKENS)
+    image_tokens = est.images.tokens if est.images is not None else 0
+    limit = int(size_field(est.text_config, "max_position_embeddings") or 131072)
+    return min(max(limit - image_tokens, new_tokens + 1), MAX_TOKENS)
 
 
 def stored_corrections(db: str | None, fingerprint: dict, source, quants, device: str | None,

@@ -21,6 +21,15 @@ lengths give its bytes per token and fixed part. A sliding-window layer stops gr
 ``sliding_window`` tokens of storage: transformers' ``DynamicSlidingWindowLayer`` keeps a view of the
 last ``sliding_window - 1`` tokens of the ``sliding_window``-token concatenation it made at each step.
 Right after the prefill, that view still holds the whole prompt's storage; the prefill trace counts it.
+
+Images (:mod:`vramcal.estimator.vision`): the prefill runs the model's real multimodal forward -- the
+vision encoder over pixel tensors of the shapes the image processor makes, the projector, the language
+model over the prompt with the image tokens in it. That forward branches on a few small integer tensors
+(the placeholder count check, Qwen's grid and rope positions, Mllama's cross-attention mask), which meta
+tensors cannot answer; :class:`ShadowValues` carries their real values on the CPU beside them (never the
+weights', never anything large). The vision encoder's window (from its first module to the language
+model) is traced on its own: ``vision_peak_bytes`` is what was live at its peak, ``vision_extra_bytes``
+what it added above what was live when it started.
 """
 
 from __future__ import annotations
@@ -60,6 +69,11 @@ class Trace:
     decode_peak_bytes: int  # during one decode step, above what was held before it
     ops: int
     layers: int | None = None  # decoder layers traced, one per kind (:meth:`DryRunner.trace`); None: all
+    # with images: live bytes at the vision encoder's peak (the cache is still empty then), its own
+    # transient above what was live when it started, and the prefill's peak outside its window
+    vision_peak_bytes: int = 0
+    vision_extra_bytes: int = 0
+    lm_peak_bytes: int = 0
 
 
 @dataclass
@@ -78,9 +92,15 @@ class ActivationModel:
     decode: tuple[float, float] | None
     traces: list[Trace] = field(default_factory=list)
     pieces: bool = False
+    # with images, per batch row over seq: (a, b) of the vision window's peak less the prompt's cache,
+    # and of the vision encoder's own transient (the prefill is the larger of the window and the rest)
+    vision: tuple[float, float] | None = None
+    vision_own: tuple[float, float] | None = None
 
     def _points(self) -> list[tuple[int, int]]:
-        pts = {t.tokens: t.prefill_peak_bytes - t.cache_bytes for t in self.traces if t.batch == 1}
+        """(tokens, the prefill's extra outside the vision window) of the batch-1 traces, in order."""
+        pts = {t.tokens: (t.lm_peak_bytes if t.vision_peak_bytes else t.prefill_peak_bytes) - t.cache_bytes
+               for t in self.traces if t.batch == 1}
         return sorted(pts.items())
 
     def covers(self, tokens: int) -> bool:
@@ -102,9 +122,22 @@ class ActivationModel:
         if len(pts) >= 2:
             i = next((k for k in range(1, len(pts)) if pts[k][0] >= n), len(pts) - 1)
             (n0, y0), (n1, y1) = pts[i - 1], pts[i]
-            return max(int(y0 + (y1 - y0) * (n - n0) / (n1 - n0)), 0)
-        a, b, c = self.prefill
-        return int(a + b * n + c * batch * seq * seq)
+            rest = max(int(y0 + (y1 - y0) * (n - n0) / (n1 - n0)), 0)
+        else:
+            a, b, c = self.prefill
+            rest = int(a + b * n + c * batch * seq * seq)
+        if self.vision is None:
+            return rest
+        return max(rest, int(batch * (self.vision[0] + self.vision[1] * seq)))
+
+    def vision_extra(self, batch: int, seq: int) -> int | None:
+        """The vision encoder's own transient (what it added above what was live when it started)."""
+        t = self._trace(batch, seq)
+        if t is not None:
+            return t.vision_extra_bytes if t.vision_peak_bytes else None
+        if self.vision_own is None:
+            return None
+        return int(batch * (self.vision_own[0] + self.vision_own[1] * seq))
 
     def decode_extra(self, batch: int, seq: int, new_tokens: int = 2, growth_per_row_token: int = 0) -> int:
         """The largest decode step's transient after a ``seq``-token prefill. The traced step is the
@@ -196,6 +229,161 @@ class AllocationTracker:
 
     def __exit__(self, *exc):
         return self.mode.__exit__(*exc)
+
+
+SHADOW_CAP = 64 * 1024**2  # bytes: a result larger than this keeps no values (masks at long contexts, features)
+SHADOW_INPUT_CAP = 256 * 1024**2  # an input the dry run makes (pixels) carries values up to this size
+
+
+class ShadowValues:
+    """Real values, on the CPU, beside the meta tensors that need them.
+
+    A meta tensor has shapes and no data, so the few places where a multimodal forward looks at data --
+    ``.item()`` in a check, ``.tolist()`` of Qwen's image grid, ``nonzero`` and boolean indexing, a
+    ``repeat_interleave`` by counts -- cannot run on it. Here every op whose meta inputs all have values
+    (the ids, masks and grids the dry run made, and what is computed from them) is also run on those
+    values on the CPU, and its meta results get the CPU results as theirs, when they are small
+    (:data:`SHADOW_CAP`). An op the meta kernel cannot run takes its shapes from the CPU result (its meta
+    result made with the same shape and strides, so the tracker counts the allocation the device would
+    make); a copy to the CPU (``tolist``) or a scalar read returns the values. Ops on weights never have
+    values: nothing heavy is ever computed. ``torch.tensor(data, device="meta")`` keeps its data too
+    (:meth:`__enter__` routes it through a copy this mode sees)."""
+
+    def __init__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.weak import WeakTensorKeyDictionary
+
+        self.values = WeakTensorKeyDictionary()
+        shadows = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return shadows._dispatch(func, args, kwargs or {})
+
+        self.mode = _Mode()
+        self._torch = torch
+        self._real_tensor = None
+
+    def attach(self, meta, values) -> None:
+        self.values[meta] = values
+
+    def _cpu(self, x):
+        torch = self._torch
+        if isinstance(x, torch.Tensor) and x.device.type == "meta":
+            return self.values[x]
+        if isinstance(x, torch.device) and x.type == "meta":
+            return torch.device("cpu")
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._cpu(y) for y in x)
+        if isinstance(x, dict):
+            return {k: self._cpu(v) for k, v in x.items()}
+        return x
+
+    def _dispatch(self, func, args, kwargs):
+        torch = self._torch
+        metas = [t for t in _tensors((args, kwargs)) if t.device.type == "meta"]
+        known = all(t in self.values for t in metas)
+        if not known:
+            out = func(*args, **kwargs)
+            if func._schema.is_mutable:  # unknown values written into a tensor that had values
+                for t in metas:
+                    self.values.pop(t, None)
+            return out
+        try:
+            out = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError):  # a kernel that needs data: the CPU values decide
+            cpu = func(*self._cpu(args), **self._cpu(kwargs))
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type != "meta":
+                return cpu  # a copy to the CPU (tolist, .cpu()): the values themselves
+            return self._to_meta(cpu)
+        results = [t for t in _tensors(out) if t.device.type == "meta"]
+        if not results or any(t.untyped_storage().nbytes() > SHADOW_CAP for t in results):
+            return out
+        cpu = func(*self._cpu(args), **self._cpu(kwargs))
+        for m, c in zip(_tensors(out), _tensors(cpu)):
+            if m.device.type == "meta" and c.device.type == "cpu":
+                self.values[m] = c
+        return out
+
+    def _to_meta(self, cpu):
+        torch = self._torch
+        if isinstance(cpu, torch.Tensor):
+            if cpu.device.type != "cpu":
+                return cpu
+            m = torch.empty_strided(cpu.shape, cpu.stride(), dtype=cpu.dtype, device="meta")
+            self.values[m] = cpu
+            return m
+        if isinstance(cpu, (list, tuple)):
+            return type(cpu)(self._to_meta(x) for x in cpu)
+        return cpu
+
+    def __enter__(self):
+        torch = self._torch
+        real = self._real_tensor = torch.tensor
+
+        def tensor(data, *args, device=None, **kwargs):
+            try:  # torch.tensor reads tensors in ``data`` below the dispatcher: hand it their values
+                data = self._cpu(data)
+            except KeyError:
+                pass
+            if device is not None and torch.device(device).type == "meta":
+                return real(data, *args, **kwargs).to("meta")
+            return real(data, *args, device=device, **kwargs)
+
+        torch.tensor = tensor
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            return self.mode.__exit__(*exc)
+        finally:
+            self._torch.tensor = self._real_tensor
+
+
+class VisionWindow:
+    """The vision encoder's stretch of a prefill, traced on its own: it opens when the first module beside
+    the language model (vision tower, projector) starts, and closes when the language model starts."""
+
+    def __init__(self, model, tracker: AllocationTracker):
+        from .inventory import model_parts
+
+        modules = dict(model.named_modules())
+        decoder = model.get_decoder()
+        self.tracker = tracker
+        self.parts = [modules[n] for n in model_parts(model) if modules[n] is not decoder]
+        self.decoder = decoder
+        self.handles = []
+        self.opened = self.closed = False
+        self.start = self.before = self.peak = 0
+
+    def _open(self, *_):
+        if not self.opened:
+            t = self.tracker
+            self.opened, self.start, self.before = True, t.current, t.peak
+            t.peak = t.current
+
+    def _close(self, *_):
+        if self.opened and not self.closed:
+            t = self.tracker
+            self.closed, self.peak = True, t.peak
+            t.peak = t.current  # from here the rest of the prefill, on its own
+
+    def rest_peak(self) -> int:
+        """The prefill's peak outside the window (call at the end of the prefill)."""
+        return max(self.before, self.tracker.peak) if self.closed else self.tracker.peak
+
+    def __enter__(self):
+        self.handles = [m.register_forward_pre_hook(self._open) for m in self.parts]
+        self.handles.append(self.decoder.register_forward_pre_hook(self._close))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return False
 
 
 @contextlib.contextmanager
@@ -345,9 +533,10 @@ class DryRunner:
             return StaticCache(config=cfg, max_cache_len=max_len)
         return DynamicCache(config=cfg)
 
-    def trace(self, batch: int, seq: int) -> Trace:
-        """The prefill and first decode step at ``batch`` x ``seq``: traced one decoder layer per kind
-        (:meth:`kinds`) where the model allows, else whole.
+    def trace(self, batch: int, seq: int, images=None) -> Trace:
+        """The prefill and first decode step at ``batch`` x ``seq`` (``seq`` prompt positions per row, the
+        image tokens of ``images`` among them): traced one decoder layer per kind (:meth:`kinds`) where
+        the model allows and no image is in the prompt, else whole.
 
         By kinds: a model's layers of one kind (the same class, parameter shapes, settings and layer
         type) allocate the same transients wherever they sit; what differs is the cache around them.
@@ -359,14 +548,14 @@ class DryRunner:
         written while it runs); the decode step's = the largest over kinds (every cache is held by then).
         The last layer's trace carries the logits. An 80-layer model then costs two layers' trace
         instead of eighty. Checked against whole traces for every architecture the tests build."""
-        kinds = self.kinds()
+        kinds = self.kinds() if images is None else []
         if kinds:
             try:
                 return self._trace_kinds(kinds, batch, seq)
             except Exception:  # noqa: BLE001 -- a model that does not take being cut: traced whole
                 self._kinds = []
         return trace_model(self.model, self.quant.method, self.dtype, batch, seq,
-                           lambda: self._new_cache(seq + 16), device="meta", target=self.target)
+                           lambda: self._new_cache(seq + 16), device="meta", target=self.target, images=images)
 
     def _trace_kinds(self, kinds: list[int], batch: int, seq: int) -> Trace:
         kv = self._layout()
@@ -402,7 +591,7 @@ class DryRunner:
 
     def kinds(self) -> list[int]:
         """One decoder layer per kind, its last occurrence, in order; [] when the model is traced whole:
-        fewer than two layers, an fp8 or a static cache (their layouts at long contexts are not their
+        a vision-language model, fewer than two layers, an fp8 or a static cache (their layouts at long contexts are not their
         tiny prefills'), a config with per-layer lists besides ``layer_types`` (the cache or the masks may
         read them), cache layers that are not one per decoder layer, or any with a sliding window or a
         fixed state (what they hold while the prefill runs is not what their layout says after it)."""
@@ -428,6 +617,8 @@ class DryRunner:
         tc = self.model.config.get_text_config()
         if found is None or self.kv_dtype != "auto" or self.cache_kind != "dynamic":
             return None
+        if getattr(self.model.config, "vision_config", None) is not None:
+            return None  # a vision-language model: its language model's layers and cache have their own rules
         layers = list(found[2])
         n = len(layers)
         types = getattr(tc, "layer_types", None)
@@ -475,11 +666,14 @@ class DryRunner:
             for m, i, _ in numbered:
                 m.layer_idx = i
 
-    def kv_layers(self, batch: int = 1) -> list[KVLayer]:
+    def kv_layers(self, batch: int = 1, images=None) -> list[KVLayer]:
         """Each cache layer's bytes per token (per batch row) and fixed part, from two tiny prefills: of
-        one layer per kind (:meth:`kinds`), each layer then given its kind's, where the model is cut;
-        else of the whole model."""
-        kind_of = self._kind_map()
+        one layer per kind (:meth:`kinds`), each layer then given its kind's, where the model is cut and
+        no image is in the prompt; else of the whole model.
+
+        With ``images`` both prefills hold them (the prompt's image tokens count as tokens): a layer
+        that caches the images themselves (Mllama's cross-attention K/V) then shows as a fixed part."""
+        kind_of = self._kind_map() if images is None else None
         if kind_of:
             reps = sorted(set(kind_of))
             try:
@@ -490,28 +684,42 @@ class DryRunner:
             if len(measured) == len(reps):
                 by_kind = dict(zip(reps, measured))
                 return [by_kind[k] for k in kind_of]
-        return self._measure_kv(batch)
+        return self._measure_kv(batch, images)
 
-    def _measure_kv(self, batch: int) -> list[KVLayer]:
+    def _measure_kv(self, batch: int, images=None) -> list[KVLayer]:
         torch = self.torch
         small, large = 4, 12
+        extra_tokens = images.tokens if images is not None else 0
         sizes = []
         kinds = []
         windows = []
+        _forget_positions(self.model)
         with torch.no_grad(), cuda_kernels(self.model, self.quant.method, self.dtype, self.target):
             for n in (small, large):
-                cache = self._new_cache(n if self.cache_kind == "static" else n + 16)
-                ids = torch.zeros(batch, n, dtype=torch.long, device="meta")
-                self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+                seq = n + extra_tokens
+                cache = self._new_cache(seq if self.cache_kind == "static" else seq + 16)
+                if images is None:
+                    ids, extra = torch.zeros(batch, n, dtype=torch.long, device="meta"), {}
+                    shadows = contextlib.nullcontext()
+                else:
+                    shadows = ShadowValues()
+                with shadows:
+                    if images is not None:
+                        host = multimodal_prompt(self.model, images, batch, seq, self.dtype)
+                        extra = place({"input_ids": host[0], **host[1]}, "meta")
+                        ids = extra.pop("input_ids")
+                        del host
+                    self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache}, **extra)
                 layers = getattr(cache, "layers", None) or []
                 sizes.append([layer_bytes(layer) for layer in layers])
                 kinds = [type(layer).__name__ for layer in layers]
                 windows = [_window(layer, self.cache_kind) for layer in layers]
+                del ids, extra, cache
         out = []
         for kind, win, b_small, b_large in zip(kinds, windows, sizes[0], sizes[1]):
             per_tok = (b_large - b_small) // (large - small)
             out.append(KVLayer(kind=kind, bytes_per_token=per_tok // batch,
-                               fixed_bytes=(b_small - per_tok * small) // batch, max_tokens=win))
+                               fixed_bytes=(b_small - per_tok * (small + extra_tokens)) // batch, max_tokens=win))
         return out
 
 
@@ -545,7 +753,8 @@ def fit_activations(traces: list[Trace], pieces: bool = False) -> ActivationMode
 
     ones = [t for t in traces if t.batch == 1] or traces
     n = np.array([t.batch * t.tokens for t in ones], dtype=float)
-    pre = np.array([t.prefill_peak_bytes - t.cache_bytes for t in ones], dtype=float)
+    seen = any(t.vision_peak_bytes for t in ones)  # images: the rest of the prefill, and the window apart
+    pre = np.array([(t.lm_peak_bytes if seen else t.prefill_peak_bytes) - t.cache_bytes for t in ones], dtype=float)
     dec = np.array([t.decode_peak_bytes for t in ones], dtype=float)
     if len(ones) >= 3:
         coef_p = np.linalg.lstsq(np.stack([np.ones_like(n), n, n * n], 1), pre, rcond=None)[0]
@@ -555,8 +764,20 @@ def fit_activations(traces: list[Trace], pieces: bool = False) -> ActivationMode
         coef_d = np.linalg.lstsq(np.stack([np.ones_like(n), n], 1), dec, rcond=None)[0]
     else:
         coef_d = np.array([dec.mean(), 0.0])
+    vision = own = None
+    if seen:
+        rows = np.array([t.batch for t in ones], dtype=float)
+        seq = n / rows
+        lin = np.stack([np.ones_like(seq), seq], 1)
+        win = np.array([(t.vision_peak_bytes - t.cache_bytes) / t.batch for t in ones], dtype=float)
+        mine = np.array([t.vision_extra_bytes / t.batch for t in ones], dtype=float)
+        if len(ones) >= 2:
+            vision = tuple(float(x) for x in np.linalg.lstsq(lin, win, rcond=None)[0])
+            own = tuple(float(x) for x in np.linalg.lstsq(lin, mine, rcond=None)[0])
+        else:
+            vision, own = (float(win.mean()), 0.0), (float(mine.mean()), 0.0)
     return ActivationModel(prefill=tuple(float(x) for x in coef_p), decode=tuple(float(x) for x in coef_d),
-                           traces=list(traces), pieces=pieces)
+                           traces=list(traces), pieces=pieces, vision=vision, vision_own=own)
 
 
 def cache_keyword(model) -> str:
@@ -567,15 +788,19 @@ def cache_keyword(model) -> str:
 
 
 def trace_model(model, quant_method: str, dtype, batch: int, seq: int, new_cache, device="meta",
-                target: str = "cuda") -> Trace:
+                target: str = "cuda", images=None) -> Trace:
     """Prefill ``seq`` tokens for ``batch`` rows, then one decode step, as ``generate`` does, under the
-    tracker. Works on the meta model of the dry run and, for cross-checks, on a real loaded model."""
+    tracker. Works on the meta model of the dry run and, for cross-checks, on a real loaded model.
+
+    ``images`` (:class:`~vramcal.estimator.vision.Images`): each row's prompt holds them, ``seq`` counts
+    their tokens, and the prefill gets the pixel tensors the image processor makes; they stay held
+    through the decode step, as ``generate`` holds them."""
     import torch
 
     cache_kw = cache_keyword(model)
 
-    def step(ids, cache):
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+    def step(ids, cache, extra):
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kw: cache}, **extra)
         # generate() copies the last position's logits to float32 before choosing the token
         logits = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
         nxt = logits.argmax(-1, keepdim=True)
@@ -588,29 +813,89 @@ def trace_model(model, quant_method: str, dtype, batch: int, seq: int, new_cache
     # a second over transformers' heap (three per trace).
     gc.freeze()
     try:
-        return _trace(model, quant_method, dtype, batch, seq, new_cache, device, target, step)
+        return _trace(model, quant_method, dtype, batch, seq, new_cache, device, target, step, images)
     finally:
         gc.unfreeze()
 
 
-def _trace(model, quant_method, dtype, batch, seq, new_cache, device, target, step) -> Trace:
+def _forget_positions(model) -> None:
+    """Qwen-VL keeps the last prefill's rope offsets on the model for the decode steps after it; a dry
+    run reuses one model for many traces, so each starts as a fresh ``generate`` does."""
+    for module in model.modules():
+        if getattr(module, "rope_deltas", None) is not None:
+            module.rope_deltas = None
+
+
+def multimodal_prompt(model, images, batch: int, seq: int, dtype):
+    """The prefill's ids and multimodal inputs (on the CPU, real values) and those each decode step
+    gets. ``seq`` counts the image tokens. :func:`place` puts them on the traced device."""
+    from .vision import decode_inputs, pixel_inputs, prompt_ids, text_side_inputs
+
+    text = seq - images.tokens
+    if text < 1:
+        raise ValueError(f"{seq} prompt positions cannot hold {images.tokens} image tokens and any text")
+    ids = prompt_ids(model.config, images, batch, text)
+    extra = {**text_side_inputs(model.config, images, ids), **pixel_inputs(images, batch, dtype)}
+    return ids, extra, decode_inputs(images, extra)
+
+
+def place(tensors: dict, device: str) -> dict:
+    """Tensors made on the CPU, now on ``device`` as a run would hold them there (a copy, so a tracker
+    counts it; on ``meta`` under :class:`ShadowValues` the copy keeps the values)."""
     import torch
 
+    if torch.device(device).type == "cpu":
+        return {k: v.clone() for k, v in tensors.items()}
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def _held(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        seen[t.untyped_storage()._cdata] = round_alloc(t.untyped_storage().nbytes())
+    return sum(seen.values())
+
+
+def _trace(model, quant_method, dtype, batch, seq, new_cache, device, target, step, images=None) -> Trace:
+    import torch
+
+    _forget_positions(model)
+    meta = torch.device(device).type == "meta"
     with torch.no_grad(), cuda_kernels(model, quant_method, dtype, target):
         tracker = AllocationTracker(torch.device(device).type)
-        with tracker:
+        shadows = ShadowValues() if images is not None and meta else None
+        window = VisionWindow(model, tracker) if images is not None else None
+        host = multimodal_prompt(model, images, batch, seq, dtype) if images is not None else None
+        with tracker, shadows or contextlib.nullcontext(), window or contextlib.nullcontext():
             cache = new_cache()
-            ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
-            nxt = step(ids, cache)
+            if host is None:
+                ids, extra, later = torch.zeros(batch, seq, dtype=torch.long, device=device), {}, {}
+            else:
+                placed = place({"input_ids": host[0], **host[1]}, device)
+                ids, extra = placed.pop("input_ids"), placed
+                later = place(host[2], device)
+                del host, placed
+            nxt = step(ids, cache, extra)
             del ids
             gc.collect()
-            prefill_peak = tracker.peak
-            held = tracker.current
+            rest_peak = window.rest_peak() if window is not None else tracker.peak
+            prefill_peak = max(rest_peak, window.peak if window is not None else 0)
+            inputs = _held(_tensors(extra))  # pixels and masks: generate holds them to the end
+            held = tracker.current - inputs
             tracker.reset_peak()
-            nxt = step(nxt, cache)
+            if shadows is not None:  # the next token is text
+                from .vision import reserved_ids
+
+                reserved = reserved_ids(model.config)
+                shadows.attach(nxt, torch.full(tuple(nxt.shape), next(i for i in range(3, 1 << 20) if i not in reserved),
+                                               dtype=nxt.dtype))
+            nxt = step(nxt, cache, later)
             gc.collect()
             decode_peak = tracker.peak - held
-            del nxt, cache
+            del nxt, cache, extra, later
         ops = tracker.ops
+    vision_peak = window.peak if window is not None and window.closed else 0
     return Trace(batch=batch, tokens=seq, prefill_peak_bytes=prefill_peak, cache_bytes=held,
-                 decode_peak_bytes=decode_peak, ops=ops)
+                 decode_peak_bytes=decode_peak, ops=ops, vision_peak_bytes=vision_peak,
+                 vision_extra_bytes=vision_peak - window.start if vision_peak else 0,
+                 lm_peak_bytes=rest_peak if vision_peak else 0)

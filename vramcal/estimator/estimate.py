@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 from ..errors import UserError
 from ..units import GB, fmt_gib_gb
 from ..versions import VRAMCAL_VERSION
-from ..workload import (ATTNS, CACHES, KV_DTYPES, NEW_TOKENS, STAGES, Workload, choice, device_kind, parse_device,
-                        workload)
+from ..workload import (ATTNS, CACHES, KV_DTYPES, NEW_TOKENS, STAGES, Workload, choice, device_kind, images_of,
+                        parse_device, workload)
 from .cache import CACHE_PROBLEMS, load_cached, store_cached
 from .correction import CorrectionSet
 from .cpu import CpuStages, cpu_inputs, cpu_resident_stages, out_features
@@ -28,9 +28,13 @@ from .resolve import ModelSource, resolve_model, size_field, text_config
 from .result import DeviceEstimate, Estimate
 from .runtime import RuntimeProfile, default_profile
 from .stages import DeviceLoad, device_stages, model_id, placed_stages, weights_alloc
+from .vision import LABELS, Images, check_images, plan_images
 
 FIT_TOKENS = (512, 2048, 8192)  # eager attention's quadratic fit; interpolation needs only the ends
 PIECE_TOKENS = (512, 8192)
+# with images every prompt holds their tokens: the fit's shortest point is the images and a few words,
+# where the vision encoder's window often sets the prefill (text tokens, the image tokens come on top)
+FIT_TOKENS_IMAGES = (16, 2048, 8192)
 # KV layouts measured in this process, by what decides them (not the weights' quantization): a search
 # over quantizations measures each model's layout once
 _KV_LAYOUTS: dict[tuple, list[KVLayer]] = {}
@@ -59,10 +63,11 @@ class Point:
         return max(self.stages.values())
 
 
-def _act_cache_key(quant: QuantSpec, attn: str, cache: str, kv_dtype: str, target: str) -> QuantSpec:
+def _act_cache_key(quant: QuantSpec, attn: str, cache: str, kv_dtype: str, target: str, images=None) -> QuantSpec:
     from dataclasses import replace
 
-    return replace(quant, name=f"{quant.name}|{attn}|{cache}|{kv_dtype}|{target}")
+    shown = f"|{images.key()}" if images is not None else ""
+    return replace(quant, name=f"{quant.name}|{attn}|{cache}|{kv_dtype}|{target}{shown}")
 
 
 @dataclass(frozen=True)
@@ -80,10 +85,15 @@ class Estimator:
     activation traces) and reuses them across contexts and batches."""
 
     def __init__(self, source: ModelSource, quant: QuantSpec, attn: str = "auto", cache: str = "dynamic",
-                 kv_dtype: str = "auto", use_cache: bool = True, device: str = "cuda", progress=None):
+                 kv_dtype: str = "auto", use_cache: bool = True, device: str = "cuda", progress=None,
+                 images: int = 0, image_size: tuple[int, int] | str | None = None):
+        """``images`` images of ``image_size`` (None: the processor's default size) in every prompt
+        (:mod:`vramcal.estimator.vision`): every estimate of this Estimator holds them."""
         choice(attn, ATTNS, "--attn")
         choice(cache, CACHES, "--cache")
         choice(kv_dtype, KV_DTYPES, "--kv-dtype")
+        images, image_size = images_of(images, image_size)
+        check_images(source.config, images, source.name)
         self.source, self.quant = source, quant
         self.attn, self.cache, self.kv_dtype = attn, cache, kv_dtype
         self.use_cache = use_cache
@@ -92,8 +102,12 @@ class Estimator:
         start = len(CACHE_PROBLEMS)
         self.inv: Inventory = inventory(source, quant, use_cache=use_cache, progress=self._progress)
         self._w_alloc = weights_alloc(self.inv.alloc_sizes)
+        # the config as transformers filled it: what the formulas, the warnings and the image rules read
+        self.config = self.inv.config or source.config
+        self.text_config = text_config(self.config)
+        self.images: Images | None = plan_images(self.config, source.processor, images, image_size, source.name)
         self.device = device_kind(device)
-        self._act_key = _act_cache_key(quant, attn, cache, kv_dtype, self.device)
+        self._act_key = _act_cache_key(quant, attn, cache, kv_dtype, self.device, self.images)
         self._runner = None
         self._kv: list[KVLayer] | None = None
         self._act: ActivationModel | None = None
@@ -103,6 +117,26 @@ class Estimator:
             self._load_act_cache()
         self._problems += CACHE_PROBLEMS[start:]
         del CACHE_PROBLEMS[start:]
+
+    def lm_workload(self, work: Workload) -> Workload:
+        """``work`` as the language model runs it: every row's prompt holds this Estimator's images, whose
+        tokens add to the text prompt."""
+        if self.images is None:
+            return work
+        return Workload(work.prompt + self.images.tokens, work.new_tokens, work.batch)
+
+    def _image_size(self) -> tuple[int, int] | None:
+        return None if self.images is None else (self.images.plan.width, self.images.plan.height)
+
+    def _images_method(self) -> str:
+        im = self.images
+        p = im.plan
+        how = "; ".join(f"{k} {v} ({where})" for k, (v, where) in p.settings.items())
+        return (f"{LABELS.get(p.family, p.family)} processor rules (docs/vision.md): {im.count} image(s) of "
+                f"{p.width}x{p.height}{'' if im.size_given else ' (the processor default size)'}, {p.tokens} "
+                f"tokens each ({p.placeholders} image features + {p.specials} special tokens); the vision "
+                f"encoder runs {p.encoder_images} image(s) of {p.encoder_size[1]}x{p.encoder_size[0]} "
+                f"({p.encoder_tokens} positions each); settings: {how}")
 
     @property
     def on_the_fly(self) -> bool:
@@ -121,7 +155,9 @@ class Estimator:
             if act is not None:
                 model = ActivationModel(prefill=tuple(act["prefill"]) if act["prefill"] else None,
                                         decode=tuple(act["decode"]) if act["decode"] else None,
-                                        traces=[Trace(**t) for t in act["traces"]], pieces=bool(act["pieces"]))
+                                        traces=[Trace(**t) for t in act["traces"]], pieces=bool(act.get("pieces")),
+                                        vision=tuple(act["vision"]) if act.get("vision") else None,
+                                        vision_own=tuple(act["vision_own"]) if act.get("vision_own") else None)
             attn_used = str(data["attn_used"])
             sane = all(k.bytes_per_token >= 0 and k.fixed_bytes >= 0 for k in kv) and all(
                 t.prefill_peak_bytes >= t.cache_bytes >= 0 and t.decode_peak_bytes >= 0
@@ -140,7 +176,9 @@ class Estimator:
             return
         act = {"prefill": list(self._act.prefill) if self._act.prefill else None,
                "decode": list(self._act.decode) if self._act.decode else None,
-               "traces": [asdict(t) for t in self._act.traces], "pieces": self._act.pieces}
+               "traces": [asdict(t) for t in self._act.traces], "pieces": self._act.pieces,
+               "vision": list(self._act.vision) if self._act.vision else None,
+               "vision_own": list(self._act.vision_own) if self._act.vision_own else None}
         store_cached(self.source, self._act_key, {"kv": [asdict(k) for k in self._kv], "act": act,
                                                    "attn_used": self.attn_used}, kind="activations")
 
@@ -173,30 +211,34 @@ class Estimator:
         try:
             runner = self._dry_runner()
             if need_kv:
-                key = (self.source.config_hash, self.quant.dtype, self.attn, self.cache, self.kv_dtype, self.device)
+                key = (self.source.config_hash, self.quant.dtype, self.attn, self.cache, self.kv_dtype, self.device,
+                       self.images.key() if self.images is not None else None)
                 if key not in _KV_LAYOUTS or not self.use_cache:
                     self._progress("measuring the KV cache layout (two tiny prefills on meta tensors)")
-                    _KV_LAYOUTS[key] = runner.kv_layers()
+                    _KV_LAYOUTS[key] = runner.kv_layers(images=self.images)
                 self._kv = list(_KV_LAYOUTS[key])
             runner._kv_layout = list(self._kv)  # the runner's traces by layer kind read the same layout
             traces = list(self._act.traces) if self._act else []
             if need_point:
                 self._progress(f"tracing the prefill of {prompt:,} tokens x {batch} and a decode step")
-                traces.append(runner.trace(batch, prompt))
+                traces.append(runner.trace(batch, prompt, self.images))
             pieces = self.attn_used != "eager"
             if need_fit or need_cover:
-                points = PIECE_TOKENS if pieces else FIT_TOKENS
+                if self.images is None:
+                    points = PIECE_TOKENS if pieces else FIT_TOKENS
+                else:
+                    points = tuple(n + self.images.tokens for n in FIT_TOKENS_IMAGES)
                 far = max(points[-1], 1 << max(reach - 1, 1).bit_length())
                 for n in points + ((far,) if far > points[-1] else ()):
                     if not any(t.batch == 1 and t.tokens == n for t in traces):
                         self._progress(f"tracing {n:,} tokens for the activation fit")
-                        traces.append(runner.trace(1, n))
+                        traces.append(runner.trace(1, n, self.images))
             self._act = fit_activations(traces, pieces) if need_fit or need_cover or (self._act and self._act.prefill) \
                 else ActivationModel(prefill=None, decode=None, traces=traces, pieces=pieces)
         except UserError:
             raise
         except (RuntimeError, ValueError, TypeError, NotImplementedError, IndexError, KeyError,
-                AttributeError, AssertionError, ImportError) as exc:  # an op the meta device cannot run: formulas, said so
+                AttributeError, AssertionError, ImportError, StopIteration) as exc:  # an op the meta device cannot run: formulas, said so
             self._dry_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             return
         self._store_act_cache()
@@ -206,7 +248,7 @@ class Estimator:
         """KV and transients at ``work``, how each was obtained, and whether a formula stood in."""
         methods: dict[str, str] = {}
         approximate = False
-        tc = text_config(self.source.config)
+        tc = self.text_config
         if self._kv is not None:
             kv_prompt, kv_end = self._kv_prompt(work), self._kv_end(work)
             methods["kv_cache"] = "cache layers of the installed transformers, measured on meta tensors"
@@ -256,7 +298,8 @@ class Estimator:
                  prompt: int | None = None, placement=None) -> Estimate:
         """``placement`` (a :class:`~vramcal.estimator.placement.Placement` of this model and quant) adds
         per-device figures: see :meth:`_place`."""
-        work = workload(ctx, batch, new_tokens, prompt)
+        text = workload(ctx, batch, new_tokens, prompt)
+        work = self.lm_workload(text)  # what the language model runs: the image tokens in the prompt
         device = self._same_kind(device)
         self._ensure_dry_run(work.batch, work.prompt, exact)
         rt = runtime or default_profile(device)
@@ -285,26 +328,37 @@ class Estimator:
             notes += cpu.notes
             if cpu.lower != cpu.upper:
                 ranges = {k: (rt.context_bytes + cpu.lower[k], rt.context_bytes + cpu.upper[k]) for k in STAGES}
-        tc = text_config(self.source.config)
+        tc = self.text_config
         formula, diffs = compare_formula(tc, inv, self.quant, work, components)
         if self.attn_used == "eager":
             notes.append("eager attention materialises batch x heads x seq x seq scores: the prefill grows with ctx^2")
+        vision_peak = None
+        if self.images is not None:
+            methods["images"] = self._images_method()
+            if self._act is not None and methods["activations"] != "formula (dry run unavailable)":
+                vision_peak = self._act.vision_extra(work.batch, work.prompt)
+            else:
+                notes.append("the vision encoder was not traced (the dry run is unavailable): its activations are "
+                             "not in the figures")
         out = Estimate(
             model=self.source.name, architecture=inv.architecture, quant=self.quant.name,
-            quant_implementation=self.quant.implementation, dtype=inv.dtype, ctx=work.ctx, batch=work.batch,
+            quant_implementation=self.quant.implementation, dtype=inv.dtype, ctx=text.ctx, batch=work.batch,
             kv_dtype=self.kv_dtype, attn=self.attn_used, cache=self.cache, device=device,
             components=components, stages=dict(single.stages), allocated=dict(single.allocated),
             peak=single.peak, approximate=inv.approximate or approx, methods=methods,
             weights_breakdown={k: v for k, v in inv.groups.items() if v}, kv_breakdown=kv_by_kind,
             formula=formula, differences=diffs, notes=notes, runtime_source=rt.source,
-            config_hash=self.source.config_hash, prompt=work.prompt, new_tokens=work.new_tokens,
+            config_hash=self.source.config_hash, prompt=text.prompt, new_tokens=work.new_tokens,
             peak_stage=single.peak_stage, peak_breakdown=dict(single.breakdown),
             warnings=_warnings(tc, work, single.peak if placement is None else 0, device, self.quant),
-            ranges=ranges, estimator_model=model_id(device_kind(device)), vramcal_version=VRAMCAL_VERSION)
+            ranges=ranges, estimator_model=model_id(device_kind(device)), vramcal_version=VRAMCAL_VERSION,
+            weights_parts=dict(inv.parts), images=self.images.count if self.images else 0,
+            image_size=self._image_size(), image_tokens=work.prompt - text.prompt, vision_peak=vision_peak)
         if placement is not None:
             self._place(out, placement, work, parts, runtime)
         out.from_pretrained = from_pretrained_kwargs(self.quant, device, placement,
                                                      None if self.attn == "auto" else self.attn_used)
+        out.auto_class = self.inv.auto_class
         return out
 
     def _kv_layers_or_split(self, work: Workload, parts: _Parts) -> tuple[list[int], list[int]]:
@@ -316,7 +370,7 @@ class Estimator:
             else:
                 prompt = [work.batch * (layer.fixed_bytes + layer.bytes_per_token * work.prompt) for layer in self._kv]
             return prompt, self._kv_end_layers(work)
-        n = max(int(size_field(text_config(self.source.config), "num_hidden_layers") or 1), 1)
+        n = max(int(size_field(self.text_config, "num_hidden_layers") or 1), 1)
         return [parts.kv_prompt // n] * n, [parts.kv_end // n] * n
 
     def _device_figures(self, plan, work: Workload, parts: _Parts,
@@ -386,7 +440,8 @@ class Estimator:
         device = self._same_kind(device)
         rt = runtime or default_profile(device)
         points = list(points)
-        works = [workload(ctx, batch, new_tokens) for ctx, batch in points] or [workload(4096, 1, new_tokens)]
+        works = [self.lm_workload(workload(ctx, batch, new_tokens)) for ctx, batch in points] \
+            or [self.lm_workload(workload(4096, 1, new_tokens))]
         reach = max(w.batch * w.prompt for w in works)
         if self._kv is None or self._act is None or self._act.prefill is None or not self._act.covers(reach):
             self._ensure_dry_run(works[0].batch, works[0].prompt, exact=False, cover=reach)
@@ -395,19 +450,20 @@ class Estimator:
                             "use `estimate` for formula-based figures")
         out = []
         for ctx, batch in points:
-            work = workload(ctx, batch, new_tokens)
+            text = workload(ctx, batch, new_tokens)
+            work = self.lm_workload(text)
             parts, _, _ = self._parts(work)
             if placement is not None:
                 per = self._device_figures(placement, work, parts, runtime)
                 devices = {d: dict(v.stages) for d, v in per.items()}
                 stages = {k: sum(v[k] for d, v in devices.items() if d.startswith("cuda")) for k in STAGES}
-                out.append(Point(work.ctx, work.batch, self.quant.name, stages, devices=devices))
+                out.append(Point(text.ctx, work.batch, self.quant.name, stages, devices=devices))
                 continue
             single, cpu = self._single(rt, parts, work)
             upper = None
             if cpu is not None and cpu.lower != cpu.upper:  # the run-to-run top (docs/cpu-memory.md)
                 upper = {k: rt.context_bytes + v for k, v in cpu.upper.items()}
-            out.append(Point(work.ctx, work.batch, self.quant.name, dict(single.stages), upper=upper))
+            out.append(Point(text.ctx, work.batch, self.quant.name, dict(single.stages), upper=upper))
         return out
 
     # ---------------------------------------------------------------- the cache's positions
@@ -467,8 +523,14 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
              device: str = "cuda", runtime: RuntimeProfile | None = None, use_cache: bool = True,
              exact: bool = True, new_tokens: int = NEW_TOKENS, prompt: int | None = None,
              correction: CorrectionSet | None = None, progress=None, max_memory: dict | str | None = None,
-             device_map: str | None = None) -> Estimate:
+             device_map: str | None = None, images: int = 0, image_size: tuple[int, int] | str | None = None
+             ) -> Estimate:
     """Estimate peak memory per stage for ``model`` (anything ``vramcal estimate`` accepts).
+
+    ``images`` images of ``image_size`` (``(width, height)`` or ``"1024x768"``; default: the model's
+    processor's size) in every prompt of a vision-language model (docs/vision.md): their tokens add to the
+    prompt; the result's ``image_tokens`` and ``context`` say how many, ``vision_peak`` what the vision
+    encoder adds while it runs.
 
     ``max_memory`` (``{"cuda:0": bytes, "cpu": bytes}`` or ``"cuda:0=24GiB,cpu=64GiB"``) and ``device_map``
     (``auto`` | ``balanced`` | ``balanced_low_0`` | ``sequential``; ``auto`` when only ``max_memory`` is
@@ -480,10 +542,11 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
     :class:`~vramcal.estimator.correction.CorrectionSet`, e.g. from
     :func:`vramcal.calibrate.corrections.machine_correction`) returns the corrected estimate.
     ``progress(step)`` is told each slow step as it starts."""
-    work = workload(ctx, batch, new_tokens, prompt)
+    work = workload(ctx, batch, new_tokens, prompt, images, image_size)
     kind = device_kind(parse_device(device, default="cuda"))
     placed = placement_request(max_memory, device_map, kind)
     source = model if isinstance(model, ModelSource) else resolve_model(model)
+    check_images(source.config, work.images, source.name)
     spec = resolve_quant(quant, source.config, dtype)
     if source.config.get("quantization_config") and (quant or "auto").lower() != "auto":
         qm = source.config["quantization_config"].get("quant_method", "?")
@@ -496,7 +559,7 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
             progress("planning the placement with transformers' device-map functions")
         plan = plan_placement(source, spec, placed[0], placed[1], use_cache=use_cache)
     est = Estimator(source, spec, attn=attn, cache=cache, kv_dtype=kv_dtype, use_cache=use_cache, device=kind,
-                    progress=progress)
+                    progress=progress, images=work.images, image_size=work.image_size)
     out = est.estimate(batch=work.batch, runtime=runtime, exact=exact, new_tokens=work.new_tokens,
                        prompt=work.prompt, placement=plan)
     return out.corrected(correction) if correction is not None else out

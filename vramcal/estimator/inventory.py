@@ -24,7 +24,7 @@ from ..errors import UserError
 from ..versions import software_versions
 from .cache import CACHE_PROBLEMS, load_cached, store_cached
 from .checkpoint import checkpoint_tensors, tensor_bytes
-from .meta import UnknownArchitecture, build_meta_model, import_bitsandbytes
+from .meta import UnknownArchitecture, _first_line, build_meta_model, import_bitsandbytes
 from .quant import (
     DTYPE_BYTES,
     QuantSpec,
@@ -33,7 +33,8 @@ from .quant import (
     ceil_div,
     packed_int_tensors,
 )
-from .resolve import ModelSource, text_config
+from .resolve import ModelSource, missing_fields, size_field, text_config
+
 GROUPS = ("quantized", "quant_state", "embeddings", "lm_head", "experts", "norms", "dense", "buffers")
 
 
@@ -57,6 +58,15 @@ class Inventory:
     # [[out_features, in_features, how many], ...] of the weights the quantizer converts (the CPU model's
     # heap terms need each weight's size, not only the total)
     quantized_shapes: list[list[int]] = field(default_factory=list)
+    # the config as the installed transformers filled it (every default in place; text_config and
+    # vision_config nested): what the KV formula, the warnings and the image rules read. The config as
+    # given where transformers could not build it.
+    config: dict = field(default_factory=dict)
+    # a vision-language model's bytes per part, by module name (model.vision_tower,
+    # model.multi_modal_projector, model.language_model, lm_head); empty for a text model
+    parts: dict[str, int] = field(default_factory=dict)
+    # the auto class from_pretrained is called on for this checkpoint (meta.auto_class_for)
+    auto_class: str = "AutoModelForCausalLM"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -97,11 +107,13 @@ def _compute(source: ModelSource, quant: QuantSpec) -> Inventory:
     try:
         return meta_inventory(source, quant)
     except ImportError as exc:
-        inv = formula_inventory(source, quant)
-        inv.notes.append(f"transformers could not be used ({exc}); weights from a formula")
+        why = f"transformers could not build it ({_first_line(exc)})"
+        inv = formula_inventory(source, quant, why)
+        inv.notes.append(f"{why}; weights from a formula")
         return inv
     except UnknownArchitecture as exc:
-        inv = formula_inventory(source, quant)
+        inv = formula_inventory(source, quant, f"the installed transformers does not know model_type "
+                                               f"{text_config(source.config).get('model_type')!r}")
         inv.notes.append(f"the installed transformers does not know this architecture ({exc}); weights from a formula")
         return inv
 
@@ -119,8 +131,12 @@ def _group(name: str, module, param, output_embeddings, input_embeddings) -> str
 
 
 def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
+    from .meta import auto_class_for
+
     model, hf_quantizer, dtype = build_meta_model(source, quant)
-    return count_meta_model(source, quant, model, hf_quantizer, dtype)
+    inv = count_meta_model(source, quant, model, hf_quantizer, dtype)
+    inv.auto_class = auto_class_for(model.config, source.config.get("architectures")).__name__
+    return inv
 
 
 def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer, dtype,
@@ -130,9 +146,15 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
     so placement can sum the same bytes per device."""
     import torch
 
+    part_names = model_parts(model)
+    by_part: dict[str, int] = dict.fromkeys(part_names, 0)
+
     def note(name: str, b: int) -> None:
         if per_tensor is not None:
             per_tensor.append((name, b))
+        if part_names:
+            key = next((p for p in part_names if name.startswith(p + ".")), name.split(".", 1)[0])
+            by_part[key] = by_part.get(key, 0) + b
 
     bnb = None
     if quant.method in ("bnb4", "bnb8"):
@@ -218,7 +240,42 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
         tensor_bytes=sum(k * v for k, v in sizes.items()), alloc_sizes=dict(sizes), groups=groups,
         largest_source_bytes=largest_source, warmup_bytes=warmup,
         method="meta", approximate=quant.method not in ("none", "bnb4", "bnb8"), notes=notes,
-        software=software_versions(), quantized_shapes=[[o, i, c] for (o, i), c in sorted(shapes.items())])
+        software=software_versions(), quantized_shapes=[[o, i, c] for (o, i), c in sorted(shapes.items())],
+        config=built_config_dict(model.config), parts={k: v for k, v in by_part.items() if v})
+
+
+def model_parts(model) -> list[str]:
+    """A vision-language model's parts: the modules beside its language model (vision tower, projector)
+    and the language model itself, by name (``model.vision_tower``, ``model.language_model`` ...). Empty
+    for a model without a vision part."""
+    if getattr(model.config, "vision_config", None) is None or not hasattr(model, "get_decoder"):
+        return []
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, TypeError):
+        return []
+    modules = dict(model.named_modules())
+    name = next((n for n, m in modules.items() if m is decoder), None)
+    if not name:
+        return []
+    parent = name.rsplit(".", 1)[0] if "." in name else ""
+    holder = modules[parent]
+    prefix = f"{parent}." if parent else ""
+    return [prefix + child for child, m in holder.named_children() if any(True for _ in m.parameters())]
+
+
+def built_config_dict(config) -> dict:
+    """The config object as JSON data, every field (defaults included)."""
+    import json
+
+    try:
+        return json.loads(config.to_json_string(use_diff=False))
+    except (TypeError, ValueError):  # a field json cannot hold: the fields that could be written
+        return {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool, list, dict))}
+
+
+def _plain_config(config: dict) -> dict:
+    return {k: v for k, v in config.items() if not k.startswith("_vramcal")}
 
 
 def _defaults_used(tc: dict, config) -> list[str]:
@@ -315,19 +372,21 @@ def checkpoint_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
         largest_source_bytes=max(sizes, default=0), warmup_bytes=None, method="checkpoint",
         approximate=True, notes=[f"{quant.implementation}: counted from the checkpoint's safetensors headers as stored; "
                                  "kernels that repack at load (exllama, marlin) can differ"],
-        software=software_versions())
+        software=software_versions(), config=_plain_config(source.config))
 
 
-def formula_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
-    """A Llama-shaped count from config fields, for architectures transformers cannot build here."""
+def formula_inventory(source: ModelSource, quant: QuantSpec, why: str = "transformers cannot build it") -> Inventory:
+    """A Llama-shaped count from config fields, for architectures transformers cannot build here
+    (``why``: what stopped it, said when the config lacks the fields the formula needs)."""
     tc = text_config(source.config)
-    try:
-        h = int(tc["hidden_size"])
-        layers = int(tc["num_hidden_layers"])
-        heads = int(tc["num_attention_heads"])
-        vocab = int(tc["vocab_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UserError(f"config lacks {exc} needed for an estimate: pass a complete config.json") from None
+    missing = missing_fields(source.config)
+    if missing:
+        raise UserError(f"{source.name}: {why}, so nothing fills the fields the config leaves out, and it does "
+                        f"not give {', '.join(missing)}: give them, or use a transformers that builds this model")
+    h = int(size_field(tc, "hidden_size"))
+    layers = int(size_field(tc, "num_hidden_layers"))
+    heads = int(size_field(tc, "num_attention_heads"))
+    vocab = int(size_field(tc, "vocab_size"))
     kv = int(tc.get("num_key_value_heads") or heads)
     hd = int(tc.get("head_dim") or h // heads)
     inter = int(tc.get("intermediate_size") or 4 * h)
@@ -368,7 +427,8 @@ def formula_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
         largest_source_bytes=max(inter * h * el, emb),
         warmup_bytes=None, method="formula", approximate=True,
         notes=["weights from a Llama-shaped formula over the config's fields"], software=software_versions(),
-        quantized_shapes=[[o, i, layers] for o, i in linears + mlp] if quant.method != "none" else [])
+        quantized_shapes=[[o, i, layers] for o, i in linears + mlp] if quant.method != "none" else [],
+        config=_plain_config(source.config))
 
 
 def _layout(quant: QuantSpec, out_f: int, in_f: int, el: int) -> list[tuple[str, int]]:

@@ -86,27 +86,66 @@ def _known_model_types() -> set[str]:
     return set(CONFIG_MAPPING_NAMES)
 
 
+# The auto classes that build a generating model, in the order tried when a checkpoint names no class
+# they know: the text-and-image one first for a config with a vision part, else the causal LM one.
+# (AutoModelForVision2Seq, its older name, is gone from transformers 5.)
+GENERATING_AUTO_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoModelForMultimodalLM",
+                           "AutoModelForVision2Seq")
+
+
+def auto_class_for(cfg, architectures=None):
+    """The auto class that builds the model class the checkpoint names (``architectures[0]``), as
+    ``from_pretrained`` of that class would: a Mllama checkpoint names MllamaForConditionalGeneration,
+    which AutoModelForCausalLM would silently swap for the text-only MllamaForCausalLM. Without a name
+    any auto class knows, the first that knows the config (see :data:`GENERATING_AUTO_CLASSES`); with
+    none, AutoModelForCausalLM, whose error then says so."""
+    import transformers
+
+    autos = [getattr(transformers, n) for n in GENERATING_AUTO_CLASSES if hasattr(transformers, n)]
+    known = [a for a in autos if type(cfg) in a._model_mapping]
+    named = (architectures or [None])[0] if isinstance(architectures, (list, tuple)) else None
+    for auto in known:
+        if getattr(auto._model_mapping[type(cfg)], "__name__", None) == named:
+            return auto
+    if not known:
+        return transformers.AutoModelForCausalLM
+    if getattr(cfg, "vision_config", None) is None:
+        known.sort(key=lambda a: a is not transformers.AutoModelForCausalLM)
+    return known[0]
+
+
+def build_config(source: ModelSource, raw: dict | None = None):
+    """The config object transformers makes of ``source.config`` (every field it leaves out filled with
+    the config class's default, as ``from_pretrained`` fills it). UnknownArchitecture when the
+    installed transformers does not know the model type; a one-line UserError when it rejects the config."""
+    from transformers import AutoConfig
+
+    raw = clean_config(source.config) if raw is None else raw
+    model_type = raw.get("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
+    except (ValueError, KeyError) as exc:
+        if model_type in _known_model_types():  # a known architecture whose config transformers rejects
+            raise UserError(f"{source.name}: transformers rejects this {model_type} config "
+                            f"({_first_line(exc)}): fix the config.json") from None
+        raise UnknownArchitecture(f"model_type {model_type!r} is not one this transformers knows") from None
+    except ImportError:
+        raise  # a library the model needs is missing: the inventory falls back to its formula and says why
+    except Exception as exc:  # noqa: BLE001 -- a field of the wrong kind (rope_scaling: "yes", a list for an
+        # object): whatever transformers raises about a user's config is about the config, not a bug here
+        raise UserError(f"{source.name}: transformers rejects this config ({type(exc).__name__}: "
+                        f"{_first_line(exc)}): fix the config.json") from None
+
+
 def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, device, device_map, bnb_extra):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = clean_config(source.config)
     if quant.method in ("bnb4", "bnb8") and not quant.pre_quantized:
         raw.pop("quantization_config", None)
     elif quant.method == "none":
         raw.pop("quantization_config", None)
-    model_type = raw.get("model_type")
-    try:
-        cfg = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
-    except (ValueError, KeyError) as exc:
-        if model_type in _known_model_types():  # a known architecture whose config transformers rejects
-            raise UserError(f"{source.name}: transformers rejects this {model_type} config "
-                            f"({_first_line(exc)}): fix the config.json") from None
-        raise UnknownArchitecture(f"model_type {model_type!r} is not one this transformers knows") from None
-    except Exception as exc:  # noqa: BLE001 -- a field of the wrong kind (rope_scaling: "yes", a list for an
-        # object): whatever transformers raises about a user's config is about the config, not a bug here
-        raise UserError(f"{source.name}: transformers rejects this config ({type(exc).__name__}: "
-                        f"{_first_line(exc)}): fix the config.json") from None
+    cfg = build_config(source, raw)
     dtype = getattr(torch, quant.dtype)
     hf_quantizer = None
     if quant.method in ("bnb4", "bnb8"):
@@ -120,17 +159,21 @@ def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, d
         hf_quantizer = AutoHfQuantizer.from_config(BitsAndBytesConfig(**kwargs), pre_quantized=quant.pre_quantized)
         dtype = hf_quantizer.update_dtype(dtype)
     ctx = device if device is not None else torch.device("meta")
+    auto = auto_class_for(cfg, raw.get("architectures"))
     try:
         with ctx:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **({"attn_implementation": attn} if attn else {}))
+            model = auto.from_config(cfg, dtype=dtype, **({"attn_implementation": attn} if attn else {}))
     except ValueError as exc:
         if "Unrecognized configuration class" in str(exc) or "not supported" in str(exc).lower():
             raise UnknownArchitecture(str(exc).splitlines()[0]) from None
-        raise UserError(f"{source.name}: transformers cannot build this {model_type} config "
+        raise UserError(f"{source.name}: transformers cannot build this {raw.get('model_type')} config "
                         f"({_first_line(exc)}): fix the config.json") from None
+    except ImportError:
+        raise  # a library the model needs is missing: the inventory falls back to its formula and says why
     except Exception as exc:  # noqa: BLE001 -- building the model out of the user's config failed in transformers
-        raise UserError(f"{source.name}: transformers cannot build this {model_type} config ({type(exc).__name__}: "
-                        f"{_first_line(exc)}): fix the config.json") from None
+        # (an assertion in a module's constructor, Mllama's pad_token_id beyond the vocabulary, ...)
+        raise UserError(f"{source.name}: transformers cannot build this {raw.get('model_type')} config "
+                        f"({type(exc).__name__}: {_first_line(exc)}): fix the config.json") from None
     if hf_quantizer is not None:
         # from_pretrained runs the module replacement inside ``local_torch_dtype``: the new Linear layers
         # create their bias in the load dtype, not float32 (device maps size them so)

@@ -320,12 +320,23 @@ def _entry_device(name: str, edge_map: dict[str, str]) -> str:
 
 
 def decoder_layers(model) -> list[str]:
-    """Names of the decoder layers, in order: the ModuleList of no-split blocks with the most entries."""
+    """Names of the decoder layers, in order: the ModuleList of no-split blocks with the most entries,
+    inside the language model where the model says which it is (a vision tower can have more blocks than
+    the decoder: Qwen2.5-VL-7B's 32 against 28)."""
     import torch
 
     no_split = set(getattr(model, "_no_split_modules", None) or [])
     best: list[str] = []
+    within = ""
+    if getattr(model.config, "vision_config", None) is not None and hasattr(model, "get_decoder"):
+        try:
+            decoder = model.get_decoder()
+            within = next((n + "." for n, m in model.named_modules() if m is decoder and n), "")
+        except (AttributeError, NotImplementedError, TypeError):
+            within = ""
     for name, module in model.named_modules():
+        if within and not name.startswith(within):
+            continue
         if isinstance(module, torch.nn.ModuleList) and len(module) > len(best):
             kids = list(module)
             if not no_split or any(type(k).__name__ in no_split for k in kids):

@@ -69,12 +69,16 @@ class QuantSpec:
         return f"{self.name}|{self.method}|{self.dtype}|{self.quant_type}|{self.double_quant}|{self.bits}|{self.group_size}"
 
     def bnb_config_kwargs(self) -> dict | None:
-        """Keyword arguments of ``transformers.BitsAndBytesConfig`` for this choice, or None."""
+        """Keyword arguments of ``transformers.BitsAndBytesConfig`` for this choice, or None. A serialized
+        checkpoint's own ``llm_int8_skip_modules`` go with it: they replace the quantizer's default skips
+        (and in transformers 5 match module names from the start, ``model.vision_tower`` not ``vision_tower``)."""
+        skip = self.extra.get("llm_int8_skip_modules")
+        skips = {"llm_int8_skip_modules": list(skip)} if skip is not None else {}
         if self.method == "bnb4":
             return {"load_in_4bit": True, "bnb_4bit_quant_type": self.quant_type,
-                    "bnb_4bit_use_double_quant": self.double_quant, "bnb_4bit_compute_dtype": self.dtype}
+                    "bnb_4bit_use_double_quant": self.double_quant, "bnb_4bit_compute_dtype": self.dtype, **skips}
         if self.method == "bnb8":
-            return {"load_in_8bit": True}
+            return {"load_in_8bit": True, **skips}
         return None
 
 
@@ -122,13 +126,16 @@ def resolve_quant(name: str, config: dict, dtype: str | None = None) -> QuantSpe
 def _pre_quantized(qc: dict, base: str) -> QuantSpec:
     method = str(qc.get("quant_method", "")).lower()
     if method == "bitsandbytes":
+        skip = qc.get("llm_int8_skip_modules")
+        extra = {"llm_int8_skip_modules": [str(s) for s in skip]} if isinstance(skip, list) else {}
         if qc.get("load_in_8bit"):
             return QuantSpec(name="int8", method="bnb8", dtype=base, bits=8, pre_quantized=True,
-                             implementation="bitsandbytes LLM.int8 (serialized)")
+                             implementation="bitsandbytes LLM.int8 (serialized)", extra=extra)
         qt = qc.get("bnb_4bit_quant_type", "fp4")
         dq = bool(qc.get("bnb_4bit_use_double_quant", False))
         return QuantSpec(name=qt + ("-dq" if dq else ""), method="bnb4", dtype=base, quant_type=qt, double_quant=dq,
-                         bits=4, pre_quantized=True, implementation=f"bitsandbytes 4-bit {qt.upper()} (serialized)")
+                         bits=4, pre_quantized=True, implementation=f"bitsandbytes 4-bit {qt.upper()} (serialized)",
+                         extra=extra)
     if method in ("gptq", "awq"):
         bits = int(qc.get("bits", qc.get("w_bit", 4)))
         group = int(qc.get("group_size", qc.get("q_group_size", 128)))

@@ -24,6 +24,9 @@ class ModelSource:
     config: dict = field(hash=False)
     directory: str | None = None  # holds config.json and maybe weights
     weight_files: tuple[str, ...] = ()  # *.safetensors beside the config
+    # the checkpoint's image processor settings: {"preprocessor_config.json": {...}, "processor_config.json":
+    # {...}}, each present only where the file is (vision-language models; vramcal.estimator.vision)
+    processor: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def config_hash(self) -> str:
@@ -85,22 +88,48 @@ def hf_snapshot(repo_id: str) -> Path | None:
 def _read_config(path: Path) -> dict:
     """A config.json, read only if it is a regular file of a sane size (a FIFO would block, a device
     never end)."""
-    from ..files import read_regular
-
-    raw = read_regular(path, MAX_CONFIG_BYTES, "config.json",
-                       missing="pass a directory holding config.json, a config.json path, a cached Hub id, or a "
-                               "name from `vramcal models`")
-    try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise UserError(f"{path} is not valid JSON ({str(exc).splitlines()[0][:120]}): fix or re-download the config") from None
+    data = _read_json(path)
     if not isinstance(data, dict) or "model_type" not in data:
         raise UserError(f"{path} has no model_type: it is not a transformers config.json")
     return data
 
 
-# Fields that decide a model's size. The first four must be given; the others, when given, must be
-# sensible numbers (a missing one takes the architecture's default, which the estimate names).
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def _read_processor(folder: Path | None) -> dict:
+    """The image processor files beside a config, each read like the config (a regular file of a sane
+    size, valid JSON, an object); absent files are left out."""
+    out = {}
+    for name in PROCESSOR_FILES if folder is not None else ():
+        path = folder / name
+        if not os.path.lexists(path):
+            continue
+        data = _read_json(path)
+        if not isinstance(data, dict):
+            raise UserError(f"{path} is not a JSON object: fix or re-download it")
+        out[name] = data
+    return out
+
+
+def _read_json(path: Path):
+    """A JSON file of a model's folder, read only if it is a regular file of a sane size (a FIFO would
+    block, a device never end)."""
+    from ..files import read_regular
+
+    raw = read_regular(path, MAX_CONFIG_BYTES, path.name,
+                       missing="pass a directory holding config.json, a config.json path, a cached Hub id, or a "
+                               "name from `vramcal models`")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise UserError(f"{path} is not valid JSON ({str(exc).splitlines()[0][:120]}): fix or re-download it") from None
+
+
+# Fields that decide a model's size. A config may leave any of them to transformers' defaults (as
+# from_pretrained does; the estimate names each default it used); the formula path, for an architecture
+# the installed transformers does not know, needs the first four. A field that is given must be a
+# sensible number.
 REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 SIZE_FIELDS = REQUIRED_FIELDS + (
     "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size", "max_position_embeddings",
@@ -131,13 +160,11 @@ def size_field(tc: dict, key: str):
 
 
 def validate_config(config: dict, where: str) -> None:
-    """Refuse, in one line, a config whose size-deciding fields are missing, of the wrong type, or
-    impossible (negative, zero, nan, a string, absurdly large, heads that do not divide)."""
+    """Refuse, in one line, a config whose size-deciding fields are of the wrong type or impossible
+    (negative, zero, nan, a string, absurdly large, heads that do not divide). Fields it leaves out are
+    the installed transformers' to fill (:mod:`vramcal.estimator.meta`); only an architecture it does
+    not know needs them given (:func:`missing_fields`)."""
     tc = text_config(config)
-    missing = [k for k in REQUIRED_FIELDS if size_field(tc, k) is None]
-    if missing:
-        raise UserError(f"{where} does not give {', '.join(missing)}: without them any size would be a guess; "
-                        "use the model's full config.json")
     for key in SIZE_FIELDS:
         value = size_field(tc, key)
         if value is None:
@@ -159,13 +186,19 @@ def validate_config(config: dict, where: str) -> None:
                         "fix the config.json")
     heads = size_field(tc, "num_attention_heads")
     kv = size_field(tc, "num_key_value_heads") or heads
-    if heads % kv:
+    if heads is not None and heads % kv:
         raise UserError(f"{where}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv}): "
                         "fix the config.json")
     hidden = size_field(tc, "hidden_size")
-    if tc.get("head_dim") is None and tc.get("kv_lora_rank") is None and hidden % heads:
+    if tc.get("head_dim") is None and tc.get("kv_lora_rank") is None and None not in (heads, hidden) and hidden % heads:
         raise UserError(f"{where}: hidden_size ({hidden}) is not divisible by num_attention_heads "
                         f"({heads}) and no head_dim is given: fix the config.json")
+
+
+def missing_fields(config: dict) -> list[str]:
+    """The fields the formula path needs that ``config`` does not give (its text part's)."""
+    tc = text_config(config)
+    return [k for k in REQUIRED_FIELDS if size_field(tc, k) is None]
 
 
 def _no_constant(name: str):
@@ -192,13 +225,16 @@ def _resolve(spec) -> ModelSource:
         if path.is_dir():
             cfg = _read_config(path / "config.json")
             weights = tuple(sorted(str(p) for p in path.glob("*.safetensors")))
-            return ModelSource(name=str(path), origin="directory", config=cfg, directory=str(path), weight_files=weights)
+            return ModelSource(name=str(path), origin="directory", config=cfg, directory=str(path), weight_files=weights,
+                               processor=_read_processor(path))
         cfg = _read_config(path)
         return ModelSource(name=str(path), origin="config", config=cfg, directory=str(path.parent),
-                           weight_files=tuple(sorted(str(p) for p in path.parent.glob("*.safetensors"))))
+                           weight_files=tuple(sorted(str(p) for p in path.parent.glob("*.safetensors"))),
+                           processor=_read_processor(path.parent))
     if spec in catalog_names():
         cfg = catalog_entry(spec)
-        return ModelSource(name=spec, origin="catalog", config=cfg)
+        processor = (cfg.get("_vramcal_catalog") or {}).get("processor") or {}
+        return ModelSource(name=spec, origin="catalog", config=cfg, processor=processor)
     if "/" in spec and not spec.startswith((".", "/")) and spec.count("/") == 1:
         snap = hf_snapshot(spec)
         if snap is None:
@@ -207,7 +243,8 @@ def _resolve(spec) -> ModelSource:
             raise UserError(f"{spec} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}): vramcal never downloads; "
                             f"run `huggingface-cli download {spec} config.json` once, or pass a config.json path")
         return ModelSource(name=spec, origin="hf-cache", config=_read_config(snap / "config.json"), directory=str(snap),
-                           weight_files=tuple(sorted(str(p) for p in snap.glob("*.safetensors"))))
+                           weight_files=tuple(sorted(str(p) for p in snap.glob("*.safetensors"))),
+                           processor=_read_processor(snap))
     raise UserError(f"model {spec!r} not found: no such path and not in the catalog; `vramcal models` lists the catalog")
 
 

@@ -123,13 +123,31 @@ class Estimate:
     vramcal_version: str = ""
     # --engine vllm: what `vllm serve` logs at startup, per rank (vramcal.estimator.vllm; docs/vllm.md)
     vllm: VllmEstimate | None = None
-    # from_pretrained's keyword arguments for this load, as plain data (vramcal.estimator.loading)
+    # from_pretrained's keyword arguments for this load, as plain data (vramcal.estimator.loading), and
+    # the auto class it is called on
     from_pretrained: dict | None = None
+    auto_class: str = "AutoModelForCausalLM"
+    # A vision-language model (docs/vision.md): the weights by part (model.vision_tower,
+    # model.multi_modal_projector, model.language_model, lm_head); and with images, how many each prompt
+    # holds and their size (width, height), the tokens they add to each prompt (over all its images: the
+    # language model runs prompt + image_tokens), and the vision encoder's own activation peak (what it
+    # adds above what was live when it started; part of first_token), None when not traced.
+    weights_parts: dict[str, int] = field(default_factory=dict)
+    images: int = 0
+    image_size: tuple[int, int] | None = None
+    image_tokens: int = 0
+    vision_peak: int | None = None
 
     # ------------------------------------------------------------------ views
     @property
     def workload(self) -> Workload:
-        return Workload(self.prompt, self.new_tokens, self.batch)
+        return Workload(self.prompt, self.new_tokens, self.batch, self.images,
+                        tuple(self.image_size) if self.image_size else None)
+
+    @property
+    def context(self) -> int:
+        """The whole context the language model holds: ctx (text prompt + new tokens) + image tokens."""
+        return self.ctx + self.image_tokens
 
     @property
     def placed(self) -> bool:
@@ -207,6 +225,8 @@ class Estimate:
         d["vllm"] = None if self.vllm is None else self.vllm.to_dict()
         if self.placement is not None:
             d["device_map"] = dict(self.placement.device_map)
+        d["image_size"] = None if self.image_size is None else list(self.image_size)
+        d["context"] = self.context
         return d
 
     @classmethod
@@ -228,4 +248,6 @@ class Estimate:
             kw["ranges"] = {k: tuple(v) for k, v in kw["ranges"].items()}
         if kw.get("vllm") is not None:
             kw["vllm"] = VllmEstimate.from_dict(kw["vllm"])
+        if kw.get("image_size") is not None:
+            kw["image_size"] = tuple(kw["image_size"])
         return cls(**kw)

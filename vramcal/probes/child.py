@@ -147,22 +147,29 @@ def cache_bytes(cache) -> int | None:
     return sum(storages(objs).values())
 
 
-def _preimport(spec: dict) -> None:
-    """Import the code ``from_pretrained`` will import (the model's module, bitsandbytes), so the
-    baseline includes it and the stages measure tensors, not Python modules."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _preimport(spec: dict):
+    """Import the code ``from_pretrained`` will import (the model's module, bitsandbytes, the image
+    processor), so the baseline includes it and the stages measure tensors, not Python modules. Returns
+    the auto class that builds the class the checkpoint names (:func:`~vramcal.estimator.meta.auto_class_for`)."""
+    from transformers import AutoConfig
     from transformers.models.auto.auto_factory import _get_model_class
 
+    from ..estimator.meta import auto_class_for
+
     config = AutoConfig.from_pretrained(spec["model_dir"])
+    auto = auto_class_for(config, getattr(config, "architectures", None))
     try:
-        _get_model_class(config, AutoModelForCausalLM._model_mapping)
+        _get_model_class(config, auto._model_mapping)
     except (KeyError, ValueError):
         pass  # a config class the auto mapping does not know: from_pretrained says so in its own words
     if spec.get("bnb"):
         import bitsandbytes  # noqa: F401
+    if spec.get("images"):
+        from . import images  # noqa: F401  (PIL, numpy and the image processors)
     import gc
 
     gc.collect()
+    return auto
 
 
 def _cache_kwargs(model, spec: dict, cache_len: int) -> dict:
@@ -181,17 +188,78 @@ def _cache_kwargs(model, spec: dict, cache_len: int) -> dict:
     return {}
 
 
+def _multimodal_prompt(model, spec: dict, prompt: int, vocab: int, gen, dtype):
+    """Random text ids with the images laid out as the family's processor lays them out, the pixel
+    inputs from the real image processor at the asked size, and the text-side inputs the processor
+    returns (:mod:`vramcal.estimator.vision`). Returns (ids, inputs, image tokens per prompt)."""
+    import torch
+
+    from ..estimator.inventory import built_config_dict
+    from ..estimator.vision import plan_images, prompt_ids, reserved_ids, text_side_inputs
+    from .images import real_image_inputs
+
+    size = tuple(spec["image_size"]) if spec.get("image_size") else None
+    images = plan_images(built_config_dict(model.config), spec.get("processor") or {}, int(spec["images"]), size)
+    reserved = reserved_ids(model.config)
+
+    def text(n: int) -> list[int]:
+        out = torch.randint(3, max(4, vocab - 1), (n,), generator=gen).tolist()
+        return [t if t not in reserved else 3 + (t % 7) for t in out]
+
+    ids = prompt_ids(model.config, images, spec["batch"], prompt, text)
+    extra = {**text_side_inputs(model.config, images, ids),
+             **real_image_inputs(model.config.model_type, images, spec.get("processor"), spec["batch"], dtype)}
+    return ids, extra, images.tokens
+
+
+def _vision_window(model, emit, cuda_device):
+    """Report the vision encoder's stretch of the prefill (from its first module to the language model):
+    when it ran and, on a GPU, torch's allocated bytes when it started and the highest since the
+    post-load marker when it ended. Returns the function that removes the hooks."""
+    import torch
+
+    from ..estimator.inventory import model_parts
+
+    modules = dict(model.named_modules())
+    decoder = model.get_decoder()
+    state: dict = {}
+
+    def stats() -> dict:
+        if cuda_device is None:
+            return {"rss": _rss()}
+        torch.cuda.synchronize(cuda_device)
+        return {"allocated": torch.cuda.memory_allocated(cuda_device),
+                "max_allocated": torch.cuda.max_memory_allocated(cuda_device)}
+
+    def opened(*_):
+        if not state:
+            state["start"] = {"t": time.monotonic(), **stats()}
+
+    def closed(*_):
+        if "start" in state and "end" not in state:
+            state["end"] = {"t": time.monotonic(), **stats()}
+            emit("vision", t_start=state["start"]["t"], t_end=state["end"]["t"],
+                 allocated_start=state["start"].get("allocated"), max_allocated=state["end"].get("max_allocated"))
+
+    hooks = [modules[n].register_forward_pre_hook(opened) for n in model_parts(model) if modules[n] is not decoder]
+    hooks.append(decoder.register_forward_pre_hook(closed))
+
+    def remove() -> None:
+        for h in hooks:
+            h.remove()
+
+    return remove
+
+
 def run(spec: dict, emit: Emitter) -> int:
     phase = "baseline"
     try:
         import torch
-        from transformers import AutoModelForCausalLM
-
         from ..estimator.loading import load_kwargs, materialize
 
         device = spec["device"]
         cuda = device.startswith("cuda")
-        _preimport(spec)
+        auto = _preimport(spec)
         emit("stage", name="baseline", rss=_rss())
 
         def torch_stats() -> dict:
@@ -220,7 +288,7 @@ def run(spec: dict, emit: Emitter) -> int:
         # placement (docs/placement.md): the plan's device_map, max_memory and, if refused, the flag
         kwargs = load_kwargs(spec["dtype"], device, spec.get("bnb"), spec.get("load"), spec.get("attn"),
                              spec.get("offload_folder"))
-        model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], **materialize(kwargs))
+        model = auto.from_pretrained(spec["model_dir"], **materialize(kwargs))
         model.eval()
         if cuda:
             torch.cuda.synchronize(device)
@@ -236,8 +304,15 @@ def run(spec: dict, emit: Emitter) -> int:
         prompt = spec["ctx"] - new
         gen = torch.Generator().manual_seed(int(spec.get("seed", 0)))
         vocab = int(model.config.get_text_config().vocab_size)
-        ids = torch.randint(3, max(4, vocab - 1), (spec["batch"], prompt), generator=gen)
+        extra, image_tokens, window = {}, 0, None
+        if spec.get("images"):
+            ids, extra, image_tokens = _multimodal_prompt(model, spec, prompt, vocab, gen, getattr(torch, kwargs["dtype"]))
+            extra = {k: v.to(model.device) for k, v in extra.items()}
+            window = _vision_window(model, emit, device if cuda else None)
+        else:
+            ids = torch.randint(3, max(4, vocab - 1), (spec["batch"], prompt), generator=gen)
         ids = ids.to(model.device)
+        prompt = ids.shape[1]
         state = {"calls": 0}
 
         class FirstToken:
@@ -271,15 +346,19 @@ def run(spec: dict, emit: Emitter) -> int:
                     return scores
 
             logits_marker = LogitsProcessorList([Mark()])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, streamer=streamer, logits_processor=logits_marker,
-                                 pad_token_id=0, return_dict_in_generate=True,
-                                 **_cache_kwargs(model, spec, cache_len=spec["ctx"]))
+        try:
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                     min_new_tokens=new, do_sample=False, streamer=streamer,
+                                     logits_processor=logits_marker, pad_token_id=0, return_dict_in_generate=True,
+                                     **_cache_kwargs(model, spec, cache_len=prompt + new), **extra)
+        finally:
+            if window is not None:
+                window()
         if cuda:
             torch.cuda.synchronize(device)
         emit("stage", name="end", prompt_tokens=prompt, generated=int(out.sequences.shape[1] - prompt),
-             kv_bytes=cache_bytes(getattr(out, "past_key_values", None)), **torch_stats())
+             kv_bytes=cache_bytes(getattr(out, "past_key_values", None)), image_tokens=image_tokens, **torch_stats())
         emit("done")
         return 0
     except Exception as exc:

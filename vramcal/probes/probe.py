@@ -45,11 +45,12 @@ from collections.abc import Callable
 from ..errors import UserError
 from ..estimator.quant import resolve_quant
 from ..estimator.resolve import ModelSource, resolve_model
+from ..estimator.vision import check_images
 from ..workload import CACHES, KV_DTYPES, NEW_TOKENS, Configuration, choice, parse_device, workload
 from . import nvml
 from .child import remove_temp_folder
 from .lifecycle import ProbeInterrupted, Terminated, make_temp_folder, signals_held, sigterm_raises, sweep_stale
-from .result import ProbeResult, assemble, device_readings, sample_dict
+from .result import ProbeResult, assemble, device_readings, sample_dict, vision_reading
 from .sampler import Sampler, nvml_reader, rss_reader
 
 JOURNAL_EVERY_S = 1.0  # samples reach the journal at every marker and at least this often
@@ -90,9 +91,14 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
               command: str | None = None, timeout_s: float | None = None, on_event=None,
               new_tokens: int = NEW_TOKENS, journal: Callable[[dict], None] | None = None,
               kv_dtype: str = "auto", cache: str = "dynamic", max_memory: dict | str | None = None,
-              device_map: str | None = None, estimate=None) -> ProbeResult:
+              device_map: str | None = None, estimate=None, images: int = 0, image_size=None) -> ProbeResult:
     """Probe ``model`` (anything ``vramcal estimate`` accepts): a prompt of ``ctx - new_tokens`` tokens,
     then exactly ``new_tokens`` generated.
+
+    ``images`` pictures of ``image_size`` (default: the processor's size) in every prompt of a
+    vision-language model: the real image processor makes their pixel inputs, the prompt holds their
+    tokens as the family's processor lays them out, and ``generate`` runs the multimodal prefill. The
+    vision encoder's stretch of it is kept as ``vision`` (docs/vision.md).
 
     ``max_memory`` / ``device_map``: load split across devices as ``from_pretrained`` would (see
     :func:`_placed_load`); every GPU of the map is sampled, and the child's resident set for the CPU
@@ -123,9 +129,10 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
 
     Ctrl-C or SIGTERM while this runs raises :class:`ProbeInterrupted` with the result so far.
     """
-    work = workload(ctx, batch, new_tokens)
+    work = workload(ctx, batch, new_tokens, images=images, image_size=image_size)
     ctx, batch, new_tokens = work.ctx, work.batch, work.new_tokens
     source = model if isinstance(model, ModelSource) else resolve_model(model)
+    check_images(source.config, work.images, source.name)
     spec = resolve_quant(quant, source.config, dtype)
     series, notes, placed = preflight(source, spec, device, synthetic, interval_ms, kv_dtype, cache, max_memory,
                                       device_map)
@@ -135,7 +142,7 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
     identity = {"device": device, "model": source.name, "quant": spec.name,
                 "quant_implementation": spec.implementation, "dtype": spec.dtype, "ctx": ctx, "batch": batch,
                 "attn": attn, "new_tokens": new_tokens, "series": series, "interval_ms": float(interval_ms),
-                "kv_dtype": kv_dtype, "cache": cache,
+                "kv_dtype": kv_dtype, "cache": cache, "images": work.images, "image_size": work.image_size,
                 "command": command or Configuration(source.ref, work, quant=quant, device=device, dtype=dtype,
                                                     kv_dtype=kv_dtype, attn=attn, cache=cache,
                                                     synthetic=synthetic, max_memory=max_memory,
@@ -151,6 +158,8 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
             child_spec = {"device": device, "dtype": spec.dtype, "ctx": ctx, "batch": batch,
                           "bnb": None if spec.pre_quantized else spec.bnb_config_kwargs(), "attn": attn,
                           "new_tokens": new_tokens, "kv_dtype": kv_dtype, "cache": cache}
+            if work.images:
+                child_spec.update(images=work.images, image_size=work.image_size, processor=source.processor)
             if placed is not None:
                 child_spec.update(load=placed["load"], gpus=placed["gpus"])
             probe.run(source, synthetic, child_spec)
@@ -215,7 +224,7 @@ def _estimate_or_note(source, quant, work, dtype, attn, device, kv_dtype, cache,
         return _estimate(source, quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
                          dtype=dtype, attn=attn, kv_dtype=kv_dtype, cache=cache,
                          device="cpu" if device == "cpu" else "cuda", max_memory=max_memory,
-                         device_map=device_map)
+                         device_map=device_map, images=work.images, image_size=work.image_size)
     except UserError:
         raise
     except (RuntimeError, ValueError, TypeError, ImportError, OSError) as exc:  # the measurement is still worth having
@@ -247,6 +256,7 @@ class _Probe:
         self.markers: list[tuple[str, float]] = []
         self.reported: dict[str, dict] = {}
         self.final: dict | None = None
+        self.vision: dict | None = None  # the child's "vision" event: the vision encoder's window
         self.log = None
         self.log_tail = ""
         self.journaled = 0  # samples already handed to the journal
@@ -409,7 +419,9 @@ class _Probe:
             self.reported[ev["name"]] = {k: v for k, v in ev.items() if k not in ("event", "name")}
         elif kind in ("oom", "error", "done"):
             self.final = ev
-        if kind in ("stage", "oom", "error", "done"):
+        elif kind == "vision":
+            self.vision = ev
+        if kind in ("stage", "oom", "error", "done", "vision"):
             self._flush_samples()
             self._journal({**ev, "t": round(ev["t"] - self.start, 6)})
         if self.on_event is not None:
@@ -451,6 +463,11 @@ class _Probe:
             d["sampler_overhead"] = self.sampler.overhead
             if self.sampler.error:
                 d["notes"].append(f"sampler stopped early: {self.sampler.error}")
+        if self.vision is not None and self.start is not None:
+            d["vision"] = vision_reading(self.vision, self.sampler.samples if self.sampler else [], self.series,
+                                         self.start, d["stages"].get("baseline"))
+        if "end" in self.reported and self.reported["end"].get("image_tokens") is not None:
+            d["image_tokens"] = self.reported["end"]["image_tokens"]
         if not keep_samples:
             d["samples"] = []
         return ProbeResult(**{**self.identity, **d})

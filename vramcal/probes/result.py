@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from ..estimator.result import Estimate
 from ..workload import NEW_TOKENS, PROBE_STAGES, parse_device
-from .readings import StageReading, comparable
+from .readings import StageReading, comparable, subtracts_baseline
 from .sampler import Sample, attribute
 
 STAGE_ORDER = PROBE_STAGES
@@ -32,6 +32,42 @@ class Unfinished:
     stage: str | None
     peak_bytes: int | None
     samples: int = 0
+
+
+@dataclass(frozen=True)
+class VisionReading:
+    """The vision encoder's stretch of a multimodal prefill (from its first module to the language
+    model), as the probe saw it: when (seconds since the child started), the sampled series' highest
+    reading inside it (None when no sample fell inside: a short stretch between two samples), and on a
+    GPU torch's allocated bytes when it started and the highest since the post-load marker when it ended."""
+
+    t_start: float
+    t_end: float
+    peak_bytes: int | None
+    samples: int
+    allocated_start_bytes: int | None = None
+    max_allocated_bytes: int | None = None
+
+    @property
+    def extra_allocated_bytes(self) -> int | None:
+        """What the vision encoder added to torch's allocations above what was live when it started."""
+        if self.allocated_start_bytes is None or self.max_allocated_bytes is None:
+            return None
+        return self.max_allocated_bytes - self.allocated_start_bytes
+
+
+def vision_reading(ev: dict, samples: list[Sample], series: str | None, start: float,
+                   baseline: StageReading | None = None) -> VisionReading:
+    """A :class:`VisionReading` from the child's ``vision`` event and the samples taken during it; the
+    resident set (``rss``) above the child's baseline, as every stage of a CPU run is compared."""
+    t0, t1 = ev["t_start"] - start, ev["t_end"] - start
+    inside = [s.values.get(series) for s in samples if series and t0 <= s.t - start <= t1]
+    inside = [v for v in inside if v is not None]
+    peak = max(inside) if inside else None
+    if peak is not None and subtracts_baseline(series):
+        peak = None if baseline is None or baseline.used_bytes is None else peak - baseline.used_bytes
+    return VisionReading(round(t0, 6), round(t1, 6), peak, len(inside), ev.get("allocated_start"),
+                         ev.get("max_allocated"))
 
 
 @dataclass
@@ -67,6 +103,12 @@ class ProbeResult:
     # child's resident set above its baseline; and the plan it loaded (a Placement)
     devices: dict[str, dict[str, StageReading]] | None = None
     placement: object | None = None
+    # images in every prompt (docs/vision.md): how many, their size (width, height; None: the processor's
+    # default), the tokens they added to each prompt, and the vision encoder's stretch of the prefill
+    images: int = 0
+    image_size: tuple[int, int] | None = None
+    image_tokens: int = 0
+    vision: VisionReading | None = None
 
     @property
     def placed(self) -> bool:
@@ -107,6 +149,9 @@ class ProbeResult:
         d["devices"] = None if self.devices is None else {
             dev: {k: r.to_dict() for k, r in st.items()} for dev, st in self.devices.items()}
         d["samples"] = list(self.samples) if samples else []
+        d["image_size"] = None if self.image_size is None else list(self.image_size)
+        d["vision"] = None if self.vision is None else {**vars(self.vision),
+                                                        "extra_allocated_bytes": self.vision.extra_allocated_bytes}
         return d
 
     @classmethod
@@ -125,6 +170,11 @@ class ProbeResult:
             kw["devices"] = {dev: {k: StageReading.from_stage(k, device_series(dev), v) for k, v in st.items()}
                              for dev, st in d["devices"].items()}
         kw.setdefault("samples", [])
+        if kw.get("image_size") is not None:
+            kw["image_size"] = tuple(kw["image_size"])
+        if kw.get("vision") is not None:
+            kw["vision"] = VisionReading(**{f.name: kw["vision"][f.name] for f in fields(VisionReading)
+                                            if f.name in kw["vision"]})
         return cls(**kw)
 
 
@@ -212,12 +262,14 @@ def assemble(series: str | None, markers: list[tuple[str, float]], reported: dic
 
 
 IDENTITY = ("device", "model", "quant", "quant_implementation", "dtype", "ctx", "batch", "attn", "new_tokens",
-            "series", "interval_ms", "command", "kv_dtype", "cache")
+            "series", "interval_ms", "command", "kv_dtype", "cache", "images", "image_size")
 
 
 def identity_from(ev: dict) -> dict:
     """A result's identity from a journal's ``start`` event: plain fields, the estimate and the plan."""
     out = {k: ev.get(k) for k in IDENTITY if k in ev}
+    if out.get("image_size") is not None:
+        out["image_size"] = tuple(out["image_size"])
     out["estimate"] = Estimate.from_dict(ev["estimate"]) if ev.get("estimate") else None
     if ev.get("placement"):
         from ..estimator.placement import Placement

@@ -15,17 +15,17 @@ import sys
 
 def write_checkpoint(config: dict, out_dir: str, seed: int = 0) -> str:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from ..estimator.meta import clean_config
+    from ..estimator.meta import auto_class_for, clean_config
     from ..estimator.quant import config_dtype
 
     raw = clean_config(config)
     raw.pop("quantization_config", None)
     dtype = getattr(torch, config_dtype(raw))
     cfg = AutoConfig.for_model(raw.pop("model_type"), **raw)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    with torch.device("meta"):  # the class the checkpoint names (a VLM with its vision tower)
+        model = auto_class_for(cfg, raw.get("architectures")).from_config(cfg, dtype=dtype)
     model = model.to_empty(device="cpu")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
