@@ -334,3 +334,41 @@ def test_a_vision_language_model_is_planned_with_its_images():
     assert "--images 1" in p.command
     e = estimate("smolvlm-256m", p.quant, ctx=p.ctx, kv_dtype=p.kv_dtype, images=1, max_memory=p.max_memory)
     assert e.image_tokens > 0 and max(_gpu_peaks(e).values()) <= 2 * GIB - 256 * MIB
+
+
+# ------------------------------------------------------------------------------- --engine vllm
+
+def test_vllm_plans_start_as_the_vllm_engine_says(capsys):
+    """plan --engine vllm on two 24 GiB cards: every plan, fed back to the vLLM engine with its own flags,
+    starts with its --max-model-len; tensor parallelism only where it divides the heads; the longest
+    length one GPU allows is its own largest (a longer one does not start)."""
+    from vramcal.calibrate.plan_vllm import plan_vllm
+    from vramcal.estimator.vllm.engine import VllmArgs, estimate_vllm
+
+    hw = described(parse_hardware("cuda:0=24GiB,cuda:1=24GiB"), ["RTX 4090"])
+    r = plan_vllm("llama-3.1-8b", hw)
+    assert r.plans and {p.tensor_parallel_size for p in r.plans} == {1, 2}
+    assert r.plans[0].reaches and r.plans[0].quantization is None and r.plans[0].kv_cache_dtype == "auto"
+    for p in r.plans:
+        args = VllmArgs(gpu_memory_utilization=0.9, gpu_memory_bytes=24 * GIB, tensor_parallel_size=p.tensor_parallel_size,
+                        quantization=p.quantization, kv_cache_dtype=p.kv_cache_dtype, max_model_len=p.max_model_len,
+                        vllm_version=r.version)
+        e = estimate_vllm("llama-3.1-8b", args)
+        assert e.fits and e.kv_cache_tokens == p.kv_cache_tokens, p
+        if not p.reaches:
+            longer = estimate_vllm("llama-3.1-8b", VllmArgs(**{**vars(args), "max_model_len": p.max_model_len + 16}))
+            assert not longer.fits
+        args_line = p.command.split()[1:]
+        assert cli.main(args_line + ["--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["vllm"]["kv_cache_tokens"] == p.kv_cache_tokens
+    tiny = plan_vllm("llama-3.1-70b", described(parse_hardware("cuda:0=24GiB")))
+    assert not tiny.plans and tiny.why_not
+
+
+@pytest.mark.parametrize("args", [["--engine", "vllm", "--images", "1"], ["--engine", "vllm", "--buffer", "1GiB"],
+                                  ["--engine", "vllm", "--gpu-memory-utilization", "1.5"], ["--engine", "tgi"],
+                                  ["--gpu-memory-utilization", "0.8"]])
+def test_vllm_plan_bad_input(args, capsys):
+    rc = cli.main(["plan", "llama-3.1-8b", "--hardware", "cuda:0=24GiB", *args])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1, err

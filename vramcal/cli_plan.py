@@ -45,6 +45,12 @@ def add_plan(sub, func) -> None:
     p.add_argument("--goal", default="quality", help=" | ".join(GOALS) + " (see above)")
     p.add_argument("--db", help="the records database whose corrections apply (this machine only)")
     p.add_argument("--json", action="store_true")
+    v = p.add_argument_group("--engine vllm: the `vllm serve` flags for these GPUs (docs/vllm.md)")
+    v.add_argument("--engine", default="transformers", help="transformers (default) | vllm: search tensor "
+                                                             "parallelism, fp8 weights and KV dtype for `vllm serve`")
+    v.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of each GPU (default 0.9)")
+    v.add_argument("--vllm-version", default=None, metavar="X.Y", help="default: the installed vLLM's, else the newest "
+                                                                       "modelled")
     p.set_defaults(func=func)
     return p
 
@@ -59,6 +65,19 @@ def cmd_plan(args, out) -> int:
 
     # ---- every input first: nothing is searched for bad input
     choice(args.goal, GOALS, "--goal")
+    from .estimator.vllm.engine import engine_choice
+
+    vllm = engine_choice(args.engine) == "vllm"
+    if vllm:
+        transformers_only = [f for f, given in (("--images", args.images), ("--image-size", args.image_size),
+                                                ("--prompt", args.prompt), ("--buffer", args.buffer),
+                                                ("--batch", args.batch != 1), ("--attn", args.attn != "auto"),
+                                                ("--db", args.db)) if given]
+        if transformers_only:
+            raise UserError(f"{', '.join(transformers_only)} belong to transformers' plans, not to --engine vllm "
+                            "(vLLM takes --gpu-memory-utilization of each GPU and batches requests itself)")
+    elif args.gpu_memory_utilization is not None or args.vllm_version is not None:
+        raise UserError("--gpu-memory-utilization and --vllm-version belong to --engine vllm")
     given = args.ctx is not None or args.prompt is not None
     work = workload(args.ctx if given else None, args.batch, args.new_tokens, args.prompt, args.images,
                     args.image_size)
@@ -79,6 +98,14 @@ def cmd_plan(args, out) -> int:
         hardware = this_machine(bandwidths)
     from .estimator.resolve import resolve_model
     from .estimator.vision import check_images
+
+    if vllm:
+        from .calibrate.plan_vllm import plan_vllm
+
+        vres = plan_vllm(args.model, hardware, ctx=args.ctx, goal=args.goal,
+                         utilization=args.gpu_memory_utilization, vllm_version=args.vllm_version)
+        out(json.dumps(vres.to_dict()) if args.json else present.vllm_plan_text(vres))
+        return 0 if vres.plans else 1
 
     check_images(resolve_model(args.model).config, work.images, args.model)  # bad input, before the search
 

@@ -551,3 +551,32 @@ def plan_text(r) -> str:
     if r.notes:
         lines += ["", "notes"] + ["  " + n for n in r.notes]
     return "\n".join(lines)
+
+
+def vllm_plan_text(r) -> str:
+    """``plan --engine vllm``: the `vllm serve` configurations for these GPUs, ranked."""
+    hw = r.hardware
+    gpus = ", ".join(f"{g.device} {fmt_gib_gb(g.total_bytes or g.memory_bytes)}" + (f" ({g.name})" if g.name else "")
+                     for g in hw.gpus)
+    lines = [f"vLLM {r.version or '?'} plan for {r.model} on {gpus}; --gpu-memory-utilization {r.utilization:g}",
+             f"  goal {r.goal}, --max-model-len {r.target_len:,}" + (" (asked)" if r.asked else " (the model's limit)")]
+    if not r.plans:
+        lines += ["", "vLLM would start with none of these:"] + ["  " + w for w in r.why_not]
+        lines += (["", "notes"] + ["  " + n for n in r.notes]) if r.notes else []
+        return "\n".join(lines)
+    lines += ["", f"  {'#':>2}  {'tp':>2}  {'weights':<9} {'KV':<5} {'max len':>9}  {'KV tokens':>11} {'concurrency':>11}"
+                  f" {'weights/GPU':>12} {'tokens/s <=':>12}"]
+    for i, p in enumerate(r.plans, 1):
+        speed = f"{p.tokens_per_s:,.1f}" if p.tokens_per_s is not None else "unknown"
+        lines.append(f"  {i:>2}  {p.tensor_parallel_size:>2}  {(p.quantization or 'stored'):<9} {p.kv_cache_dtype:<5} "
+                     f"{p.max_model_len:>9,}{'' if p.reaches else '*':<1} {p.kv_cache_tokens:>11,} "
+                     f"{p.max_concurrency:>10.2f}x {gib(p.weights_bytes):>8.2f} GiB {speed:>12}")
+    if any(not p.reaches for p in r.plans):
+        lines.append(f"  * short of --max-model-len {r.target_len:,}")
+    first = r.plans[0]
+    lines += ["", "serve it with", "  " + first.serve, "", "see its startup as vLLM will log it", "  " + first.command]
+    if r.why_not:
+        lines += ["", "would not start"] + ["  " + w for w in r.why_not]
+    if r.notes:
+        lines += ["", "notes"] + ["  " + n for n in r.notes]
+    return "\n".join(lines)

@@ -1,0 +1,137 @@
+"""``plan --engine vllm``: the best ``vllm serve`` flags for a machine's GPUs.
+
+vLLM does not offload by default and takes ``--gpu-memory-utilization`` of every GPU of a tensor-parallel
+group, so the search is over what changes its memory: the tensor-parallel size (1, 2, 4, ... up to the
+GPUs there are, where it divides the attention heads, as vLLM requires), the weights (as stored, or fp8
+online for a 16-bit checkpoint) and the KV cache dtype (auto, fp8). Each is priced with the vLLM engine
+(:mod:`vramcal.estimator.vllm`, docs/vllm.md): the longest ``--max-model-len`` vLLM starts with at the
+utilization, the KV tokens and the concurrency at that length -- what vLLM would log.
+
+A plan reaches the context when vLLM starts with ``--max-model-len`` of the context asked (default: the
+model's own limit). Ranking (``--goal``) as for transformers' plans: ``quality`` -- reaches the context,
+weights as stored before fp8, the model's own KV dtype, fewer GPUs; ``context`` -- the longest length;
+``speed`` -- reaches the context, the highest decode bound (one sequence at that length: each rank reads
+its weights and its share of the sequence's cache per token, in parallel; all-reduce not counted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..errors import UserError
+from ..units import fmt_gib_gb
+from ..workload import GOALS, choice
+
+KV_CHOICES = ("auto", "fp8")
+
+
+@dataclass
+class VllmPlan:
+    tensor_parallel_size: int
+    quantization: str | None  # None: as stored
+    kv_cache_dtype: str
+    max_model_len: int  # the longest vLLM starts with (the asked one when that fits)
+    reaches: bool
+    kv_cache_tokens: int
+    max_concurrency: float
+    weights_bytes: int  # the limiting rank's
+    kv_cache_bytes: int
+    tokens_per_s: float | None
+    serve: str  # the vllm serve command
+    command: str  # the vramcal estimate that shows its startup
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+@dataclass
+class VllmPlanResult:
+    model: str
+    hardware: object
+    version: str
+    utilization: float
+    target_len: int
+    asked: bool
+    goal: str
+    plans: list[VllmPlan]
+    why_not: list[str] = field(default_factory=list)  # configurations vLLM would not start
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"engine": "vllm", "model": self.model, "hardware": self.hardware.sizes(), "vllm_version": self.version,
+                "gpu_memory_utilization": self.utilization, "max_model_len": self.target_len,
+                "max_model_len_asked": self.asked, "goal": self.goal, "plans": [p.to_dict() for p in self.plans],
+                "why_not": self.why_not, "notes": self.notes}
+
+
+def _tp_sizes(gpus: int, heads: int) -> list[int]:
+    out, tp = [], 1
+    while tp <= gpus:
+        if heads % tp == 0:
+            out.append(tp)
+        tp *= 2
+    return out
+
+
+def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "quality", utilization: float | None = None,
+              vllm_version: str | None = None) -> VllmPlanResult:
+    """The plans of the module's doc for ``hardware`` (:mod:`vramcal.probes.hardware`)."""
+    import shlex
+
+    from ..estimator.resolve import resolve_model, size_field, text_config
+    from ..estimator.vllm.engine import DEFAULT_UTILIZATION, VllmArgs, estimate_vllm
+    from ..estimator.vllm.fit import longest
+
+    choice(goal, GOALS, "--goal")
+    source = resolve_model(model)
+    tc = text_config(source.config)
+    heads = int(size_field(tc, "num_attention_heads") or 1)
+    limit = int(size_field(tc, "max_position_embeddings") or 0)
+    util = DEFAULT_UTILIZATION if utilization is None else utilization
+    gpus = hardware.gpus
+    memory = min(g.total_bytes or g.memory_bytes for g in gpus)  # vLLM asks the same share of every GPU
+    bandwidth = min((g.memory_bandwidth.bytes_per_s for g in gpus if g.memory_bandwidth), default=None) \
+        if all(g.memory_bandwidth for g in gpus) else None
+    base = VllmArgs(gpu_memory_utilization=util, gpu_memory_bytes=memory, vllm_version=vllm_version).validated()
+    quants: list[str | None] = [None] if source.config.get("quantization_config") else [None, "fp8"]
+    target = ctx if ctx is not None else limit
+    notes = [] if len({g.total_bytes or g.memory_bytes for g in gpus}) == 1 else [
+        f"the GPUs differ: vLLM takes {util:g} of each, planned for the smallest ({fmt_gib_gb(memory)})"]
+    plans, why_not, version = [], [], ""
+    for tp in _tp_sizes(len(gpus), heads):
+        for q in quants:
+            for kv in KV_CHOICES:
+                args = replace(base, tensor_parallel_size=tp, quantization=q, kv_cache_dtype=kv)
+                label = f"tp {tp}, weights {q or 'as stored'}, KV {kv}"
+                try:
+                    fit, est = longest(source, args)
+                except UserError as exc:
+                    why_not.append(f"{label}: {exc}")
+                    continue
+                version = est.version
+                if not fit.fits or fit.max_model_len <= 0:
+                    why_not.append(f"{label}: {fit.note or 'vLLM would not start: no memory is left for the KV cache'}")
+                    continue
+                length = min(fit.max_model_len, target) if target else fit.max_model_len
+                at = estimate_vllm(source, replace(args, max_model_len=length))
+                per_token = at.block_bytes / at.block_size if at.block_size else 0
+                speed = bandwidth / (at.weights_bytes + per_token * length) if bandwidth else None
+                flags = ["--tensor-parallel-size", str(tp), "--max-model-len", str(length),
+                         "--gpu-memory-utilization", f"{util:g}"]
+                flags += (["--quantization", q] if q else []) + (["--kv-cache-dtype", kv] if kv != "auto" else [])
+                hub = (source.config.get("_vramcal_catalog") or {}).get("hub_id") or source.ref
+                serve = shlex.join(["vllm", "serve", hub, *flags])
+                verify = shlex.join(["vramcal", "estimate", source.ref, "--engine", "vllm", *flags,
+                                     "--gpu-memory", str(memory), "--vllm-version", est.version])
+                plans.append(VllmPlan(tp, q, kv, length, bool(target) and fit.max_model_len >= target,
+                                      at.kv_cache_tokens, at.max_concurrency, at.weights_bytes, at.kv_cache_bytes,
+                                      speed, serve, verify))
+    rank = {"quality": lambda p: (not p.reaches, p.quantization is not None, KV_CHOICES.index(p.kv_cache_dtype),
+                                  p.tensor_parallel_size, -p.max_model_len),
+            "context": lambda p: (-p.max_model_len, p.quantization is not None, KV_CHOICES.index(p.kv_cache_dtype),
+                                  p.tensor_parallel_size),
+            "speed": lambda p: (not p.reaches, -(p.tokens_per_s or 0.0), p.quantization is not None)}[goal]
+    plans.sort(key=rank)
+    if bandwidth is None:
+        notes.append("no memory bandwidth for these GPUs (give --gpu or --bandwidth): the decode bound is unknown")
+    return VllmPlanResult(source.name, hardware, version, util, target, ctx is not None, goal, plans, why_not, notes)
