@@ -365,3 +365,20 @@ def test_kv_cache_memory_pins_the_budget_and_exists_from_0_10_2():
     assert graphs.cuda_graph_subtracted and graphs.kv_cache_bytes == _est("llama-3.1-8b").kv_cache_bytes - graphs.cuda_graph_bytes
     assert graphs.kv_cache_tokens == int(graphs.max_concurrency * 8192) or \
         abs(graphs.kv_cache_tokens - graphs.num_blocks * 16) <= 16
+
+
+def test_a_config_that_leaves_fields_to_the_defaults_is_filled_as_transformers_fills_it():
+    """gemma-3-4b's published config gives no vocabulary and no head counts: the vLLM engine reads them as
+    transformers fills them (vLLM's config class fills the same), instead of failing on None."""
+    from vramcal.estimator.vllm.arch import arch_of
+    from vramcal.estimator.vllm.engine import VllmArgs, estimate_vllm
+
+    raw = json.loads((ROOT / "vramcal/estimator/catalog/gemma-3-4b.json").read_text())
+    assert "vocab_size" not in raw["text_config"]
+    e = estimate_vllm("gemma-3-4b", VllmArgs(gpu_memory_bytes=80 * 1024**3, max_model_len=8192))
+    assert e.fits and e.kv_cache_tokens > 0 and e.weights_bytes > 0
+    from transformers import Gemma3TextConfig
+
+    filled = {"text_config": {"vocab_size": Gemma3TextConfig().vocab_size, "num_attention_heads": 8}}
+    a = arch_of(raw, filled)
+    assert a.vocab == Gemma3TextConfig().vocab_size and a.hidden == raw["text_config"]["hidden_size"]

@@ -71,8 +71,12 @@ def layer_kinds(tc: dict, layers: int) -> tuple[str, ...]:
     return ("full",) * layers
 
 
-def arch_of(config: dict) -> Arch:
+def arch_of(config: dict, filled: dict | None = None) -> Arch:
+    """``config`` as the checkpoint gives it; ``filled``: the same as transformers filled it, whose
+    fields stand in for those the checkpoint leaves out (what the checkpoint gives always wins)."""
     tc = text_config(config)
+    if filled:
+        tc = {**text_config(filled), **tc}
     layers = _int(tc, "num_hidden_layers")
     hidden = _int(tc, "hidden_size")
     heads = _int(tc, "num_attention_heads")

@@ -132,11 +132,16 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
                         "(each GPU's total as the driver reports it; an H100 80GB reports 79.19 GiB)")
     if args.kv_cache_memory_bytes is not None and not V.kv_memory_override(v):
         raise UserError(f"--kv-cache-memory exists from vLLM 0.10.2 on, not in {V.fmt_version(v)}")
-    arch = arch_of(source.config)
-    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-    check_tp(arch, tp, pp)
     quant = resolve_quant(source.config, args.quantization)
     dtype, dtype_note = model_dtype(source.config, args.dtype, quant)
+    from .shapes import cached_params
+
+    # the installed transformers' model: its parameters, and its config with the defaults a checkpoint
+    # leaves out filled in (Gemma 3's vocabulary): what vLLM's own config class fills as well
+    params, filled = cached_params(source, dtype, use_cache=use_cache, progress=progress)
+    arch = arch_of(source.config, filled)
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    check_tp(arch, tp, pp)
     el = DTYPE_BYTES[dtype]
     kv_bytes = KV_DTYPES[str(args.kv_cache_dtype).lower()] or el
     max_len = args.max_model_len or arch.derived_max_len
@@ -151,9 +156,6 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
         mnbt = max(mnbt, seqs)
     block = args.block_size or 16
 
-    from .shapes import cached_params
-
-    params = cached_params(source, dtype, use_cache=use_cache, progress=progress)
     weights = rank_weights(params, arch, tp, pp, el, quant)
     specs = K.layer_specs(arch, tp, kv_bytes, block, v)
     requested = int(total * args.gpu_memory_utilization)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from ..quant import QuantSpec
 from ..resolve import ModelSource
 
-SHAPES_VERSION = 1  # bump when the roles below change: the disk cache keys on it
+SHAPES_VERSION = 2  # bump when the roles below change: the disk cache keys on it (2: the filled config too)
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 COL = {"q_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "gate_up_proj", "fc1", "w1", "w3", "c_fc",
@@ -91,8 +91,11 @@ def role_of(name: str, ndim: int, in_embed: bool, in_head: bool) -> tuple[str, b
     return "rep", False
 
 
-def model_params(source: ModelSource, dtype: str) -> list[Param]:
-    """The parameters of the installed transformers' model for ``source`` (built on ``meta``)."""
+def model_params(source: ModelSource, dtype: str) -> tuple[list[Param], dict]:
+    """The parameters of the installed transformers' model for ``source`` (built on ``meta``), and its
+    config as transformers filled it (the fields a checkpoint leaves to the defaults, e.g. Gemma 3's
+    vocabulary, given)."""
+    from ..inventory import built_config_dict
     from ..meta import build_meta_model
 
     model, _, _ = build_meta_model(source, QuantSpec(name=f"vllm-{dtype}", method="none", dtype=dtype))
@@ -111,10 +114,10 @@ def model_params(source: ModelSource, dtype: str) -> list[Param]:
         vision = any(v in name for v in VISION)
         out.append(Param(name, tuple(p.shape), role, int(m.group(1)) if m and not vision else None, linear,
                          p.is_floating_point(), vision))
-    return out
+    return out, built_config_dict(model.config)
 
 
-def cached_params(source: ModelSource, dtype: str, use_cache: bool = True, progress=None) -> list[Param]:
+def cached_params(source: ModelSource, dtype: str, use_cache: bool = True, progress=None) -> tuple[list[Param], dict]:
     """:func:`model_params`, through the estimator's disk cache."""
     from ..cache import load_cached, store_cached
 
@@ -123,12 +126,12 @@ def cached_params(source: ModelSource, dtype: str, use_cache: bool = True, progr
         data = load_cached(source, key, kind="vllm-shapes")
         if data is not None:
             try:
-                return [Param.from_list(x) for x in data["params"]]
+                return [Param.from_list(x) for x in data["params"]], dict(data["config"])
             except (KeyError, TypeError, ValueError, IndexError):
                 pass
     if progress is not None:
         progress("building the model on the meta device for vLLM's layout (imports torch and transformers)")
-    params = model_params(source, dtype)
+    params, filled = model_params(source, dtype)
     if use_cache:
-        store_cached(source, key, {"params": [p.to_list() for p in params]}, kind="vllm-shapes")
-    return params
+        store_cached(source, key, {"params": [p.to_list() for p in params], "config": filled}, kind="vllm-shapes")
+    return params, filled
