@@ -372,3 +372,88 @@ def test_vllm_plan_bad_input(args, capsys):
     rc = cli.main(["plan", "llama-3.1-8b", "--hardware", "cuda:0=24GiB", *args])
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and err.count("\n") == 1, err
+
+
+# ------------------------------------------------------------------------------- what review found
+
+def test_a_plain_load_on_another_gpu_loads_there_at_its_bandwidth():
+    hw = described(parse_hardware("cuda:0=12GiB,cuda:1=24GiB,cpu=64GiB"), ["RTX 3060", "RTX 4090"])
+    p = plan_model("qwen2.5-7b", hw, buffer=2 * GIB, ctx=4096).plans[0]
+    assert p.device_map == {"": "cuda:1"} and p.from_pretrained["device_map"] == {"": 1}
+    assert "--device cuda:1" in p.command and "cuda:1 memory" in p.speed.bandwidths
+    # an untied input embedding is read a row at a time: the bound leaves the table out
+    e = estimate("qwen2.5-7b", p.quant, ctx=4096, device="cuda:1")
+    read = e.components["weights"] + e.components["kv_cache"] - e.weights_breakdown["embeddings"] // 2
+    assert p.tokens_per_s == pytest.approx(1008 * GB / read)
+
+
+def test_bitsandbytes_offload_to_disk_is_found():
+    """transformers sizes offloaded bitsandbytes modules quantized, they load 16-bit: the search gives it
+    less cpu= until RAM holds, so the rest goes to disk."""
+    hw = _hw(cuda_0=6 * GIB, cpu=8 * GIB, disk=200 * GIB)
+    result = plan_model("llama-3.1-8b", hw, buffer=2 * GIB, ctx=4096)
+    by = {p.quant: p for p in result.plans}
+    assert {"int8", "nf4"} <= set(by)
+    for q in ("int8", "nf4"):
+        p = by[q]
+        assert "disk" in p.device_map.values() and p.peak_bytes["cpu"] <= 6 * GIB and p.peak_bytes["cuda:0"] <= 4 * GIB
+        e = estimate("llama-3.1-8b", q, ctx=4096, max_memory=p.max_memory)
+        assert e.devices["cuda:0"].peak <= 4 * GIB and e.placement.loads.weights["cpu"] <= 6 * GIB
+
+
+def test_ram_over_gives_the_gpu_its_room_before_giving_up():
+    """70B on 24 GiB and 68 GiB of RAM: the first split leaves GPU room while RAM is over; moving layers
+    onto the GPU makes it fit (once it said 0.00 GiB more RAM were missing)."""
+    r = plan_model("llama-3.1-70b", _hw(cuda_0=24 * GIB, cpu=68 * GIB), buffer=2 * GIB)
+    assert r.plans and r.plans[0].peak_bytes["cpu"] <= 66 * GIB and r.plans[0].peak_bytes["cuda:0"] <= 22 * GIB
+
+
+def test_three_unequal_gpus_hold_a_70b_nf4_without_offload():
+    r = plan_model("llama-3.1-70b", _hw(cuda_0=24 * GIB, cuda_1=24 * GIB, cuda_2=12 * GIB, cpu=160 * GIB),
+                   buffer=2 * GIB)
+    gpu_only = [p for p in r.plans if p.quant == "nf4" and not p.offloaded and p.kv_dtype == "auto"]
+    assert gpu_only and gpu_only[0].reaches
+    assert all(v <= 3 * (24 * GIB) // 2 for p in r.plans for d, v in (p.max_memory or {}).items() if d != "cpu")
+
+
+def test_the_answer_does_not_depend_on_what_the_cache_held(tmp_path, monkeypatch):
+    """The largest context is the exact trace's, on a grid of 16 tokens: a cold cache and one warmed by other
+    estimates give the same plans."""
+    hw = _hw(cuda_0=12 * GIB, cpu=32 * GIB)
+    monkeypatch.setenv("VRAMCAL_CACHE", str(tmp_path / "cold"))
+    cold = [(p.quant, p.kv_dtype, p.layout, p.ctx) for p in plan_model("llama-3.1-8b", hw, buffer=2 * GIB).plans]
+    monkeypatch.setenv("VRAMCAL_CACHE", str(tmp_path / "warm"))
+    for q in ("int8", "nf4"):
+        for ctx in (3000, 6000, 12000, 20000):
+            estimate("llama-3.1-8b", q, ctx=ctx)
+            estimate("llama-3.1-8b", q, ctx=ctx, kv_dtype="fp8")
+    warm = [(p.quant, p.kv_dtype, p.layout, p.ctx) for p in plan_model("llama-3.1-8b", hw, buffer=2 * GIB).plans]
+    assert cold == warm
+
+
+def test_a_model_the_dry_run_cannot_run_is_planned_by_formulas_and_says_so(wide, monkeypatch):
+    from vramcal.estimator.dryrun import DryRunner
+
+    def cannot(self, *a, **k):
+        raise NotImplementedError("an op the meta device cannot run")
+
+    monkeypatch.setattr(DryRunner, "trace", cannot)
+    r = plan_model(wide, _hw(cuda_0=4 * GIB, cpu=8 * GIB), buffer=BUFFER, ctx=512)
+    assert r.plans and any("approximate: the dry run cannot run this model here" in n for n in r.notes)
+
+
+def test_goal_speed_says_why_the_more_precise_are_not_first():
+    hw = described(parse_hardware("cuda:0=24GiB,cpu=64GiB"), ["RTX 4090"])
+    r = plan_model("qwen2.5-7b", hw, buffer=2 * GIB, goal="speed")
+    assert r.plans[0].quant == "nf4-dq"
+    assert [w.split()[0] for w in r.why] == ["bf16", "int8", "nf4"] and all("slower" in w for w in r.why)
+
+
+@pytest.mark.parametrize("args", [["--hardware", "cuda:0=24GiB,disk=500GiB"],
+                                  ["--hardware", "cuda:0=24GiB,cpu=1GiB,disk=500GiB"],
+                                  ["--hardware", "cuda:0=99999999999999TiB"],
+                                  ["--hardware", "cuda:0=24GiB", "--db", "/nonexistent/x.db"]])
+def test_more_bad_input(args, capsys):
+    rc = cli.main(["plan", "llama-3.2-1b", *args])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1, err

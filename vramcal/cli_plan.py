@@ -90,6 +90,9 @@ def cmd_plan(args, out) -> int:
         raise UserError("--buffer must not be negative")
     bandwidths = parse_bandwidth(args.bandwidth)
     if args.hardware is not None:
+        if args.db is not None:
+            raise UserError("--db gives this machine's corrections; a described machine (--hardware) has no runs "
+                            "of its own: drop --db, or plan this machine without --hardware")
         hardware = described(parse_hardware(args.hardware), args.gpu, bandwidths)
     elif args.gpu:
         raise UserError("--gpu names the GPUs of --hardware; this machine's are read through NVML "

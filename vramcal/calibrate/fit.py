@@ -100,4 +100,7 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
             ctx, peaks = search.largest_ctx(est, b, new_tokens, target, max_ctx, placement=plan)
             rows.append(FitRow(q, b, ctx, new_tokens, max(peaks.values()), peaks if plan is not None else None,
                                images=images, image_size=image_size))
+    if rows and all(r.max_ctx is None for r in rows):
+        notes.append(f"nothing fits as asked: `vramcal plan {source.ref} --hardware ...` searches the split across "
+                     "GPUs and offload to RAM for a machine's sizes (docs/plan.md)")
     return FitResult(rows, notes)

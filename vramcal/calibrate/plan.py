@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from ..errors import UserError
 from ..estimator.loading import hub_ref, python_code
 from ..estimator.quant import config_dtype
-from ..estimator.speed import DecodeBound, decode_bound
+from ..estimator.speed import DecodeBound, decode_bound, unread_embedding
 from ..units import fmt_gib_gb
 from ..workload import GOALS, NEW_TOKENS, Configuration, Workload, choice
 from .search import Budget, Search, Split, context_limit, offloaded_layers
 
 OFFLOAD_CTX = 4096  # the context an offloaded plan is split for when none is asked
+GRID = 16  # the largest context is given to this many tokens (one KV block of vLLM, a cache page)
 PRECISION = ("fp32", "bf16", "fp16", "int8", "nf4", "nf4-dq", "fp4", "fp4-dq")  # best first
 KV_ORDER = ("auto", "fp8")
 UNBOUNDED = 1 << 60  # "as much RAM as it takes": for saying how much is missing
@@ -144,6 +145,9 @@ class Planner:
             raise UserError(f"--buffer {fmt_gib_gb(buffer)} leaves nothing of {', '.join(short)}: give a smaller "
                             "--buffer or more memory")
         self.usable = usable
+        if hardware.disk_bytes and hardware.cpu_bytes - buffer <= 0:
+            raise UserError("disk= needs RAM beside it (cpu=, above the --buffer): accelerate offloads to disk what "
+                            "does not fit in RAM, and runs every offloaded layer through it")
         self.biggest = max(usable, key=lambda d: usable[d])
         self.search = Search(source, device=self.biggest, attn=attn, corrections=corrections, progress=progress,
                              images=images, image_size=image_size)
@@ -210,22 +214,57 @@ class Planner:
         return self._plan(quant, kv, layout, est, budget, split, ctx)
 
     def _verified(self, est, budget: Budget, placement, ctx: int) -> int | None:
-        """The context, checked with the exact trace; stepped down by sixteenths where the fit was optimistic."""
-        floor = self.new_tokens + 1
-        for _ in range(8):
-            if self.search.fits(est, self.work(ctx), budget, placement, exact=True)[0]:
-                return ctx
-            if ctx <= floor:
+        """The context, checked with the exact trace, and the largest the exact trace allows near it. The
+        fit bounds the activations from above between its traces, so its answer may be short, and by how
+        much depends on the traces the disk cache holds: going down by sixteenths to one that fits, up by
+        sixteenths to one that does not, then halving on a grid of :data:`GRID` tokens makes the answer the
+        exact trace's -- the largest context on the grid that fits (or the limit), whatever traces the cache
+        held. None: not even the shortest fits."""
+        floor, limit = self.new_tokens + 1, (self.target if self.asked else self.limit)
+
+        def ok(c: int) -> bool:
+            return self.search.fits(est, self.work(c), budget, placement, exact=True)[0]
+
+        lo, hi, c = None, None, ctx
+        for _ in range(12):
+            if ok(c):
+                lo = c
+                break
+            hi = c
+            if c <= floor:
                 return None
-            ctx = max(floor, ctx - max(ctx // 16, 1))
-        return None
+            c = max(floor, c - max(c // 16, 1))
+        if lo is None:
+            return None
+        for _ in range(12):
+            if hi is not None or lo >= limit:
+                break
+            c = min(limit, lo + max(lo // 16, 1))
+            if ok(c):
+                lo = c
+            else:
+                hi = c
+        if hi is None:
+            return lo  # the limit fits
+        if lo // GRID * GRID < floor:
+            return lo  # shorter than the grid reaches
+        # on the grid: the point at or below lo fits and the one at or above hi does not (a longer context
+        # never needs less memory), so halving between them ends at the same point from any start
+        lo, hi = lo // GRID * GRID, -(-hi // GRID) * GRID
+        while hi - lo > GRID:
+            mid = (lo + hi) // 2 // GRID * GRID
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def _plan(self, quant: str, kv: str, layout: str, est, budget: Budget, split: Split | None, ctx: int) -> Plan:
         work = self.work(ctx)
         placement = None if split is None else split.placement
         device = self.biggest if split is None else split.placement.loads.main_device
         e = est.estimate(batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens, exact=True,
-                         placement=placement)
+                         placement=placement, device=device)
         peaks = self.search.peaks(est, work, placement, exact=True)
         if split is None:
             dmap, where, off = {"": device}, [f"{device}: the whole model"], None
@@ -235,8 +274,10 @@ class Planner:
             off = offloaded_layers(placement) if split.offloaded else None
             peaks.update({d: b for d, b in loads.weights.items() if d in ("cpu", "disk")})
         hw = {g.device: g for g in self.hw.gpus}
+        tied = est.text_config.get("tie_word_embeddings", est.config.get("tie_word_embeddings", True)) is not False
         speed = decode_bound(e, {d: g.memory_bandwidth for d, g in hw.items()},
-                             {d: g.link_bandwidth for d, g in hw.items()})
+                             {d: g.link_bandwidth for d, g in hw.items()}, device=device,
+                             unread_embedding_bytes=unread_embedding(e, tied))
         mm = None if split is None else dict(split.max_memory)
         strategy = None if split is None or placement.strategy == "auto" else placement.strategy
         cfg = Configuration(self.source.ref, work, quant=quant, device=device, kv_dtype=kv, attn=self.attn,
@@ -297,11 +338,15 @@ class Planner:
                 break
             if found:
                 p = found[-1] if found[-1].reaches else max(found, key=lambda x: x.ctx)
+                speed = f"{p.tokens_per_s:,.2f} tokens/s at most" if p.tokens_per_s else "speed unknown"
                 if not p.reaches:
                     lines.append(f"{name} reaches ctx {p.ctx} at most ({self.target} sought)")
                 elif p.offloaded:
-                    speed = f"{p.tokens_per_s:,.2f} tokens/s at most" if p.tokens_per_s else "speed unknown"
                     lines.append(f"{name} fits only with offload ({p.offloaded_layers} in RAM): {speed}")
+                elif self.goal == "speed":
+                    lines.append(f"{name} fits on the GPUs too, slower: {speed}")
+                elif self.goal == "context":
+                    lines.append(f"{name} fits on the GPUs too, with a shorter context: ctx {p.ctx:,} at most")
                 continue
             w = est.inv.tensor_bytes
             room = total + self.ram + (self.hw.disk_bytes or 0)
@@ -371,5 +416,6 @@ def plan_model(model: str, hardware, *, buffer: int, batch: int = 1, new_tokens:
     planner = Planner(source, hardware, buffer=buffer, batch=batch, new_tokens=new_tokens, ctx=ctx, goal=goal,
                       corrections=corrections, attn=attn, progress=progress, images=images, image_size=image_size)
     out = planner.run()
-    out.notes = notes + out.notes + [w for w in planner.why if w not in out.why]
+    out.notes = notes + list(hardware.notes) + out.notes + planner.search.notes + [w for w in planner.why
+                                                                               if w not in out.why]
     return out

@@ -74,6 +74,7 @@ class Search:
         self._corrections = corrections or (lambda quant, devices, placed: {})
         self._estimators: dict[tuple[str, str], Estimator] = {}
         self._progress = progress
+        self.notes: list[str] = []  # what the answers rest on beyond the dry run, said once
 
     # ------------------------------------------------------------------ building blocks
     def estimator(self, quant: str, kv_dtype: str = "auto") -> Estimator:
@@ -98,13 +99,25 @@ class Search:
         residuals where it has runs. On the CPU after an on-the-fly bitsandbytes load, the top of the
         run-to-run range until this machine has a correction (docs/cpu-memory.md). ``corrected=False``:
         the estimator's own figures."""
-        if exact:
+        pt = None
+        if not exact and est.dry_run_error is None:
+            try:
+                pt = est.sweep([(work.ctx, work.batch)], new_tokens=work.new_tokens, placement=placement)[0]
+            except UserError:
+                if est.dry_run_error is None:
+                    raise
+        if pt is None:  # exact, or no activation fit without a dry run: the estimate's own figures, formulas and all
             e = est.estimate(batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens, exact=True,
                              placement=placement)
+            if e.approximate:
+                err = est.dry_run_error
+                note = (f"approximate: the dry run cannot run this model here ({err[:120]}), so its activations "
+                        "come from formulas" if err else "approximate figures (`vramcal estimate` says which)")
+                if note not in self.notes:
+                    self.notes.append(note)
             per = {d: v.stages for d, v in e.devices.items()} if e.devices else {self.device: e.stages}
             upper = {k: hi for k, (_, hi) in e.ranges.items()} if e.ranges else None
         else:
-            pt = est.sweep([(work.ctx, work.batch)], new_tokens=work.new_tokens, placement=placement)[0]
             per = pt.devices if placement is not None else {self.device: pt.stages}
             upper = pt.upper
         corr = {} if not corrected else self.corrections(
@@ -148,38 +161,57 @@ class Search:
 
     def split(self, est: Estimator, work: Workload, budget: Budget, offload: bool = True,
               strategy: str | None = None) -> Split | None:
-        """The placement that keeps the most weights on the GPUs while every GPU's whole peak fits (see the
-        module's doc). ``offload=False``: the GPUs alone (None when they cannot hold the model).
-        ``strategy``: the device map's (default the search's)."""
+        """The placement that keeps the most weights on the GPUs while every GPU's whole peak fits and what
+        RAM and disk hold stays within them (see the module's doc). ``offload=False``: the GPUs alone (None
+        when they cannot hold the model). ``strategy``: the device map's (default the search's)."""
         gpus = list(budget.usable)
-        one = est.sweep([(work.ctx, work.batch)], new_tokens=work.new_tokens)[0]  # everything on one device
-        beside = max(one.stages.values()) - est.inv.tensor_bytes  # what the workload adds to the weights
+        one = self.peaks(est, work, corrected=False)[self.device]  # everything on one device
+        beside = one - est.inv.tensor_bytes  # what the workload adds to the weights
         layer_bytes = _layer_bytes(est)
-        budgets = {g: max(budget.usable[g] - beside // (1 if len(gpus) == 1 else 2), MIB) for g in gpus}
+        usable = {g: budget.usable[g] for g in gpus}
+        budgets = {g: max(usable[g] - beside // (1 if len(gpus) == 1 else 2), MIB) for g in gpus}
+        ram = budget.cpu_bytes  # the cpu= transformers is given: less than the RAM where what it holds is bigger
+        # transformers sizes bitsandbytes weights at 0.5 or 1 byte an element, below what they hold: a GPU's
+        # weight budget may go above its usable memory, never far (at most a quarter)
+        cap = {g: usable[g] * 5 // 4 for g in gpus}
         best: Split | None = None
         fitted: dict[str, int] = {}  # the budgets of the best split
         too_small: dict[str, int] | None = None  # budgets transformers could not place the model in
         too_large: dict[str, int] | None = None  # budgets whose peaks went over
         for _ in range(MAX_STEPS):
+            budgets = {g: min(b, cap[g]) for g, b in budgets.items()}
             mm = dict(budgets)
-            if offload and budget.cpu_bytes:
-                mm["cpu"] = budget.cpu_bytes
+            if offload and ram:
+                mm["cpu"] = ram
             if offload and budget.disk_bytes:
                 mm["disk"] = budget.disk_bytes
             try:
                 placement = self.placement(est, mm, strategy)
             except UserError:  # a module fits no device given: the GPUs need more of their memory
                 too_small = budgets
-                full = {g: budget.usable[g] for g in gpus}
-                budgets = full if too_large is None else _between(budgets, too_large)
-                if budgets == too_small or budgets == full and too_small == full:
+                budgets = usable if too_large is None else _between(budgets, too_large)
+                if budgets == too_small or budgets == usable and too_small == usable:
                     break
                 continue
             ok, peaks = self.fits(est, work, budget, placement)
             if not ok:
-                over = {g: peaks.get(g, 0) - budget.usable[g] for g in gpus}
-                if all(v <= 0 for v in over.values()):  # the RAM, not a GPU: shrinking a GPU only adds to it
-                    break
+                over = {g: peaks.get(g, 0) - usable[g] for g in gpus}
+                if all(v <= 0 for v in over.values()):  # RAM or disk over, every GPU within its memory
+                    held = placement.loads.weights
+                    moved = False
+                    if budget.disk_bytes and held.get("cpu", 0) > budget.cpu_bytes:
+                        # transformers sizes bitsandbytes modules quantized, they load 16-bit: give it less
+                        # cpu= so that more goes to disk
+                        ram = max(int(ram * budget.cpu_bytes / held["cpu"] * 0.98) // MIB * MIB, MIB)
+                        moved = True
+                    grow = {g: (s // layer_bytes) * layer_bytes for g in gpus  # or move layers to a GPU's room
+                            if (s := usable[g] - peaks.get(g, 0)) >= layer_bytes > 0 and budgets[g] < cap[g]}
+                    if grow and not moved:
+                        budgets = {g: b + grow.get(g, 0) for g, b in budgets.items()}
+                        moved = True
+                    if not moved:
+                        break
+                    continue
                 if best is not None:  # the layers offered were too many: one fewer, down to the last fit
                     fewer = {g: b - (layer_bytes if over[g] > 0 else 0) for g, b in budgets.items()}
                     if all(fewer[g] <= fitted[g] for g in gpus if over[g] > 0):
@@ -187,7 +219,8 @@ class Search:
                     budgets = fewer
                     continue
                 too_large = budgets
-                budgets = {g: max(b - max(over[g], 0) - (MARGIN if over[g] > 0 else 0), MIB)
+                # a budget that moves less than a layer moves nothing: take back at least one layer's worth
+                budgets = {g: max(b - max(over[g] + MARGIN, layer_bytes) if over[g] > 0 else b, MIB)
                            for g, b in budgets.items()}
                 if too_small is not None:
                     budgets = _between(too_small, too_large)
@@ -200,7 +233,7 @@ class Search:
             # room for more layers: offer as many whole layers as the slack holds (too many: one fewer, above);
             # less room than a layer holds is proof enough that one more does not fit
             grow = {g: (s // layer_bytes) * layer_bytes for g in gpus
-                    if (s := budget.usable[g] - peaks.get(g, 0)) >= layer_bytes > 0}
+                    if (s := usable[g] - peaks.get(g, 0)) >= layer_bytes > 0 and budgets[g] < cap[g]}
             if not grow:
                 break
             budgets = {g: b + grow.get(g, 0) for g, b in budgets.items()}

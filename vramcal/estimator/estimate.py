@@ -30,8 +30,8 @@ from .runtime import RuntimeProfile, default_profile
 from .stages import DeviceLoad, device_stages, model_id, placed_stages, weights_alloc
 from .vision import LABELS, Images, check_images, plan_images
 
-FIT_TOKENS = (512, 2048, 8192)  # eager attention's quadratic fit; interpolation needs only the ends
-PIECE_TOKENS = (512, 8192)
+FIT_TOKENS = (512, 2048, 8192)  # eager attention's quadratic fit; the interpolation's nodes below
+PIECE_TOKENS = (512, 2048, 8192)
 # with images every prompt holds their tokens: the fit's shortest point is the images and a few words,
 # where the vision encoder's window often sets the prefill (text tokens, the image tokens come on top)
 FIT_TOKENS_IMAGES = (16, 2048, 8192)
@@ -137,6 +137,12 @@ class Estimator:
                 f"tokens each ({p.placeholders} image features + {p.specials} special tokens); the vision "
                 f"encoder runs {p.encoder_images} image(s) of {p.encoder_size[1]}x{p.encoder_size[0]} "
                 f"({p.encoder_tokens} positions each); settings: {how}")
+
+    @property
+    def dry_run_error(self) -> str | None:
+        """Why the dry run could not run this model (the activations then come from formulas), or None.
+        Known once a dry run was tried: a sweep tries it first."""
+        return self._dry_error
 
     @property
     def on_the_fly(self) -> bool:
@@ -297,9 +303,11 @@ class Estimator:
                  runtime: RuntimeProfile | None = None, exact: bool = True, new_tokens: int = NEW_TOKENS,
                  prompt: int | None = None, placement=None) -> Estimate:
         """``placement`` (a :class:`~vramcal.estimator.placement.Placement` of this model and quant) adds
-        per-device figures: see :meth:`_place`."""
+        per-device figures: see :meth:`_place`. ``device`` may name the GPU (``cuda:1``): the figures are
+        the kind's, the load (``from_pretrained``) that GPU's."""
         text = workload(ctx, batch, new_tokens, prompt)
         work = self.lm_workload(text)  # what the language model runs: the image tokens in the prompt
+        load_device = device if device is not None and ":" in str(device) else None
         device = self._same_kind(device)
         self._ensure_dry_run(work.batch, work.prompt, exact)
         rt = runtime or default_profile(device)
@@ -356,7 +364,7 @@ class Estimator:
             image_size=self._image_size(), image_tokens=work.prompt - text.prompt, vision_peak=vision_peak)
         if placement is not None:
             self._place(out, placement, work, parts, runtime)
-        out.from_pretrained = from_pretrained_kwargs(self.quant, device, placement,
+        out.from_pretrained = from_pretrained_kwargs(self.quant, load_device or device, placement,
                                                      None if self.attn == "auto" else self.attn_used)
         out.auto_class = self.inv.auto_class
         return out
@@ -561,7 +569,7 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
     est = Estimator(source, spec, attn=attn, cache=cache, kv_dtype=kv_dtype, use_cache=use_cache, device=kind,
                     progress=progress, images=work.images, image_size=work.image_size)
     out = est.estimate(batch=work.batch, runtime=runtime, exact=exact, new_tokens=work.new_tokens,
-                       prompt=work.prompt, placement=plan)
+                       prompt=work.prompt, placement=plan, device=str(parse_device(device, default="cuda")))
     return out.corrected(correction) if correction is not None else out
 
 

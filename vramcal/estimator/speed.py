@@ -1,6 +1,7 @@
 """An upper bound on decode speed: generated tokens per second, from the bytes each decode step must move.
 
-A decode step reads every weight once and the whole KV cache of every row (the attention of the new
+A decode step reads every weight once (the input embedding: its tokens' rows, not the table) and the
+whole KV cache of every row (the attention of the new
 token looks at every cached position), and produces one token per batch row. Where the bytes sit
 decides how fast they can be read:
 
@@ -31,9 +32,19 @@ class DecodeBound:
     why_none: str | None = None
 
 
-def decode_bound(estimate, memory_bw: dict, link_bw: dict) -> DecodeBound:
+def unread_embedding(estimate, tied: bool) -> int:
+    """Bytes of an untied input embedding a step does not read: the lookup reads its tokens' rows, not the
+    table (a tied table is read whole by lm_head). The inventory counts both tables of an untied model as
+    its embeddings, each vocabulary x hidden in the load dtype."""
+    return 0 if tied else estimate.weights_breakdown.get("embeddings", 0) // 2
+
+
+def decode_bound(estimate, memory_bw: dict, link_bw: dict, device: str | None = None,
+                 unread_embedding_bytes: int = 0) -> DecodeBound:
     """The bound for an :class:`~vramcal.estimator.result.Estimate` (on one GPU, or placed): ``memory_bw``
-    and ``link_bw`` map each GPU to an object with ``bytes_per_s`` (None when unknown) and ``source``."""
+    and ``link_bw`` map each GPU to an object with ``bytes_per_s`` (None when unknown) and ``source``.
+    ``device``: the GPU of an unplaced estimate (default ``cuda:0``). ``unread_embedding_bytes``: held by
+    the GPU that runs the input embedding but not read per step (:func:`unread_embedding`)."""
     batch = estimate.batch
     terms: dict[str, float] = {}
     used: dict[str, str] = {}
@@ -54,15 +65,16 @@ def decode_bound(estimate, memory_bw: dict, link_bw: dict) -> DecodeBound:
             if dev.startswith("cuda"):
                 held = d.components["weights"] + d.components["kv_cache"]
                 copied = loads.pcie_bytes_per_token + loads.disk_bytes_per_token if dev == loads.main_device else 0
-                take(f"{dev} memory", held + copied, memory_bw.get(dev), f"{dev}'s memory bandwidth")
+                unread = unread_embedding_bytes if dev == loads.embed_device else 0
+                take(f"{dev} memory", max(held + copied - unread, 0), memory_bw.get(dev), f"{dev}'s memory bandwidth")
         take(f"host link to {loads.main_device}", loads.pcie_bytes_per_token, link_bw.get(loads.main_device),
              f"the host link of {loads.main_device}")
         if loads.disk_bytes_per_token:
             missing.append("the disk's read bandwidth (vramcal assumes none)")
     else:
-        dev = "cuda:0" if estimate.device == "cuda" else estimate.device
-        take(f"{dev} memory", estimate.components["weights"] + estimate.components["kv_cache"], memory_bw.get(dev),
-             f"{dev}'s memory bandwidth")
+        dev = device or ("cuda:0" if estimate.device == "cuda" else estimate.device)
+        take(f"{dev} memory", max(estimate.components["weights"] + estimate.components["kv_cache"]
+                                  - unread_embedding_bytes, 0), memory_bw.get(dev), f"{dev}'s memory bandwidth")
     if missing:
         return DecodeBound(None, None, terms, used, "unknown: " + "; ".join(missing))
     step = sum(terms.values())

@@ -26,6 +26,7 @@ from ..errors import UserError
 from ..units import GB, parse_size
 from ..workload import parse_device
 
+MAX_DEVICE_BYTES = 1 << 50  # 1 PiB: no GPU, RAM or offload disk a plan is for is larger
 # Per lane and direction, after line encoding (8b/10b to Gen2, 128b/130b from Gen3; Gen6's FLIT mode)
 PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 
@@ -56,6 +57,7 @@ class Hardware:
     cpu_bytes: int  # RAM offloaded weights may take (0: no offload to the CPU)
     disk_bytes: int | None = None  # room for disk offload, when given
     source: str = ""
+    notes: list[str] = field(default_factory=list)  # e.g. a GPU model whose memory is not the size given
 
     def sizes(self) -> dict[str, int]:
         out = {g.device: g.memory_bytes for g in self.gpus}
@@ -149,6 +151,8 @@ def parse_hardware(text: str) -> dict[str, int]:
     for dev, n in sizes.items():
         if n <= 0:
             raise UserError(f"--hardware {dev}={n}: a device's size must be above zero")
+        if n > MAX_DEVICE_BYTES:
+            raise UserError(f"--hardware {dev}: {n:,} bytes is beyond any device (at most 1 PiB): check the unit")
     if not any(d.startswith("cuda") for d in sizes):
         raise UserError("--hardware names no GPU: give at least one cuda:N=SIZE, e.g. cuda:0=24GiB,cpu=64GiB")
     return sizes
@@ -184,6 +188,7 @@ def described(sizes: dict[str, int], gpu_names: list[str] | None = None,
     GPU in order) for the table's bandwidths, explicit bandwidths over both."""
     gpus = [GPU(d, n, total_bytes=n) for d, n in sizes.items() if d.startswith("cuda")]
     names = gpu_names or []
+    notes: list[str] = []
     if names and len(names) not in (1, len(gpus)):
         raise UserError(f"--gpu names {len(names)} models for {len(gpus)} GPUs: give one for all, or one per GPU")
     for i, g in enumerate(gpus):
@@ -193,8 +198,12 @@ def described(sizes: dict[str, int], gpu_names: list[str] | None = None,
                 raise UserError(f"--gpu {name!r}: not a GPU in vramcal's table (or it matches several): write its "
                                 "name as nvidia-smi shows it, or give --bandwidth")
             from_table(g, name)
+            row = find_gpu(name, g.total_bytes)
+            if abs(row.memory_gb * GB - g.memory_bytes) > 0.15 * row.memory_gb * GB:
+                notes.append(f"--gpu {name!r} is the {row.name} with {row.memory_gb:g} GB, but {g.device} was given "
+                             f"{g.memory_bytes / GB:,.1f} GB: its bandwidths are that model's")
     _override(gpus, bandwidths or {})
-    return Hardware(gpus, sizes.get("cpu", 0), sizes.get("disk"), source="as described (--hardware)")
+    return Hardware(gpus, sizes.get("cpu", 0), sizes.get("disk"), source="as described (--hardware)", notes=notes)
 
 
 def _override(gpus: list[GPU], bandwidths: dict[str, int]) -> None:
