@@ -417,8 +417,8 @@ def test_three_unequal_gpus_hold_a_70b_nf4_without_offload():
 
 
 def test_the_answer_does_not_depend_on_what_the_cache_held(tmp_path, monkeypatch):
-    """The largest context is the exact trace's, on a grid of 16 tokens: a cold cache and one warmed by other
-    estimates give the same plans."""
+    """The largest context is the exact trace's, on a fixed grid (16 tokens below 1024, 64 above): a cold
+    cache and one warmed by other estimates give the same plans."""
     hw = _hw(cuda_0=12 * GIB, cpu=32 * GIB)
     monkeypatch.setenv("VRAMCAL_CACHE", str(tmp_path / "cold"))
     cold = [(p.quant, p.kv_dtype, p.layout, p.ctx) for p in plan_model("llama-3.1-8b", hw, buffer=2 * GIB).plans]

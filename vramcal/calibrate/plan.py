@@ -39,7 +39,18 @@ from ..workload import GOALS, NEW_TOKENS, Configuration, Workload, choice
 from .search import Budget, Search, Split, context_limit, offloaded_layers
 
 OFFLOAD_CTX = 4096  # the context an offloaded plan is split for when none is asked
-GRID = 16  # the largest context is given to this many tokens (one KV block of vLLM, a cache page)
+GRID = (16, 1024, 64)  # the largest context is found to 16 tokens below 1024, to 64 above (the exact trace decides)
+
+
+def _grid_index(c: int) -> int:
+    """The index of the largest point of the context grid (:data:`GRID`) at or below ``c``."""
+    fine, turn, coarse = GRID
+    return c // fine if c < turn else turn // fine + (c - turn) // coarse
+
+
+def _grid_point(i: int) -> int:
+    fine, turn, coarse = GRID
+    return i * fine if i < turn // fine else turn + (i - turn // fine) * coarse
 PRECISION = ("fp32", "bf16", "fp16", "int8", "nf4", "nf4-dq", "fp4", "fp4-dq")  # best first
 KV_ORDER = ("auto", "fp8")
 UNBOUNDED = 1 << 60  # "as much RAM as it takes": for saying how much is missing
@@ -217,9 +228,9 @@ class Planner:
         """The context, checked with the exact trace, and the largest the exact trace allows near it. The
         fit bounds the activations from above between its traces, so its answer may be short, and by how
         much depends on the traces the disk cache holds: going down by sixteenths to one that fits, up by
-        sixteenths to one that does not, then halving on a grid of :data:`GRID` tokens makes the answer the
-        exact trace's -- the largest context on the grid that fits (or the limit), whatever traces the cache
-        held. None: not even the shortest fits."""
+        sixteenths to one that does not, then halving on a fixed grid of contexts (:data:`GRID`: every 16
+        tokens below 1024, every 64 above) makes the answer the exact trace's -- the largest context on the
+        grid that fits (or the limit), whatever traces the cache held. None: not even the shortest fits."""
         floor, limit = self.new_tokens + 1, (self.target if self.asked else self.limit)
 
         def ok(c: int) -> bool:
@@ -246,18 +257,20 @@ class Planner:
                 hi = c
         if hi is None:
             return lo  # the limit fits
-        if lo // GRID * GRID < floor:
+        a, b = _grid_index(lo), _grid_index(hi)
+        if _grid_point(b) < hi:
+            b += 1
+        if _grid_point(a) < floor:
             return lo  # shorter than the grid reaches
         # on the grid: the point at or below lo fits and the one at or above hi does not (a longer context
         # never needs less memory), so halving between them ends at the same point from any start
-        lo, hi = lo // GRID * GRID, -(-hi // GRID) * GRID
-        while hi - lo > GRID:
-            mid = (lo + hi) // 2 // GRID * GRID
-            if ok(mid):
-                lo = mid
+        while b - a > 1:
+            mid = (a + b) // 2
+            if ok(_grid_point(mid)):
+                a = mid
             else:
-                hi = mid
-        return lo
+                b = mid
+        return _grid_point(a)
 
     def _plan(self, quant: str, kv: str, layout: str, est, budget: Budget, split: Split | None, ctx: int) -> Plan:
         work = self.work(ctx)
