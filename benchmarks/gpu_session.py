@@ -1,12 +1,16 @@
 """Everything a lent GPU should measure, in one command that fits 8 minutes of device time.
 
-On the device machine (its image has no bitsandbytes: carry the wheel, docs/validation.md says how):
+On the device machine (its image has no bitsandbytes and an older transformers: carry both wheels, as
+docs/validation/gpu-h200/README.md did, with the command it gives):
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-    python benchmarks/gpu_session.py --device cuda:0 --out "$OUT" --budget-s 420
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    timeout 480 python3 benchmarks/gpu_session.py --device cuda:0 --out /tmp/o --budget-s 420
 
-Four parts, each with its own share of the time budget, each writing as it goes (a part cut short
-still leaves its rows):
+then copy /tmp/o to $OUT as one archive (at most 8 files come back). Six parts, run in the order of
+:data:`SHARES` (what no GPU has measured yet first), each with its own share of the time budget, each
+writing as it goes (a part cut short still leaves its rows, and ``session.json`` is rewritten after
+every part). Numbered as they were first written:
 
 1. ``validate``  -- benchmarks/validate.py's matrix on the GPU: ``<out>/gpu.csv``, the CSV that
    benchmarks/report.py turns into GPU rows of docs/validation.md (copy it to docs/validation/gpu-<name>.csv);
@@ -42,7 +46,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-SHARES = {"validate": 0.32, "widths": 0.25, "offload": 0.11, "plan": 0.10, "vlm": 0.11, "vllm": 0.11}
+# in the order they run: what no GPU has measured yet first (docs/validation/gpu-h200/README.md says what the
+# first session, 2026-11-30, got through), then the matrices that add rows to what is there
+SHARES = {"plan": 0.10, "vlm": 0.11, "vllm": 0.11, "offload": 0.11, "widths": 0.25, "validate": 0.32}
 
 
 def part_validate(args, budget_s: float) -> str:
@@ -194,10 +200,14 @@ def main(argv: list[str] | None = None) -> int:
                                    "vllm": part_vllm}[part](args, share)}
         except Exception as exc:  # noqa: BLE001 -- one part failing must not lose the others' rows
             done[part] = {"error": f"{type(exc).__name__}: {exc}"}
-        done[part]["seconds"] = round(time.monotonic() - t, 1)
-        print(f"{part}: {done[part]}", file=sys.stderr, flush=True)
-    (Path(args.out) / "session.json").write_text(json.dumps({"parts": done,
-                                                             "seconds": round(time.monotonic() - start, 1)}, indent=1))
+        except BaseException as exc:  # interrupted (the device's time limit): say so, then stop
+            done[part] = {"error": f"{type(exc).__name__}: {exc}"}
+            raise
+        finally:  # written after every part, so a session cut short still says what it finished
+            done[part]["seconds"] = round(time.monotonic() - t, 1)
+            print(f"{part}: {done[part]}", file=sys.stderr, flush=True)
+            (Path(args.out) / "session.json").write_text(
+                json.dumps({"parts": done, "seconds": round(time.monotonic() - start, 1)}, indent=1))
     return 0 if all("error" not in d for d in done.values()) else 1
 
 

@@ -92,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vramcal-validate-") as tmp, open(args.out, "w", newline="") as fh:
         writer = csv.DictWriter(fh, FIELDS)
         writer.writeheader()
+        def left() -> float | None:
+            return None if not args.budget_s else args.budget_s - (time.monotonic() - started)
+
         for model in args.models:
+            if left() is not None and left() <= 0:
+                break  # before writing the next checkpoint: at real widths that alone takes a minute
             cfg = _config_for(model, args.layers or None)
             ckpt = os.path.join(tmp, os.path.basename(model.rstrip("/")))
             try:
@@ -104,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             for quant in args.quants:
                 for ctx in args.ctx:
                     for batch in args.batch:
-                        if args.budget_s and time.monotonic() - started > args.budget_s:
+                        if left() is not None and left() <= 0:
                             break
                         t = time.monotonic()
                         r = run_probe(source, quant, ctx, batch, device=args.device, keep_samples=False,
+                                      timeout_s=None if left() is None else max(60.0, left()),
                                       command=f"gpu_validate {model} layers={args.layers} {quant} {ctx} {batch}")
                         est = r.estimate
                         measured = r.measured()  # the readings' one baseline rule (CPU: minus the baseline)
