@@ -412,6 +412,25 @@ def test_records_show_is_a_table_and_its_json_is_nested(mid, tmp_path):
     assert doc["outcome"]["result"]["stages"]["end"]["generated"] == 16
 
 
+def test_records_show_of_a_split_run_reads_stage_by_stage(tmp_path):
+    """Per device rows in the order a run goes (load before the first token), the devices in the split's
+    order within each stage; a recorded name with control characters is shown escaped, never raw."""
+    result, fp, record_result = _placed(tmp_path)
+    db = tmp_path / "split.db"
+    with Store(db) as s:
+        rid = record_result(s, fp, result)
+        want = s.run(rid)
+        s.record_run(fp, replace(want.context, model="evil\x1b[2J\nmodel"), want.outcome, uuid="other-uuid")
+    text = run("records", "show", str(rid), "--db", str(db)).stdout
+    rows = [ln.split()[:2] for ln in text.split("per device", 1)[1].splitlines()[2:] if ln.strip()]
+    assert rows == [[d, st] for st in ("load_peak", "post_load", "first_token", "end") for d in
+                    ("cuda:0", "cuda:1", "cpu")], rows
+    listed = run("records", "list", "--db", str(db)).stdout
+    assert "\x1b" not in listed and "evil\\x1b[2J\\nmodel" in listed, listed
+    shown = run("records", "show", "2", "--db", str(db)).stdout
+    assert "\x1b" not in shown and "evil\\x1b[2J\\nmodel" in shown
+
+
 # ------------------------------------------------------------------ quiet
 
 def test_third_party_chatter_stays_off_stderr(mid):

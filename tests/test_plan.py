@@ -457,3 +457,21 @@ def test_more_bad_input(args, capsys):
     rc = cli.main(["plan", "llama-3.2-1b", *args])
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and err.count("\n") == 1, err
+
+
+def test_fit_with_offload_finds_contexts_and_says_when_ram_is_short():
+    """fit shares plan's search: a map that puts layers in RAM fits when the RAM given holds them (a
+    regression once made every offloaded row "none"), and says which device is short when it does not --
+    the offloaded nf4 layers stay bf16 in RAM, 4.9 GiB for Llama-3.2-3B beside 1 GiB of GPU."""
+    from vramcal.calibrate.fit import fit_contexts
+
+    roomy = fit_contexts("llama-3.2-1b", 24 * GIB, device="cuda", db=None, buffer=2 * GIB, quants=("bf16",),
+                         batches=(1,), max_memory="cuda:0=1GiB,cpu=64GiB")
+    row = roomy.rows[0]
+    assert row.max_ctx is not None and row.error is None
+    placed = plan_placement(resolve_model("llama-3.2-1b"), Search(resolve_model("llama-3.2-1b"),
+                            device="cuda").estimator("bf16").quant, parse_max_memory("cuda:0=1GiB,cpu=64GiB"))
+    assert placed.loads.weights.get("cpu", 0) > 0  # it is an offloaded map indeed
+    short = fit_contexts("llama-3.2-3b", 24 * GIB, device="cuda", db=None, buffer=2 * GIB, quants=("nf4",),
+                         batches=(1,), max_memory="cuda:0=1GiB,cpu=2GiB")
+    assert short.rows[0].max_ctx is None and "cpu holds" in short.rows[0].error

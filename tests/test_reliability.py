@@ -135,6 +135,9 @@ POISON = {
     "negative-batch": lambda p: p["run"].update(batch=-4),
     "fingerprint-kind": lambda p: p["fingerprint"].update(kind="toaster"),
     "uuid": lambda p: p.update(uuid=["a", "list"]),
+    "stage-twice": lambda p: p["outcome"].update(stages=p["outcome"]["stages"] * 2),
+    "device-stage-twice": lambda p: p["outcome"].update(devices=[{"device": "cuda:0", "stage": "end",
+                                                                  "estimated_bytes": 5, "measured_peak_bytes": 7}] * 2),
 }
 
 
@@ -170,6 +173,15 @@ def test_an_import_of_a_damaged_file_is_one_line(tmp_path, content):
     p.write_bytes(content)
     one_line(run("records", "import", str(p), "--db", str(tmp_path / "r.db")), str(p))
     assert not (tmp_path / "r.db").exists()
+
+
+def test_an_import_refused_whole_creates_no_database(tmp_path):
+    path = _saved(tmp_path)
+    payload = json.loads(path.read_text())
+    POISON["stage-twice"](payload)
+    path.write_text(json.dumps(payload))
+    one_line(run("records", "import", str(path), "--db", str(tmp_path / "new.db")), "repeated")
+    assert not (tmp_path / "new.db").exists() and path.exists()
 
 
 def test_a_file_with_a_recorded_runs_id_but_other_contents_is_refused_and_kept(tmp_path):
@@ -227,6 +239,9 @@ def test_push_skips_records_an_older_import_poisoned(tmp_path):
     ("host=db.lab port=5432 dbname=vramcal password=hunter2", "libpq connection string"),
     ("postgresql//vramcal:hunter2@db.lab/vramcal", "not a PostgreSQL URL"),
     ("postgres:/db.lab/vramcal", "not a PostgreSQL URL"),
+    ("db.lab:5432", "HOST:PORT"),
+    ("db.lab:5432/vramcal", "HOST:PORT"),
+    (" ", "empty name"),
 ])
 def test_a_push_target_that_is_not_a_url_writes_no_file(tmp_path, target, needle):
     db = str(tmp_path / "r.db")
@@ -325,6 +340,27 @@ def test_a_hub_snapshot_that_leads_outside_the_cache_is_refused(tmp_path):
     os.symlink(elsewhere, repo / "snapshots" / "abc")
     one_line(run("estimate", "acme/tiny", "--no-correction", env={"HF_HUB_CACHE": str(tmp_path / "hub")}),
              "outside the Hugging Face cache")
+
+
+def test_a_hub_snapshot_file_that_leads_outside_the_cache_is_refused(tmp_path):
+    """The snapshot folder is inside the cache, its config.json a link to a file elsewhere."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text(json.dumps(BASE))
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    os.symlink(elsewhere / "config.json", repo / "snapshots" / "abc" / "config.json")
+    one_line(run("estimate", "acme/tiny", "--no-correction", env={"HF_HUB_CACHE": str(tmp_path / "hub")}),
+             "outside the Hugging Face cache")
+    # the Hub's own layout, a link to ../../blobs/<hash> inside the repository, is read
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "f00d").write_text(json.dumps(BASE))
+    os.remove(repo / "snapshots" / "abc" / "config.json")
+    os.symlink("../../blobs/f00d", repo / "snapshots" / "abc" / "config.json")
+    assert run("estimate", "acme/tiny", "--no-correction", "--ctx", "64",
+               env={"HF_HUB_CACHE": str(tmp_path / "hub")}).returncode == 0
 
 
 # ------------------------------------------------------------------ a probe that fails after it was recorded

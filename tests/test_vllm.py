@@ -221,6 +221,7 @@ BAD = [
     ["--gpu-memory-utilization", "0"], ["--gpu-memory-utilization", "1.5"], ["-tp", "3"],
     ["--max-model-len", "262144"], ["--quant", "nf4"], ["--kv-cache-dtype", "int3"], ["--block-size", "7"],
     ["--vllm-version", "0.5"], ["--gpu-memory", "lots"], ["--quantization", "gptq"],
+    ["-tp", "0"], ["-pp", "0"], ["--max-num-batched-tokens", "1"], ["--images", "1"], ["--image-size", "0x0"],
 ]
 
 

@@ -299,17 +299,9 @@ def _config(args, work) -> Configuration:
 
 
 def _size(text: str | None, flag: str) -> int | None:
-    if text is None:
-        return None
-    from .units import parse_size
+    from .units import size_option
 
-    try:
-        n = parse_size(text)
-    except ValueError as exc:
-        raise UserError(f"{flag}: {exc}") from None
-    if n < 0:
-        raise UserError(f"{flag} must not be negative")
-    return n
+    return size_option(text, flag)
 
 
 def cmd_check(args) -> int:

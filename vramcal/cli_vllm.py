@@ -83,7 +83,9 @@ def refuse_transformers_flags(args, command: str) -> None:
               ("--params-b", getattr(args, "params_b", None) is not None), ("--bits", getattr(args, "bits", None) is not None),
               ("--budget", getattr(args, "budget", None) is not None), ("--buffer", getattr(args, "buffer", None) is not None),
               ("--device cpu", str(getattr(args, "device", "cuda")).startswith("cpu")),
-              ("--synthetic", command in ("estimate", "fit") and bool(getattr(args, "synthetic", False))))
+              ("--synthetic", command in ("estimate", "fit") and bool(getattr(args, "synthetic", False))),
+              ("--images", bool(getattr(args, "images", 0))),
+              ("--image-size", getattr(args, "image_size", None) is not None))
     used = [flag for flag, on in checks if on]
     if used:
         raise UserError(f"--engine vllm does not use {', '.join(used)}: give vLLM's flags instead (--max-model-len, "
@@ -107,18 +109,10 @@ def this_gpu() -> tuple[int | None, str | None]:
 def vllm_args(args):
     """The command line's flags as :class:`VllmArgs` (validated there, one line on bad input)."""
     from .estimator.vllm.engine import DEFAULT_UTILIZATION, VllmArgs
-    from .units import parse_size
+    from .units import size_option
 
     def size(text, flag):
-        if text is None:
-            return None
-        try:
-            n = parse_size(text)
-        except ValueError as exc:
-            raise UserError(f"{flag}: {exc}") from None
-        if n <= 0:
-            raise UserError(f"{flag} must be above zero, e.g. {flag} 80GiB")
-        return n
+        return size_option(text, flag, above_zero=True)
 
     total = size(args.gpu_memory, "--gpu-memory")
     name = None
@@ -129,7 +123,8 @@ def vllm_args(args):
         gpu_memory_utilization=DEFAULT_UTILIZATION if args.gpu_memory_utilization is None else args.gpu_memory_utilization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        tensor_parallel_size=args.tensor_parallel_size or 1, pipeline_parallel_size=args.pipeline_parallel_size or 1,
+        tensor_parallel_size=1 if args.tensor_parallel_size is None else args.tensor_parallel_size,
+        pipeline_parallel_size=1 if args.pipeline_parallel_size is None else args.pipeline_parallel_size,
         dtype=dtype, kv_cache_dtype=args.kv_cache_dtype or "auto", quantization=args.quantization,
         block_size=args.block_size, enforce_eager=bool(args.enforce_eager),
         kv_cache_memory_bytes=size(args.kv_cache_memory, "--kv-cache-memory-bytes"), gpu_memory_bytes=total,
@@ -191,7 +186,7 @@ def cmd_probe_vllm(args, out, *, check: bool) -> int:
 
     from . import present
     from .estimator.resolve import resolve_model
-    from .estimator.vllm.engine import MODEL_ID, as_estimate, estimate_vllm
+    from .estimator.vllm.engine import as_estimate, estimate_vllm
     from .probes.vllm_probe import preflight, run_vllm_probe
 
     verb = "check" if check else "probe"

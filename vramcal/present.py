@@ -6,7 +6,7 @@ from __future__ import annotations
 from .estimator.loading import python_code
 from .estimator.placement import OFFLOAD_FLAG
 from .units import fmt_gib_gb, gb, gib
-from .workload import STAGE_LABELS, STAGES
+from .workload import PROBE_STAGES, STAGE_LABELS, STAGES
 
 
 def _stage_label(stage: str, new_tokens: int) -> str:
@@ -276,7 +276,7 @@ def runs_table(runs: list[dict]) -> str:
         device = ",".join(r["split_devices"]) if r.get("split_devices") else r["device"]
         lines.append(f"{r['id']:>4} {str(r['model'])[-30:]:<30} {r['quant']:<8} {r['ctx']:>7} {r['batch']:>5} "
                      f"{device:<8} {r['status'] or 'interrupted'}")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def fleet_runs_table(runs: list[dict]) -> str:
@@ -285,7 +285,7 @@ def fleet_runs_table(runs: list[dict]) -> str:
         gpu = r.get("gpu_name") or r["device"]
         lines.append(f"{r['id']:>6} {str(r.get('hostname'))[:14]:<14} {str(gpu)[:24]:<24} {str(r['model'])[-28:]:<28} "
                      f"{r['quant']:<8} {r['ctx']:>7} {r['batch']:>5} {r['status'] or 'interrupted'}")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def class_summary_table(rows) -> str:
@@ -356,6 +356,15 @@ def memo_markdown(m: dict) -> str:
     ]) + "\n"
 
 
+_STAGE_ORDER = {s: i for i, s in enumerate(PROBE_STAGES)}
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters written as escapes: a recorded field (an imported model name, an
+    error) must not move the cursor, clear the screen or start a line of its own on a terminal."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 def run_table(run) -> str:
     """One recorded run (:class:`~vramcal.records.store.RunRecord`) for a person: what ran, where, how it
     ended, each stage estimated beside measured, per device for a split run, and the corrections it fed."""
@@ -372,7 +381,8 @@ def run_table(run) -> str:
              f"  quant       {c.quant}" + (f" ({c.quant_impl})" if c.quant_impl else "") + f"  dtype {c.dtype}",
              f"  workload    ctx {c.ctx}" + (f" (prompt {est['prompt']} + {est['new_tokens']} new)"
                                             if est.get("prompt") else "") + f"  batch {c.batch}"
-             + f"  kv-dtype {c.kv_dtype}  attn {c.attn}",
+             + f"  kv-dtype {c.kv_dtype}  attn {c.attn}" + (f"  cache {est['cache']}" if est.get("cache") else "")
+             + (f"  images {est['images']} ({est.get('image_tokens')} tokens)" if est.get("images") else ""),
              f"  device      {device}",
              f"  command     {c.command}"]
     if m.get("kind") == "cpu":
@@ -392,7 +402,7 @@ def run_table(run) -> str:
         lines.append(f"  out of memory at {o.oom.get('stage')}, asked for {fmt_gib_gb(o.oom.get('requested_bytes'))}")
     if o is None:
         lines.append("  no outcome recorded: the run was interrupted before its result was written")
-        return "\n".join(lines)
+        return "\n".join(printable(line) for line in lines)
     what = "above the process's baseline" if o.series == "rss" else "NVML memory.used"
     lines += ["", f"stages ({what}; {run.sample_count:,} samples on {o.series or 'no series'})",
               f"  {'stage':<14} {'estimated':>14} {'measured peak':>14} {'measured used':>14} {'peak - est.':>14}"]
@@ -404,7 +414,8 @@ def run_table(run) -> str:
     if o.devices:
         lines += ["", "per device (GPU: NVML memory.used peak; cpu: the child's resident set above its baseline)",
                   f"  {'device':<8} {'stage':<14} {'estimated':>14} {'measured peak':>14} {'peak - est.':>14}"]
-        for d in o.devices:
+        order = {d: i for i, d in enumerate(c.split_devices or ())}
+        for d in sorted(o.devices, key=lambda d: (_STAGE_ORDER.get(d.stage, 99), order.get(d.device, 99), d.device)):
             diff = (f"{gib(d.measured_peak_bytes - d.estimated_bytes):+10.3f} GiB"
                     if d.measured_peak_bytes is not None and d.estimated_bytes is not None else "")
             lines.append(f"  {d.device:<8} {d.stage:<14} {_cell(d.estimated_bytes, 14)} "
@@ -416,7 +427,7 @@ def run_table(run) -> str:
             label = ("quant=" + scope[1]) if len(scope) > 1 else "any run on this stack"
             lines.append(f"  {corr['stage']:<14} {corr['intercept_bytes'] / 1024**3:+8.3f} GiB "
                          f"{corr['slope_bytes_per_token']:+10.1f} B/token from {corr['n_runs']} run(s)   {label}")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 # ---------------------------------------------------------------------------------------- --engine vllm

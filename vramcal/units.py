@@ -56,3 +56,21 @@ def parse_size(text: str) -> int:
     if unit not in _FACTORS:
         raise ValueError(f"unknown unit in {text!r}: use B, KiB, MiB, GiB, TiB or KB, MB, GB, TB")
     return int(float(m.group(1)) * _FACTORS[unit])
+
+
+def size_option(text: str | None, flag: str, *, above_zero: bool = False) -> int | None:
+    """A size given on the command line (``--budget 24GiB``) in bytes; None when the flag was not given.
+    Bad input is one line that names the flag (:class:`~vramcal.errors.UserError`)."""
+    from .errors import UserError
+
+    if text is None:
+        return None
+    try:
+        n = parse_size(text)
+    except ValueError as exc:
+        raise UserError(f"{flag}: {exc}") from None
+    if above_zero and n <= 0:
+        raise UserError(f"{flag} must be above zero, e.g. {flag} 80GiB")
+    if n < 0:
+        raise UserError(f"{flag} must not be negative")
+    return n

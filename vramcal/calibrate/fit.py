@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..errors import UserError
+from ..units import fmt_gib_gb
 from ..estimator.estimate import placement_request
 from ..estimator.placement import plan_placement
 from ..estimator.resolve import resolve_model
@@ -57,6 +58,12 @@ class FitResult:
     notes: list[str]  # e.g. why no correction could be read
 
 
+def _free_ram() -> int:
+    from ..probes.machine import free_memory
+
+    return free_memory("cpu").free_bytes
+
+
 def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: str | None, buffer: int,
                  quants=FIT_QUANTS, batches=FIT_BATCHES, new_tokens: int = NEW_TOKENS,
                  max_memory: dict | str | None = None, device_map: str | None = None, images: int = 0,
@@ -79,7 +86,11 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
                                             gpus if placed is not None else [])
     budgets = budget if isinstance(budget, dict) else {d: budget for d in gpus}
     search = Search(source, device=device, corrections=corrections, images=images, image_size=image_size)
-    target = Budget({d: budgets.get(d, 0) - buffer for d in gpus})
+    # offloaded weights must fit the RAM given to transformers' map (cpu=, else what is free now): the map
+    # sizes bitsandbytes' layers quantized, but offloaded ones stay 16-bit in RAM
+    mm = placed[0] if placed is not None else {}
+    ram = mm.get("cpu") if "cpu" in mm or placed is None else _free_ram()
+    target = Budget({d: budgets.get(d, 0) - buffer for d in gpus}, cpu_bytes=ram or 0, disk_bytes=mm.get("disk"))
     rows = []
     for q in quants:
         est = search.estimator(q)
@@ -96,6 +107,13 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
                 rows += [FitRow(q, b, None, new_tokens, None, error=str(exc), images=images, image_size=image_size)
                          for b in batches]
                 continue
+        held = plan.loads.weights if plan is not None else {}
+        over = [f"{d} holds {fmt_gib_gb(held[d])} of weights, over the {fmt_gib_gb(room)} it is given"
+                for d, room in (("cpu", target.cpu_bytes), ("disk", target.disk_bytes or 0)) if held.get(d, 0) > room]
+        if over:
+            rows += [FitRow(q, b, None, new_tokens, None, error="; ".join(over), images=images, image_size=image_size)
+                     for b in batches]
+            continue
         for b in batches:
             ctx, peaks = search.largest_ctx(est, b, new_tokens, target, max_ctx, placement=plan)
             rows.append(FitRow(q, b, ctx, new_tokens, max(peaks.values()), peaks if plan is not None else None,

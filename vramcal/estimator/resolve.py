@@ -77,10 +77,12 @@ def hf_snapshot(repo_id: str) -> Path | None:
                 candidates.append(Path(path).parent)
                 break
     for snap in candidates:
-        inside = snap.resolve().is_relative_to(repo.resolve())
-        if not inside:
-            raise UserError(f"{repo_id}: its cached snapshot {snap} leads outside the Hugging Face cache "
-                            f"({snap.resolve()}): the cache folder was altered; remove {repo} and download again")
+        # the folder and each file in it (the Hub links them to ../../blobs/<hash>, inside the repository)
+        for path in (snap, *snap.iterdir()):
+            if not path.resolve().is_relative_to(repo.resolve()):
+                raise UserError(f"{repo_id}: its cached snapshot {path} leads outside the Hugging Face cache "
+                                f"({path.resolve()}): the cache folder was altered; remove {repo} and download "
+                                f"again")
         return snap
     return None
 

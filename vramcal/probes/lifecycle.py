@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import tempfile
 import threading
 from contextlib import contextmanager
@@ -142,3 +143,19 @@ def signals_held():
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill ``proc``'s process group (it leads one: ``start_new_session``; vLLM's workers of tp > 1 are in
+    it) and reap ``proc``. Only while not reaped: the group id is the leader's pid, free for reuse once
+    the leader is reaped."""
+    if proc.returncode is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:  # stuck in the driver: nothing more a parent can do
+        pass

@@ -35,7 +35,6 @@ import json
 import math
 import os
 import select
-import signal
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,8 @@ from ..estimator.vision import check_images
 from ..workload import CACHES, KV_DTYPES, NEW_TOKENS, Configuration, choice, parse_device, workload
 from . import nvml
 from .child import remove_temp_folder
-from .lifecycle import ProbeInterrupted, Terminated, make_temp_folder, signals_held, sigterm_raises, sweep_stale
+from .lifecycle import (ProbeInterrupted, Terminated, kill_group, make_temp_folder, signals_held, sigterm_raises,
+                        sweep_stale)
 from .result import ProbeResult, assemble, device_readings, sample_dict, vision_reading
 from .sampler import Sampler, nvml_reader, rss_reader
 
@@ -274,7 +274,8 @@ class _Probe:
     @staticmethod
     def _wait_exited(proc: subprocess.Popen, timeout: float | None) -> bool:
         """Wait until ``proc`` has exited, without reaping it: while it is a zombie its pid, and so its
-        process group id, cannot be reused, and :meth:`_kill` can still kill what is left of the group."""
+        process group id, cannot be reused, and :func:`~.lifecycle.kill_group` can still kill what is left of
+        the group."""
         if not hasattr(os, "waitid"):
             try:
                 proc.wait(timeout)
@@ -292,24 +293,9 @@ class _Probe:
                 return False
             time.sleep(0.01)
 
-    @staticmethod
-    def _kill(proc: subprocess.Popen) -> None:
-        """Kill ``proc``'s process group (it leads one: ``start_new_session``) and reap ``proc``. Only
-        while not reaped: the group id is the leader's pid, free for reuse once the leader is reaped."""
-        if proc.returncode is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            proc.kill()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:  # stuck in the driver: nothing more a parent can do
-            pass
-
     def close(self) -> None:
         for proc in self.procs:
-            self._kill(proc)
+            kill_group(proc)
         self.procs = []
         if self.sampler is not None:
             self.sampler.stop()
@@ -347,7 +333,7 @@ class _Probe:
             proc = self._spawn([sys.executable, "-m", "vramcal.probes.child", "write-synthetic", cfg_path, model_dir,
                                 str(os.getpid()), self.folder], stdout=log, stderr=log)
             self._wait_exited(proc, None)
-            self._kill(proc)  # reaps it, and takes anything it left in its group
+            kill_group(proc)  # reaps it, and takes anything it left in its group
             if proc.returncode != 0:
                 log.seek(0)
                 tail = ([ln for ln in log.read().splitlines() if ln.strip()] or ["?"])[-1]

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from ..errors import UserError
 from ..estimator.vllm.logparse import VllmLogged, parse_log
 from . import nvml
+from .lifecycle import kill_group
 from .sampler import Sampler, attribute, nvml_reader
 
 STAGES = ("baseline", "post_load", "first_token", "end")
@@ -126,7 +127,7 @@ def run_vllm_probe(model_dir: str, name: str, child_args: dict, estimate, *, gpu
                         final = ev
         finally:
             os.close(read_fd)
-            _kill_group(child)
+            kill_group(child)
             if sampler is not None:
                 sampler.stop()
     log.seek(0)
@@ -146,15 +147,3 @@ def run_vllm_probe(model_dir: str, name: str, child_args: dict, estimate, *, gpu
                            log_tail=tail[-1][:300] if tail else "", samples=sampler.samples if sampler else [])
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    import signal
-
-    if proc.returncode is None:  # not reaped: its group id is still its own (workers of tp > 1 included)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            proc.kill()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        pass

@@ -618,6 +618,11 @@ def _not_a_file_name(db: str) -> None:
                         "postgresql://USER@HOST:PORT/DATABASE (the password in ~/.pgpass or PGPASSWORD)")
     if re.match(r"^\s*postgres(ql)?\b", db, re.I) and not is_url(db.strip()):
         raise UserError(f"{redact(db)} is not a PostgreSQL URL (a typo?): write postgresql://USER@HOST:PORT/DATABASE")
+    if not db.strip():
+        raise UserError("the records database is an empty name: give a file path (SQLite) or a postgresql:// URL")
+    if re.fullmatch(r"[\w.-]+:\d{1,5}(/\S*)?", db.strip()):
+        raise UserError(f"{redact(db)} looks like a server's HOST:PORT: write postgresql://USER@{db.strip()}"
+                        f"{'' if '/' in db else '/DATABASE'}, or ./{db.strip()} for a file of that name")
 
 
 def open_engine(db: str, *, create: bool, readonly: bool, timeout_s: float | None = None,

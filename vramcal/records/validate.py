@@ -122,6 +122,24 @@ def valid_context(run, where: str = "record") -> RunContext:
         created_at=_number(where, "run.created_at", run.get("created_at")))
 
 
+def _once(where: str, field: str, keys: list[str]) -> None:
+    """A run has one row per stage (per device and stage): a repeated one is refused, not half-stored."""
+    seen = set()
+    for k in keys:
+        if k in seen:
+            _fail(where, field, k, "given once (it is repeated)")
+        seen.add(k)
+
+
+def _stage_fields(where: str, s: dict) -> dict:
+    """The fields a stage row and a device's stage row share, checked (measured figures may be negative:
+    on the CPU they are above the child's baseline)."""
+    return {"stage": _choice(where, "stage", s.get("stage"), PROBE_STAGES, optional=False),
+            "estimated_bytes": _int(where, "estimated_bytes", s.get("estimated_bytes")),
+            "measured_peak_bytes": _int(where, "measured_peak_bytes", s.get("measured_peak_bytes"), -MAX_BYTES),
+            "measured_used_bytes": _int(where, "measured_used_bytes", s.get("measured_used_bytes"), -MAX_BYTES)}
+
+
 def valid_outcome(outcome, where: str = "record") -> Outcome:
     o = _mapping(where, "outcome", outcome, optional=False)
     stages = o.get("stages") or []
@@ -130,25 +148,18 @@ def valid_outcome(outcome, where: str = "record") -> Outcome:
     rows = []
     for s in stages:
         s = _mapping(where, "outcome.stages[]", s, optional=False)
-        rows.append(StageRow(
-            stage=_choice(where, "stage", s.get("stage"), PROBE_STAGES, optional=False),
-            estimated_bytes=_int(where, "estimated_bytes", s.get("estimated_bytes")),
-            measured_peak_bytes=_int(where, "measured_peak_bytes", s.get("measured_peak_bytes"), -MAX_BYTES),
-            measured_used_bytes=_int(where, "measured_used_bytes", s.get("measured_used_bytes"), -MAX_BYTES),
-            torch_max_allocated=_int(where, "torch_max_allocated", s.get("torch_max_allocated")),
-            torch_max_reserved=_int(where, "torch_max_reserved", s.get("torch_max_reserved"))))
+        rows.append(StageRow(**_stage_fields(where, s),
+                             torch_max_allocated=_int(where, "torch_max_allocated", s.get("torch_max_allocated")),
+                             torch_max_reserved=_int(where, "torch_max_reserved", s.get("torch_max_reserved"))))
     devices = o.get("devices") or []
     if not isinstance(devices, list):
         _fail(where, "outcome.devices", devices, "a list")
     device_rows = []
     for d in devices:
         d = _mapping(where, "outcome.devices[]", d, optional=False)
-        device_rows.append(DeviceStageRow(
-            device=_device(where, "device", d.get("device")),
-            stage=_choice(where, "stage", d.get("stage"), PROBE_STAGES, optional=False),
-            estimated_bytes=_int(where, "estimated_bytes", d.get("estimated_bytes")),
-            measured_peak_bytes=_int(where, "measured_peak_bytes", d.get("measured_peak_bytes"), -MAX_BYTES),
-            measured_used_bytes=_int(where, "measured_used_bytes", d.get("measured_used_bytes"), -MAX_BYTES)))
+        device_rows.append(DeviceStageRow(device=_device(where, "device", d.get("device")), **_stage_fields(where, d)))
+    _once(where, "outcome.stages[]", [r.stage for r in rows])
+    _once(where, "outcome.devices[]", [f"{r.device} {r.stage}" for r in device_rows])
     samples = o.get("samples") or []
     if not isinstance(samples, list):
         _fail(where, "outcome.samples", samples, "a list")

@@ -20,11 +20,12 @@ from dataclasses import dataclass, replace
 from ...errors import UserError
 from ...units import GIB, MIB
 from ...workload import count
+from ..quant import DTYPE_BYTES
 from ..resolve import ModelSource, resolve_model
 from . import kv as K
 from . import messages as M
 from . import versions as V
-from .arch import Arch, arch_of, check_tp
+from .arch import arch_of, check_tp
 from .budget import activation, cuda_graph_bytes
 from .layout import rank_weights
 from .quant import VllmQuant, resolve as resolve_quant
@@ -39,7 +40,6 @@ BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 DEFAULT_UTILIZATION = 0.9  # CacheConfig.gpu_memory_utilization
 CONTEXT_BYTES = 512 * MIB  # used before vLLM's first snapshot: the CUDA context (0.19 H100 logs: 0.51 GiB)
 NCCL_INIT_BYTES = 1024 * MIB  # ... and NCCL communicators with tp x pp > 1 (0.19 H100 logs: 1.02 GiB more)
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def engine_choice(text: str | None) -> str:
@@ -151,6 +151,10 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     total = args.gpu_memory_bytes
     d = V.scheduler_defaults(v, total, args.gpu_name, args.usage)
     seqs = args.max_num_seqs or d.max_num_seqs
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < seqs:
+        raise UserError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least max_num_seqs "
+                        f"({seqs}, vLLM's default for {d.why}), as vLLM's scheduler config requires: raise it, or "
+                        f"give --max-num-seqs {args.max_num_batched_tokens}")
     mnbt = args.max_num_batched_tokens or min(d.max_num_batched_tokens, seqs * max_len)
     if args.max_num_batched_tokens is None and mnbt < seqs:
         mnbt = max(mnbt, seqs)
