@@ -140,24 +140,22 @@ def _stage_fields(where: str, s: dict) -> dict:
             "measured_used_bytes": _int(where, "measured_used_bytes", s.get("measured_used_bytes"), -MAX_BYTES)}
 
 
+def _objects(where: str, o: dict, key: str) -> list[dict]:
+    """``o[key]``: a list of objects (absent: none)."""
+    items = o.get(key) or []
+    if not isinstance(items, list):
+        _fail(where, f"outcome.{key}", items, "a list")
+    return [_mapping(where, f"outcome.{key}[]", x, optional=False) for x in items]
+
+
 def valid_outcome(outcome, where: str = "record") -> Outcome:
     o = _mapping(where, "outcome", outcome, optional=False)
-    stages = o.get("stages") or []
-    if not isinstance(stages, list):
-        _fail(where, "outcome.stages", stages, "a list")
-    rows = []
-    for s in stages:
-        s = _mapping(where, "outcome.stages[]", s, optional=False)
-        rows.append(StageRow(**_stage_fields(where, s),
-                             torch_max_allocated=_int(where, "torch_max_allocated", s.get("torch_max_allocated")),
-                             torch_max_reserved=_int(where, "torch_max_reserved", s.get("torch_max_reserved"))))
-    devices = o.get("devices") or []
-    if not isinstance(devices, list):
-        _fail(where, "outcome.devices", devices, "a list")
-    device_rows = []
-    for d in devices:
-        d = _mapping(where, "outcome.devices[]", d, optional=False)
-        device_rows.append(DeviceStageRow(device=_device(where, "device", d.get("device")), **_stage_fields(where, d)))
+    rows = [StageRow(**_stage_fields(where, s),
+                     torch_max_allocated=_int(where, "torch_max_allocated", s.get("torch_max_allocated")),
+                     torch_max_reserved=_int(where, "torch_max_reserved", s.get("torch_max_reserved")))
+            for s in _objects(where, o, "stages")]
+    device_rows = [DeviceStageRow(device=_device(where, "device", d.get("device")), **_stage_fields(where, d))
+                   for d in _objects(where, o, "devices")]
     _once(where, "outcome.stages[]", [r.stage for r in rows])
     _once(where, "outcome.devices[]", [f"{r.device} {r.stage}" for r in device_rows])
     samples = o.get("samples") or []
