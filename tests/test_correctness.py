@@ -420,7 +420,8 @@ def test_records_show_of_a_split_run_reads_stage_by_stage(tmp_path):
     with Store(db) as s:
         rid = record_result(s, fp, result)
         want = s.run(rid)
-        s.record_run(fp, replace(want.context, model="evil\x1b[2J\nmodel"), want.outcome, uuid="other-uuid")
+        s.record_run({**fp, "hostname": "host\x1b[31m"}, replace(want.context, model="evil\x1b[2J\nmodel"),
+                     want.outcome, uuid="other-uuid")
     text = run("records", "show", str(rid), "--db", str(db)).stdout
     rows = [ln.split()[:2] for ln in text.split("per device", 1)[1].splitlines()[2:] if ln.strip()]
     assert rows == [[d, st] for st in ("load_peak", "post_load", "first_token", "end") for d in
@@ -429,6 +430,8 @@ def test_records_show_of_a_split_run_reads_stage_by_stage(tmp_path):
     assert "\x1b" not in listed and "evil\\x1b[2J\\nmodel" in listed, listed
     shown = run("records", "show", "2", "--db", str(db)).stdout
     assert "\x1b" not in shown and "evil\\x1b[2J\\nmodel" in shown
+    summary = run("records", "summary", "--db", str(db))
+    assert summary.returncode == 0 and "\x1b" not in summary.stdout and "host\\x1b[31m" in summary.stdout
 
 
 # ------------------------------------------------------------------ quiet

@@ -241,6 +241,7 @@ def test_push_skips_records_an_older_import_poisoned(tmp_path):
     ("postgres:/db.lab/vramcal", "not a PostgreSQL URL"),
     ("db.lab:5432", "HOST:PORT"),
     ("db.lab:5432/vramcal", "HOST:PORT"),
+    ("[::1]:5432", "HOST:PORT"),
     (" ", "empty name"),
 ])
 def test_a_push_target_that_is_not_a_url_writes_no_file(tmp_path, target, needle):
@@ -252,6 +253,13 @@ def test_a_push_target_that_is_not_a_url_writes_no_file(tmp_path, target, needle
     one_line(r, needle)
     assert "hunter2" not in r.stderr + r.stdout
     assert sorted(os.listdir(tmp_path)) == sorted(n for n in os.listdir(tmp_path) if n.startswith("r.db"))
+
+
+def test_an_existing_file_named_like_a_server_is_still_a_database(tmp_path):
+    with Store(tmp_path / "data:1") as s:
+        _fill(s, 1)
+    r = subprocess.run(VRAMCAL + ["records", "list", "--db", "data:1"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.count("\n") == 2, r.stderr
 
 
 def test_an_empty_writer_password_is_refused(tmp_path):
@@ -361,6 +369,14 @@ def test_a_hub_snapshot_file_that_leads_outside_the_cache_is_refused(tmp_path):
     os.symlink("../../blobs/f00d", repo / "snapshots" / "abc" / "config.json")
     assert run("estimate", "acme/tiny", "--no-correction", "--ctx", "64",
                env={"HF_HUB_CACHE": str(tmp_path / "hub")}).returncode == 0
+    # a link loop beside it is not read, so not refused; as a weights file it is, in one line
+    os.symlink("loop1", repo / "snapshots" / "abc" / "loop2")
+    os.symlink("loop2", repo / "snapshots" / "abc" / "loop1")
+    assert run("estimate", "acme/tiny", "--no-correction", "--ctx", "64",
+               env={"HF_HUB_CACHE": str(tmp_path / "hub")}).returncode == 0
+    os.symlink("model.safetensors", repo / "snapshots" / "abc" / "model.safetensors")
+    one_line(run("estimate", "acme/tiny", "--no-correction", env={"HF_HUB_CACHE": str(tmp_path / "hub")}),
+             "a link that leads nowhere")
 
 
 # ------------------------------------------------------------------ a probe that fails after it was recorded

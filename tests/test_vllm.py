@@ -221,7 +221,8 @@ BAD = [
     ["--gpu-memory-utilization", "0"], ["--gpu-memory-utilization", "1.5"], ["-tp", "3"],
     ["--max-model-len", "262144"], ["--quant", "nf4"], ["--kv-cache-dtype", "int3"], ["--block-size", "7"],
     ["--vllm-version", "0.5"], ["--gpu-memory", "lots"], ["--quantization", "gptq"],
-    ["-tp", "0"], ["-pp", "0"], ["--max-num-batched-tokens", "1"], ["--images", "1"], ["--image-size", "0x0"],
+    ["-tp", "0"], ["-pp", "0"], ["--max-num-batched-tokens", "128", "--max-num-seqs", "256"], ["--images", "1"],
+    ["--image-size", "0x0"],
 ]
 
 
@@ -230,6 +231,14 @@ def test_bad_input_is_one_line_and_exit_2(extra, capsys):
     rc = _cli("estimate", "qwen2.5-7b", "--engine", "vllm", "--gpu-memory", "80GiB", "--no-correction", *extra)
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("vramcal: ") and "\n" not in err, err
+
+
+def test_batched_tokens_below_the_default_concurrency_lower_it():
+    """vLLM sets an unset max_num_seqs to its default, at most max_num_batched_tokens
+    (engine/arg_utils.py, _set_default_args): 512 batched tokens on an 80 GiB GPU serve 512 sequences."""
+    e = _est("qwen2.5-7b", max_num_batched_tokens=512)
+    assert e.max_num_seqs == 512 and e.max_num_batched_tokens == 512
+    assert _est("qwen2.5-7b").max_num_seqs == 1024
 
 
 def test_unknown_engine_and_vllm_flags_without_it(capsys):

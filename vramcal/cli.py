@@ -16,7 +16,7 @@ import os
 import shlex
 import sys
 
-from .errors import UserError
+from .errors import UserError, printable
 from .workload import ATTNS, CACHES, KV_DTYPES, NEW_TOKENS, POLICIES, QUANTS, Configuration, parse_dtype, workload
 
 EX_SOFTWARE = 70
@@ -686,7 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _out(text: str) -> None:
     try:
-        print(text, flush=True)
+        print(printable(text), flush=True)
     except BrokenPipeError:
         raise
     except OSError as exc:  # stdout on a full disk, a closed terminal ...
@@ -719,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if debug:
             raise
-        print(f"vramcal: {one_line(str(exc))}", file=sys.stderr)
+        print(f"vramcal: {one_line(printable(str(exc)))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:  # Ctrl-C, or a probe's ProbeInterrupted (SIGINT / SIGTERM), recorded first
         print(f"vramcal: {str(exc) or 'interrupted'}", file=sys.stderr)

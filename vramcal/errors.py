@@ -13,3 +13,9 @@ class RecordedFailure(UserError):
     ``error`` -- so the command exits 1, as for any run that did not finish."""
 
     exit_code = 1
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (but tabs and line ends) written as escapes: a recorded field (an
+    imported model name, a host name, an error) must not move the cursor or clear the screen."""
+    return "".join(ch if ch.isprintable() or ch in "\t\n" else repr(ch)[1:-1] for ch in text)

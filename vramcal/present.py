@@ -3,6 +3,7 @@ arithmetic of memory here."""
 
 from __future__ import annotations
 
+from .errors import printable
 from .estimator.loading import python_code
 from .estimator.placement import OFFLOAD_FLAG
 from .units import fmt_gib_gb, gb, gib
@@ -276,7 +277,7 @@ def runs_table(runs: list[dict]) -> str:
         device = ",".join(r["split_devices"]) if r.get("split_devices") else r["device"]
         lines.append(f"{r['id']:>4} {str(r['model'])[-30:]:<30} {r['quant']:<8} {r['ctx']:>7} {r['batch']:>5} "
                      f"{device:<8} {r['status'] or 'interrupted'}")
-    return "\n".join(printable(line) for line in lines)
+    return "\n".join(printable(line).replace("\n", "\\n") for line in lines)
 
 
 def fleet_runs_table(runs: list[dict]) -> str:
@@ -285,7 +286,7 @@ def fleet_runs_table(runs: list[dict]) -> str:
         gpu = r.get("gpu_name") or r["device"]
         lines.append(f"{r['id']:>6} {str(r.get('hostname'))[:14]:<14} {str(gpu)[:24]:<24} {str(r['model'])[-28:]:<28} "
                      f"{r['quant']:<8} {r['ctx']:>7} {r['batch']:>5} {r['status'] or 'interrupted'}")
-    return "\n".join(printable(line) for line in lines)
+    return "\n".join(printable(line).replace("\n", "\\n") for line in lines)
 
 
 def class_summary_table(rows) -> str:
@@ -359,12 +360,6 @@ def memo_markdown(m: dict) -> str:
 _STAGE_ORDER = {s: i for i, s in enumerate(PROBE_STAGES)}
 
 
-def printable(text: str) -> str:
-    """``text`` with control characters written as escapes: a recorded field (an imported model name, an
-    error) must not move the cursor, clear the screen or start a line of its own on a terminal."""
-    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
-
-
 def run_table(run) -> str:
     """One recorded run (:class:`~vramcal.records.store.RunRecord`) for a person: what ran, where, how it
     ended, each stage estimated beside measured, per device for a split run, and the corrections it fed."""
@@ -402,7 +397,7 @@ def run_table(run) -> str:
         lines.append(f"  out of memory at {o.oom.get('stage')}, asked for {fmt_gib_gb(o.oom.get('requested_bytes'))}")
     if o is None:
         lines.append("  no outcome recorded: the run was interrupted before its result was written")
-        return "\n".join(printable(line) for line in lines)
+        return "\n".join(printable(line).replace("\n", "\\n") for line in lines)
     what = "above the process's baseline" if o.series == "rss" else "NVML memory.used"
     lines += ["", f"stages ({what}; {run.sample_count:,} samples on {o.series or 'no series'})",
               f"  {'stage':<14} {'estimated':>14} {'measured peak':>14} {'measured used':>14} {'peak - est.':>14}"]
@@ -427,7 +422,7 @@ def run_table(run) -> str:
             label = ("quant=" + scope[1]) if len(scope) > 1 else "any run on this stack"
             lines.append(f"  {corr['stage']:<14} {corr['intercept_bytes'] / 1024**3:+8.3f} GiB "
                          f"{corr['slope_bytes_per_token']:+10.1f} B/token from {corr['n_runs']} run(s)   {label}")
-    return "\n".join(printable(line) for line in lines)
+    return "\n".join(printable(line).replace("\n", "\\n") for line in lines)
 
 
 # ---------------------------------------------------------------------------------------- --engine vllm

@@ -79,10 +79,16 @@ def hf_snapshot(repo_id: str) -> Path | None:
     for snap in candidates:
         # the folder and each file in it (the Hub links them to ../../blobs/<hash>, inside the repository)
         for path in (snap, *snap.iterdir()):
-            if not path.resolve().is_relative_to(repo.resolve()):
+            try:
+                real = path.resolve(strict=True)
+            except (OSError, RuntimeError) as exc:  # a loop, a dangling link: refused where it is read
+                if not path.name.endswith((".json", ".safetensors")):
+                    continue
+                raise UserError(f"{repo_id}: its cached snapshot has {path.name!r}, a link that leads nowhere "
+                                f"({type(exc).__name__}): remove {repo} and download again") from None
+            if not real.is_relative_to(repo.resolve()):
                 raise UserError(f"{repo_id}: its cached snapshot {path} leads outside the Hugging Face cache "
-                                f"({path.resolve()}): the cache folder was altered; remove {repo} and download "
-                                f"again")
+                                f"({real}): the cache folder was altered; remove {repo} and download again")
         return snap
     return None
 

@@ -620,7 +620,7 @@ def _not_a_file_name(db: str) -> None:
         raise UserError(f"{redact(db)} is not a PostgreSQL URL (a typo?): write postgresql://USER@HOST:PORT/DATABASE")
     if not db.strip():
         raise UserError("the records database is an empty name: give a file path (SQLite) or a postgresql:// URL")
-    if re.fullmatch(r"[\w.-]+:\d{1,5}(/\S*)?", db.strip()):
+    if re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[\w.-]+):\d{1,5}(/\S*)?", db.strip()) and not os.path.exists(db):
         raise UserError(f"{redact(db)} looks like a server's HOST:PORT: write postgresql://USER@{db.strip()}"
                         f"{'' if '/' in db else '/DATABASE'}, or ./{db.strip()} for a file of that name")
 

@@ -150,11 +150,9 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
                         + " (vLLM refuses it; --allow-long-max-model-len is its VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")
     total = args.gpu_memory_bytes
     d = V.scheduler_defaults(v, total, args.gpu_name, args.usage)
-    seqs = args.max_num_seqs or d.max_num_seqs
-    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < seqs:
-        raise UserError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least max_num_seqs "
-                        f"({seqs}, vLLM's default for {d.why}), as vLLM's scheduler config requires: raise it, or "
-                        f"give --max-num-seqs {args.max_num_batched_tokens}")
+    # an unset max_num_seqs is the default, at most max_num_batched_tokens (engine/arg_utils.py,
+    # _set_default_args); a given one below it is refused by VllmArgs, as vLLM's scheduler config does
+    seqs = args.max_num_seqs or min(d.max_num_seqs, args.max_num_batched_tokens or d.max_num_seqs)
     mnbt = args.max_num_batched_tokens or min(d.max_num_batched_tokens, seqs * max_len)
     if args.max_num_batched_tokens is None and mnbt < seqs:
         mnbt = max(mnbt, seqs)
