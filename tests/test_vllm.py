@@ -353,6 +353,37 @@ def test_published_runner_on_two_rows(tmp_path):
     assert "| KV tokens | all | 2 |" in (tmp_path / "out" / "published-vllm.md").read_text()
 
 
+def test_a_vllm_probes_stages_and_samples_reach_the_records(tmp_path):
+    """The sampler's readings at vLLM's markers become the run's stage rows, and its series the run's
+    samples (a vLLM probe once recorded every stage as None and no samples)."""
+    from vramcal.cli_vllm import record_vllm_run
+    from vramcal.estimator.resolve import resolve_model
+    from vramcal.probes.sampler import Sample
+    from vramcal.probes.vllm_probe import VllmProbeResult, stage_readings
+    from vramcal.records.store import Store
+
+    gib = 1024**3
+    samples = [Sample(t, {"gpu0": int(b * gib)}) for t, b in
+               [(0.0, 0.5), (1.0, 0.6), (2.0, 16.0), (2.5, 17.2), (3.0, 16.1), (4.0, 70.0), (4.5, 71.3), (5.0, 71.0)]]
+    markers = [("baseline", 1.0), ("post_load", 3.0), ("first_token", 5.0)]
+    stages = stage_readings(samples, markers, "gpu0")
+    assert stages == {"baseline": {"used_bytes": int(0.6 * gib), "peak_bytes": int(0.6 * gib)},
+                      "post_load": {"used_bytes": int(16.1 * gib), "peak_bytes": int(17.2 * gib)},
+                      "first_token": {"used_bytes": int(71.0 * gib), "peak_bytes": int(71.3 * gib)}}
+    source = resolve_model("llama-3.1-8b")
+    raw = _est("llama-3.1-8b")
+    logged = parse_log((DATA / "llmd_meta-llama-llama-3-1-8b_-h100-80gb_tp1pp1dp1_8192.log").read_text())
+    result = VllmProbeResult("ok", source.name, "0.19.0", [0], stages, logged, as_estimate(source, raw),
+                             last_stage="first_token", wall_s=5.0, samples=samples)
+    db = str(tmp_path / "runs.db")
+    run_id = record_vllm_run(db, source, result.estimate, result, "vramcal probe llama-3.1-8b --engine vllm")
+    with Store(db, create=False, readonly=True) as s:
+        run = s.run(run_id)
+    assert {r.stage: r.measured_peak_bytes for r in run.outcome.stages} == {
+        k: v["peak_bytes"] for k, v in stages.items()}
+    assert run.sample_count == len(samples)
+
+
 def test_a_recorded_vllm_run_corrects_the_next_estimate(tmp_path, monkeypatch, capsys):
     """A vLLM probe's record (faked here: no vLLM, no GPU) holds the prediction and the logged terms; the
     next estimate on this machine and version takes the logged activation and non-torch instead."""

@@ -111,10 +111,7 @@ def vllm_args(args):
     from .estimator.vllm.engine import DEFAULT_UTILIZATION, VllmArgs
     from .units import size_option
 
-    def size(text, flag):
-        return size_option(text, flag, above_zero=True)
-
-    total = size(args.gpu_memory, "--gpu-memory")
+    total = size_option(args.gpu_memory, "--gpu-memory", above_zero=True)
     name = None
     if total is None:
         total, name = this_gpu()
@@ -127,7 +124,8 @@ def vllm_args(args):
         pipeline_parallel_size=1 if args.pipeline_parallel_size is None else args.pipeline_parallel_size,
         dtype=dtype, kv_cache_dtype=args.kv_cache_dtype or "auto", quantization=args.quantization,
         block_size=args.block_size, enforce_eager=bool(args.enforce_eager),
-        kv_cache_memory_bytes=size(args.kv_cache_memory, "--kv-cache-memory-bytes"), gpu_memory_bytes=total,
+        kv_cache_memory_bytes=size_option(args.kv_cache_memory, "--kv-cache-memory-bytes", above_zero=True),
+        gpu_memory_bytes=total,
         gpu_name=name, vllm_version=args.vllm_version, allow_long_max_model_len=bool(args.allow_long_max_model_len),
         usage=args.vllm_entrypoint or "serve")
 
@@ -221,7 +219,7 @@ def cmd_probe_vllm(args, out, *, check: bool) -> int:
                             interval_ms=getattr(args, "interval_ms", 5.0) or 5.0,
                             new_tokens=getattr(args, "new_tokens", 16) or 16)
     run_id = record_vllm_run(args.db, source, estimate, result, command_of(args, verb))
-    out(json.dumps({**result.to_dict(samples=False), "run_id": run_id}) if args.json
+    out(json.dumps({**result.to_dict(), "run_id": run_id}) if args.json
         else present.vllm_probe_table(result, run_id))
     ok = result.status == "ok" and (not check or est.fits)
     return 0 if ok else 1
@@ -250,6 +248,6 @@ def record_vllm_run(db, source, estimate, result, command: str) -> int | None:
             for name, r in result.stages.items()]
     outcome = Outcome(status=result.status, last_stage=result.last_stage, error=result.error,
                       series=f"gpu{result.gpus[0]}", wall_s=result.wall_s, sampler_overhead=result.sampler_overhead,
-                      result=result.to_dict(samples=False), stages=rows)
+                      result=result.to_dict(), stages=rows, samples=result.sample_rows())
     with Store(db) as store:
         return store.record_run(machine_fingerprint("cuda:0"), context, outcome)

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ..errors import UserError
 from ..estimator.vllm.logparse import VllmLogged, parse_log
@@ -69,14 +69,26 @@ class VllmProbeResult:
                  "cuda_graph_bytes")
         return {t: (getattr(v, t) if v else None, getattr(self.logged, t)) for t in terms}
 
-    def to_dict(self, samples: bool = False) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("estimate", "logged", "samples")}
+    def to_dict(self) -> dict:
+        """The result without its samples (the records keep those as rows: :meth:`sample_rows`)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("estimate", "logged", "samples")}
         d["vllm_logged"] = self.logged.to_dict()
         d["estimate"] = self.estimate.to_dict() if self.estimate is not None else None
         d["comparison"] = {k: list(v) for k, v in self.comparison().items()}
-        if samples:
-            d["samples"] = [{"t": s.t, **s.values} for s in self.samples]
         return d
+
+    def sample_rows(self) -> list[tuple[float, str, int | None]]:
+        """The first GPU's series as the store records samples: (seconds since the first, series, bytes)."""
+        series = f"gpu{self.gpus[0]}"
+        t0 = self.samples[0].t if self.samples else 0.0
+        return [(round(s.t - t0, 6), series, s.values.get(series)) for s in self.samples]
+
+
+def stage_readings(samples, markers: list[tuple[str, float]], series: str) -> dict[str, dict]:
+    """Each marker's reading of ``series``: the last value at the marker and the peak since the one before
+    (:func:`.sampler.attribute`), as the run's stage rows take them."""
+    return {k: {"used_bytes": v["used_bytes"], "peak_bytes": v["peak_bytes"]}
+            for k, v in attribute(samples, markers, series).items()}
 
 
 def run_vllm_probe(model_dir: str, name: str, child_args: dict, estimate, *, gpus: list[int],
@@ -134,9 +146,7 @@ def run_vllm_probe(model_dir: str, name: str, child_args: dict, estimate, *, gpu
     text = log.read()
     log.close()
     logged = parse_log(text)
-    series = f"gpu{gpus[0]}"
-    stages = {k: {"used_bytes": v.get("used"), "peak_bytes": v.get("peak")}
-              for k, v in attribute(sampler.samples, markers, series).items()} if sampler else {}
+    stages = stage_readings(sampler.samples, markers, f"gpu{gpus[0]}") if sampler else {}
     status = {"done": "ok", "oom": "oom", "error": "error", "timeout": "timeout"}.get((final or {}).get("event"),
                                                                                       "crashed")
     tail = [ln for ln in text.splitlines() if ln.strip()]
