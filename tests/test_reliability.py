@@ -214,6 +214,10 @@ def test_a_run_saved_by_the_first_format_is_imported(tmp_path):
         got = s.run(1)
     assert got.context.split_devices == ["cuda:0", "cuda:1", "cpu"] and got.context.device == "cuda:0"
     assert got.stages["end"].measured_peak_bytes == 7 and got.sample_count == 1
+    # the estimator model schema 5 gives a row of that time, so corrections use the run as they would the row
+    from vramcal.records.schema import LEGACY_MODELS
+
+    assert got.context.estimator_model == LEGACY_MODELS["cuda"]
 
 
 def test_push_skips_records_an_older_import_poisoned(tmp_path):

@@ -74,16 +74,25 @@ def _v4(tx, engine: Engine) -> None:
 
 
 
-def _legacy_model(device: str, estimate_json: str | None) -> str | None:
-    if not estimate_json:
+def _legacy_model(device: str, estimate: str | dict | None) -> str | None:
+    if not estimate:
         return None
     if not str(device or "").startswith("cpu"):
         return LEGACY_MODELS["cuda"]
     try:
-        methods = json.loads(estimate_json).get("methods") or {}
+        methods = (json.loads(estimate) if isinstance(estimate, str) else estimate).get("methods") or {}
     except (ValueError, AttributeError):
         return LEGACY_MODELS["cpu"]
     return LEGACY_MODELS["cpu-rss" if "resident set" in methods else "cpu"]
+
+
+def legacy_run_fields(device, estimate: str | dict | None) -> dict:
+    """What schema 5 made columns, for a run recorded before it (a row, or a saved file of the first
+    format): its main device, a split run's devices (from the comma-joined device text), and the
+    estimator model its estimate (JSON text or a dict) was made with."""
+    devices = str(device or "").split(",")
+    return {"device": devices[0], "split_devices": devices if len(devices) > 1 else None,
+            "estimator_model": _legacy_model(device, estimate)}
 
 
 def _v5(tx, engine: Engine) -> None:
@@ -98,10 +107,10 @@ def _v5(tx, engine: Engine) -> None:
     rows = tx.execute("SELECT id, device, estimate_json FROM runs ORDER BY id")
     with engine.updating(tx, ("runs", "corrections")):
         for r in rows:
-            devices = str(r["device"] or "").split(",")
-            split = json.dumps(devices) if len(devices) > 1 else None
+            f = legacy_run_fields(r["device"], r["estimate_json"])
+            split = None if f["split_devices"] is None else json.dumps(f["split_devices"])
             tx.execute("UPDATE runs SET estimator_model = ?, split_devices = ?, device = ? WHERE id = ?",
-                       (_legacy_model(r["device"], r["estimate_json"]), split, devices[0], r["id"]))
+                       (f["estimator_model"], split, f["device"], r["id"]))
         for c in tx.execute("SELECT id, stack FROM corrections ORDER BY id"):
             stack = str(c["stack"])
             model = (LEGACY_MODELS["cpu-rss"] if "|estimate=rss-1" in stack else

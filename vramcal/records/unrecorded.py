@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..files import atomic_write, read_regular
+from .schema import legacy_run_fields
 from .store import Outcome, RunContext, Store, default_path, new_uuid
 
 FORMAT = "vramcal-unrecorded-run/2"
@@ -99,9 +100,10 @@ def load_saved(path: str | os.PathLike) -> SavedRun:
 def _from_format_1(p: dict) -> dict:
     """The first format: the run's fields, the probe's result dict, stage rows and samples apart."""
     run = dict(p.get("run") or {}) if isinstance(p.get("run"), dict) else p.get("run")
-    if isinstance(run, dict) and isinstance(run.get("device"), str) and "," in run["device"]:
-        run["split_devices"] = run["device"].split(",")
-        run["device"] = run["split_devices"][0]
+    if isinstance(run, dict) and isinstance(run.get("device"), str):  # what schema 5 derives for older rows
+        run.update({k: v for k, v in legacy_run_fields(run["device"], run.get("estimate")).items()
+                    if run.get(k) is None})
+        run["device"] = run["device"].split(",")[0]
     result = p.get("result")
     outcome = None
     if isinstance(result, dict):
