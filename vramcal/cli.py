@@ -5,7 +5,8 @@ an environment that cannot serve the command (one line on stderr, nothing writte
 143 SIGTERM (the run is recorded with its last stage first); 70 a bug in vramcal (one line; ``--debug``
 shows the traceback).
 
-Start-up stays light: this module imports only the workload rules; each command imports what it needs.
+Start-up stays light: this module imports only the workload rules and the size parser; each command imports
+what it needs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import shlex
 import sys
 
 from .errors import UserError, printable
+from .units import size_option
 from .workload import ATTNS, CACHES, KV_DTYPES, NEW_TOKENS, POLICIES, QUANTS, Configuration, parse_dtype, workload
 
 EX_SOFTWARE = 70
@@ -298,12 +300,6 @@ def _config(args, work) -> Configuration:
                          device_map=getattr(args, "device_map", None))
 
 
-def _size(text: str | None, flag: str) -> int | None:
-    from .units import size_option
-
-    return size_option(text, flag)
-
-
 def cmd_check(args) -> int:
     from . import present
     from .calibrate.check import DEFAULT_BUFFER, check
@@ -315,10 +311,10 @@ def cmd_check(args) -> int:
     refuse_vllm_flags(args)
 
     work = _work(args, 4096)
-    budget = None if args.budget in (None, "auto") else _size(args.budget, "--budget")
+    budget = None if args.budget in (None, "auto") else size_option(args.budget, "--budget")
     if budget == 0:
         raise UserError("--budget must be above zero, e.g. --budget 24GiB")
-    buffer = DEFAULT_BUFFER if args.buffer is None else _size(args.buffer, "--buffer")
+    buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
     max_memory, device_map = _placement(args, args.device)
     r = check(args.model, args.quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
               device=args.device, db=args.db, budget=budget, buffer=buffer, prefer=args.prefer,
@@ -396,7 +392,7 @@ def cmd_fit(args) -> int:
     device = str(parse_device(args.device))
     new_tokens = count(args.new_tokens, "--new-tokens")
     images, image_size = images_of(args.images, args.image_size)
-    buffer = DEFAULT_BUFFER if args.buffer is None else _size(args.buffer, "--buffer")
+    buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
     max_memory, device_map = _placement(args, device)
     others: list[str] = []
     if args.budget == "auto" and device == "cpu":
@@ -417,7 +413,7 @@ def cmd_fit(args) -> int:
         if placed is None:
             budget = budget[device]
     else:
-        budget = _size(args.budget, "--budget")
+        budget = size_option(args.budget, "--budget")
         if budget == 0:
             raise UserError("--budget must be above zero, e.g. --budget 24GiB")
     smallest = min(budget.values()) if isinstance(budget, dict) else budget

@@ -60,7 +60,7 @@ def cmd_plan(args, out) -> int:
     from .calibrate.check import DEFAULT_BUFFER
     from .calibrate.plan import plan_model
     from .probes.hardware import described, parse_bandwidth, parse_hardware, this_machine
-    from .units import parse_size
+    from .units import size_option
     from .workload import choice, workload
 
     # ---- every input first: nothing is searched for bad input
@@ -82,12 +82,7 @@ def cmd_plan(args, out) -> int:
     work = workload(args.ctx if given else None, args.batch, args.new_tokens, args.prompt, args.images,
                     args.image_size)
     asked = work.ctx if given else None
-    try:
-        buffer = DEFAULT_BUFFER if args.buffer is None else parse_size(args.buffer)
-    except ValueError as exc:
-        raise UserError(f"--buffer: {exc}") from None
-    if buffer < 0:
-        raise UserError("--buffer must not be negative")
+    buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
     bandwidths = parse_bandwidth(args.bandwidth)
     if args.hardware is not None:
         if args.db is not None:

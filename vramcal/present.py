@@ -3,11 +3,16 @@ arithmetic of memory here."""
 
 from __future__ import annotations
 
-from .errors import printable
 from .estimator.loading import python_code
 from .estimator.placement import OFFLOAD_FLAG
 from .units import fmt_gib_gb, gb, gib
 from .workload import PROBE_STAGES, STAGE_LABELS, STAGES
+
+
+def _rows(lines: list[str]) -> str:
+    """A table's lines, one per row: a line end inside a recorded field (an imported model name) is
+    written as ``\\n``. Control characters are escaped where all output leaves (``cli._out``)."""
+    return "\n".join(line.replace("\n", "\\n") for line in lines)
 
 
 def _stage_label(stage: str, new_tokens: int) -> str:
@@ -277,7 +282,7 @@ def runs_table(runs: list[dict]) -> str:
         device = ",".join(r["split_devices"]) if r.get("split_devices") else r["device"]
         lines.append(f"{r['id']:>4} {str(r['model'])[-30:]:<30} {r['quant']:<8} {r['ctx']:>7} {r['batch']:>5} "
                      f"{device:<8} {r['status'] or 'interrupted'}")
-    return "\n".join(printable(line).replace("\n", "\\n") for line in lines)
+    return _rows(lines)
 
 
 def fleet_runs_table(runs: list[dict]) -> str:
@@ -286,7 +291,7 @@ def fleet_runs_table(runs: list[dict]) -> str:
         gpu = r.get("gpu_name") or r["device"]
         lines.append(f"{r['id']:>6} {str(r.get('hostname'))[:14]:<14} {str(gpu)[:24]:<24} {str(r['model'])[-28:]:<28} "
                      f"{r['quant']:<8} {r['ctx']:>7} {r['batch']:>5} {r['status'] or 'interrupted'}")
-    return "\n".join(printable(line).replace("\n", "\\n") for line in lines)
+    return _rows(lines)
 
 
 def class_summary_table(rows) -> str:
@@ -397,7 +402,7 @@ def run_table(run) -> str:
         lines.append(f"  out of memory at {o.oom.get('stage')}, asked for {fmt_gib_gb(o.oom.get('requested_bytes'))}")
     if o is None:
         lines.append("  no outcome recorded: the run was interrupted before its result was written")
-        return "\n".join(printable(line).replace("\n", "\\n") for line in lines)
+        return _rows(lines)
     what = "above the process's baseline" if o.series == "rss" else "NVML memory.used"
     lines += ["", f"stages ({what}; {run.sample_count:,} samples on {o.series or 'no series'})",
               f"  {'stage':<14} {'estimated':>14} {'measured peak':>14} {'measured used':>14} {'peak - est.':>14}"]
@@ -422,7 +427,7 @@ def run_table(run) -> str:
             label = ("quant=" + scope[1]) if len(scope) > 1 else "any run on this stack"
             lines.append(f"  {corr['stage']:<14} {corr['intercept_bytes'] / 1024**3:+8.3f} GiB "
                          f"{corr['slope_bytes_per_token']:+10.1f} B/token from {corr['n_runs']} run(s)   {label}")
-    return "\n".join(printable(line).replace("\n", "\\n") for line in lines)
+    return _rows(lines)
 
 
 # ---------------------------------------------------------------------------------------- --engine vllm

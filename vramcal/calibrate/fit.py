@@ -107,11 +107,11 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
                 rows += [FitRow(q, b, None, new_tokens, None, error=str(exc), images=images, image_size=image_size)
                          for b in batches]
                 continue
-        held = plan.loads.weights if plan is not None else {}
-        over = [f"{d} holds {fmt_gib_gb(held[d])} of weights, over the {fmt_gib_gb(room)} it is given"
-                for d, room in (("cpu", target.cpu_bytes), ("disk", target.disk_bytes or 0)) if held.get(d, 0) > room]
+        over = target.over(plan.loads.weights) if plan is not None else {}
         if over:
-            rows += [FitRow(q, b, None, new_tokens, None, error="; ".join(over), images=images, image_size=image_size)
+            why = "; ".join(f"{d} holds {fmt_gib_gb(h)} of weights, over the {fmt_gib_gb(room)} it is given"
+                            for d, (h, room) in over.items())
+            rows += [FitRow(q, b, None, new_tokens, None, error=why, images=images, image_size=image_size)
                      for b in batches]
             continue
         for b in batches:

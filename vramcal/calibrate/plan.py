@@ -40,6 +40,9 @@ from .search import Budget, Search, Split, context_limit, offloaded_layers
 
 OFFLOAD_CTX = 4096  # the context an offloaded plan is split for when none is asked
 GRID = (16, 1024, 64)  # the largest context is found to 16 tokens below 1024, to 64 above (the exact trace decides)
+PRECISION = ("fp32", "bf16", "fp16", "int8", "nf4", "nf4-dq", "fp4", "fp4-dq")  # best first
+KV_ORDER = ("auto", "fp8")
+UNBOUNDED = 1 << 60  # "as much RAM as it takes": for saying how much is missing
 
 
 def _grid_index(c: int) -> int:
@@ -51,9 +54,6 @@ def _grid_index(c: int) -> int:
 def _grid_point(i: int) -> int:
     fine, turn, coarse = GRID
     return i * fine if i < turn // fine else turn + (i - turn // fine) * coarse
-PRECISION = ("fp32", "bf16", "fp16", "int8", "nf4", "nf4-dq", "fp4", "fp4-dq")  # best first
-KV_ORDER = ("auto", "fp8")
-UNBOUNDED = 1 << 60  # "as much RAM as it takes": for saying how much is missing
 
 
 @dataclass

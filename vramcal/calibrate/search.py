@@ -45,6 +45,12 @@ class Budget:
     cpu_bytes: int = 0
     disk_bytes: int | None = None
 
+    def over(self, held: dict[str, int]) -> dict[str, tuple[int, int]]:
+        """The offload devices whose weights (``held``: a placement's bytes per device) are more than they
+        may take: ``{device: (held, room)}``; empty when the RAM and the disk hold them."""
+        rooms = {"cpu": self.cpu_bytes, "disk": self.disk_bytes or 0}
+        return {d: (held[d], room) for d, room in rooms.items() if held.get(d, 0) > room}
+
 
 @dataclass
 class Split:
@@ -133,7 +139,7 @@ class Search:
         ok = all(p <= budget.usable.get(d, 0) for d, p in peaks.items())
         if placement is not None:
             held = placement.loads.weights
-            ok = ok and held.get("cpu", 0) <= budget.cpu_bytes and held.get("disk", 0) <= (budget.disk_bytes or 0)
+            ok = ok and not budget.over(held)
         return ok, peaks
 
     # ------------------------------------------------------------------ the questions
