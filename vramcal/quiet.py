@@ -25,8 +25,7 @@ def quiet_third_party() -> None:
     for name in THIRD_PARTY:
         logging.getLogger(name).setLevel(logging.ERROR)
     pattern = r"(" + "|".join(THIRD_PARTY) + r")(\..*)?$"
-    for category in (UserWarning, FutureWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", category=category, module=pattern)
+    warnings.filterwarnings("ignore", category=UserWarning, module=pattern)
     # warnings a library issues with stacklevel pointing at its caller name the caller's module; the
     # deprecations and future changes of those libraries are still not the user's business
     warnings.filterwarnings("ignore", category=FutureWarning)

@@ -218,22 +218,10 @@ class FoundCorrection:
     corrections: dict[str, Correction]
     source: str | None  # "machine", "class", or None (nothing recorded)
     scope: str | None  # one of SCOPE_NAMES
-    scope_key: str | None
     machine_class: str
     hosts: list[str] = field(default_factory=list)
     runs: list[int] = field(default_factory=list)
     host_spread_bytes: dict[str, int] = field(default_factory=dict)  # per stage; class corrections only
-
-    def label(self) -> str:
-        if not self.source:
-            return "no correction recorded for this machine or its class"
-        hosts = ", ".join(self.hosts) or "?"
-        runs = len(self.runs)
-        if self.source == "machine":
-            return f"this machine ({hosts}), {self.scope}, {runs} run{'s' * (runs != 1)}"
-        return (f"machine class {class_label(self.machine_class)}: {len(self.hosts)} host"
-                f"{'s' * (len(self.hosts) != 1)} ({hosts}), {self.scope}, {runs} run{'s' * (runs != 1)}, "
-                "band widened by the spread between hosts")
 
     def as_set(self) -> CorrectionSet:
         """What the estimator applies and shows: the stages, where they came from, the hosts."""
@@ -261,7 +249,7 @@ def find_correction(store: Store, fingerprint: dict, quant: str, config_hash: st
             rows = store.latest_corrections(mid, key, estimator)
             if rows:
                 corr = corrections_from_rows(rows)
-                return FoundCorrection(corr, "machine", scope, key, ckey, [fingerprint.get("hostname") or "?"],
+                return FoundCorrection(corr, "machine", scope, ckey, [fingerprint.get("hostname") or "?"],
                                        sorted({r for c in corr.values() for r in c.source_runs}))
         if class_rows is None:
             class_rows = [r for r in store.stage_rows(class_key=ckey) if comparable_estimate(r)]
@@ -270,9 +258,9 @@ def find_correction(store: Store, fingerprint: dict, quant: str, config_hash: st
         if corr:
             spread = widen_by_host_spread(corr, pooled)
             used = [r for r in pooled if r["run_id"] in {x for c in corr.values() for x in c.source_runs}]
-            return FoundCorrection(corr, "class", scope, key, ckey, sorted({r["hostname"] or "?" for r in used}),
+            return FoundCorrection(corr, "class", scope, ckey, sorted({r["hostname"] or "?" for r in used}),
                                    sorted({r["run_id"] for r in used}), spread)
-    return FoundCorrection({}, None, None, None, ckey)
+    return FoundCorrection({}, None, None, ckey)
 
 
 def widen_by_host_spread(corr: dict[str, Correction], rows: list[dict]) -> dict[str, int]:
@@ -389,11 +377,16 @@ def corrected_estimate(model, quant: str = "auto", ctx: int | None = None, batch
     any (``estimate.correction`` says which runs and which scope)."""
     from ..estimator.estimate import estimate
 
-    raw = estimate(model, quant, ctx, batch, device=device, **kwargs)
-    if raw.devices:
-        per, why = machine_device_corrections(raw, db)
-        out = raw.corrected_devices(per)
+    return with_machine_corrections(estimate(model, quant, ctx, batch, device=device, **kwargs), db, device)
+
+
+def with_machine_corrections(e, db: str | None, device: str):
+    """``e`` corrected by this machine's recorded runs for ``device`` (per device position for a split
+    estimate), with a note where a records database could not be read."""
+    if e.devices:
+        per, why = machine_device_corrections(e, db)
+        out = e.corrected_devices(per)
         if why:
             out.notes.append(why)
         return out
-    return raw.corrected(machine_correction(device, raw.quant, raw.config_hash, db))
+    return e.corrected(machine_correction(device, e.quant, e.config_hash, db))

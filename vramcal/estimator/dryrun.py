@@ -232,7 +232,6 @@ class AllocationTracker:
 
 
 SHADOW_CAP = 64 * 1024**2  # bytes: a result larger than this keeps no values (masks at long contexts, features)
-SHADOW_INPUT_CAP = 256 * 1024**2  # an input the dry run makes (pixels) carries values up to this size
 
 
 class ShadowValues:

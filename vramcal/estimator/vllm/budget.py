@@ -29,12 +29,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...units import GIB, MIB
 from . import versions as V
 from .arch import Arch
 from .layout import pad_vocab
 
-GIB = 1024**3
-MIB = 1024**2
 SAMPLER_BYTES = 12.8  # per logit, besides the logits themselves (fitted: 14.7-15.0 B per logit in bf16)
 SORT_BYTES = 23.5  # per logit, up to 0.16 (Qwen3-14B on H100: 5.64 GiB at 0.15/0.16 vs 2.23 at 0.17/0.18)
 HIDDEN_KEPT = 1.13  # T x H x el alive through the sampler (Llama-3.1-8B vs -70B, Qwen2.5-7B vs -72B)

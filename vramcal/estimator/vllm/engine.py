@@ -15,7 +15,7 @@ Per rank (docs/vllm.md has the formulas with their vLLM files, and a worked exam
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ...errors import UserError
 from ...units import GIB, MIB
@@ -259,10 +259,6 @@ def _log_lines(v, r: VllmRank, tokens: int, max_len: int, conc: float, fits: boo
     elif error:
         out.append("ValueError: " + error)
     return out
-
-
-def with_utilization(args: VllmArgs, util: float) -> VllmArgs:
-    return replace(args, gpu_memory_utilization=util)
 
 
 def as_estimate(source: ModelSource, v: VllmEstimate, version_hash: str = ""):

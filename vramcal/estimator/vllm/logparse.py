@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-GIB = 1024**3
+from ...units import GIB
+
 _NUM = r"(-?[0-9][0-9,]*\.?[0-9]*)"
 _PATTERNS = {
     "version": re.compile(r"(?:V1 LLM engine \(v|vLLM API server version |version )v?([0-9]+\.[0-9]+(?:\.[0-9]+)?[^\s),]*)"),

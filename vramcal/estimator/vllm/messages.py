@@ -8,9 +8,8 @@ trailing zeros dropped (``25.8``, ``14.99``).
 
 from __future__ import annotations
 
+from ...units import GIB
 from . import versions as V
-
-GIB = 1024**3
 
 
 def format_gib(n: int) -> str:
@@ -50,9 +49,9 @@ def profile_line(v: V.Version, non_kv: int, activation: int, non_torch: int, wei
     """The DEBUG summary of the profile (``MemoryProfilingResult.__repr__``), up to 0.26."""
     if v < (0, 9, 2) or v >= (0, 27, 0):
         return None
-    g = (lambda n: format_gib(n)) if v >= (0, 14, 0) else (lambda n: f"{n / GIB:.2f}")
-    return (f"Total non KV cache memory: {g(non_kv)}GiB; torch peak memory increase: {g(activation)}GiB; "
-            f"non-torch forward increase memory: {g(non_torch)}GiB; weights memory: {g(weights)}GiB.")
+    return (f"Total non KV cache memory: {_gib(v, non_kv)}GiB; torch peak memory increase: "
+            f"{_gib(v, activation)}GiB; non-torch forward increase memory: {_gib(v, non_torch)}GiB; weights memory: "
+            f"{_gib(v, weights)}GiB.")
 
 
 def graph_estimate_line(v: V.Version, graphs: int) -> str | None:

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 from ...errors import UserError
 
-ONLINE = ("fp8",)  # quantizations vLLM applies to a 16-bit checkpoint at load
 CHECKPOINT_METHODS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "bitsandbytes", "fp8")
 QUANT_CHOICES = ("fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "bitsandbytes")
 # vLLM accepts these spellings of a checkpoint's own method (config/model.py's _verify_quantization:

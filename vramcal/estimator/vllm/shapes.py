@@ -43,7 +43,6 @@ COL = {"q_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "gate_up_proj"
 KV = {"k_proj", "v_proj"}
 ROW = {"o_proj", "down_proj", "dense", "fc2", "w2", "c_proj", "out_proj", "dense_4h_to_h", "wo"}
 REPLICATED_LINEAR = {"q_a_proj", "kv_a_proj_with_mqa"}  # quantized like every linear layer, not split
-UNQUANTIZED = {"gate", "shared_expert_gate", "router"}  # MoE routers: vLLM builds them without quant_config
 VISION = ("vision", "visual", "multi_modal_projector", "mm_projector", "image_newline")
 
 

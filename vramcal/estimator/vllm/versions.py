@@ -135,17 +135,6 @@ def sampler_sorts(v: Version) -> bool:
     return v < (0, 17, 0)
 
 
-def nccl_before_snapshot(v: Version) -> bool:
-    """From 0.11.0 ``init_worker_distributed_environment`` runs before the init snapshot, so the NCCL
-    communicators made there are not counted as non-torch memory (``v1/worker/gpu_worker.py``)."""
-    return v >= (0, 11, 0)
-
-
-def loading_decimals(v: Version) -> int:
-    """"Model loading took X GiB": ``%.4f`` up to 0.13, ``format_gib`` (2 decimals) from 0.14."""
-    return 4 if v < (0, 14, 0) else 2
-
-
 # ------------------------------------------------------------------------------ scheduler defaults
 
 @dataclass(frozen=True)
