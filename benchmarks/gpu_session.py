@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--out", required=True, help="folder for the CSVs and the offload JSON")
-    ap.add_argument("--budget-s", type=float, default=420, help="device time for all three parts (default 7 min)")
+    ap.add_argument("--budget-s", type=float, default=420, help="device time for all the parts (default 7 min)")
     ap.add_argument("--parts", nargs="+", default=list(SHARES), choices=list(SHARES))
     ap.add_argument("--quick", action="store_true", help="tiny models: the CPU test of this script")
     ap.add_argument("--quick-models", nargs="+", default=[], help="model dirs for --quick's widths part")
@@ -200,11 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             done[part] = {"file": {"validate": part_validate, "widths": part_widths,
                                    "offload": part_offload, "plan": part_plan, "vlm": part_vlm,
                                    "vllm": part_vllm}[part](args, share)}
-        except Exception as exc:  # noqa: BLE001 -- one part failing must not lose the others' rows
+        except BaseException as exc:  # one part failing must not lose the others' rows; an interrupt stops
             done[part] = {"error": f"{type(exc).__name__}: {exc}"}
-        except BaseException as exc:  # interrupted (the device's time limit): say so, then stop
-            done[part] = {"error": f"{type(exc).__name__}: {exc}"}
-            raise
+            if not isinstance(exc, Exception):
+                raise
         finally:  # written after every part, so a session cut short still says what it finished
             done[part]["seconds"] = round(time.monotonic() - t, 1)
             print(f"{part}: {done[part]}", file=sys.stderr, flush=True)

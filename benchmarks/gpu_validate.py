@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import platform
 import statistics
@@ -92,11 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vramcal-validate-") as tmp, open(args.out, "w", newline="") as fh:
         writer = csv.DictWriter(fh, FIELDS)
         writer.writeheader()
-        def left() -> float | None:
-            return None if not args.budget_s else args.budget_s - (time.monotonic() - started)
+        def left() -> float:
+            return args.budget_s - (time.monotonic() - started) if args.budget_s else math.inf
 
         for model in args.models:
-            if left() is not None and left() <= 0:
+            if left() <= 0:
                 break  # before writing the next checkpoint: at real widths that alone takes a minute
             cfg = _config_for(model, args.layers or None)
             ckpt = os.path.join(tmp, os.path.basename(model.rstrip("/")))
@@ -109,11 +110,12 @@ def main(argv: list[str] | None = None) -> int:
             for quant in args.quants:
                 for ctx in args.ctx:
                     for batch in args.batch:
-                        if left() is not None and left() <= 0:
+                        rem = left()
+                        if rem <= 0:
                             break
                         t = time.monotonic()
                         r = run_probe(source, quant, ctx, batch, device=args.device, keep_samples=False,
-                                      timeout_s=None if left() is None else max(60.0, left()),
+                                      timeout_s=None if rem == math.inf else max(60.0, rem),
                                       command=f"gpu_validate {model} layers={args.layers} {quant} {ctx} {batch}")
                         est = r.estimate
                         measured = r.measured()  # the readings' one baseline rule (CPU: minus the baseline)

@@ -203,12 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=os.path.join("docs", "validation", "peak.png"))
     args = ap.parse_args(argv)
     df = load(args.dir)
-    published_md = os.path.join(args.dir, "published", "published.md")
-    published = open(published_md).read() if os.path.exists(published_md) else ""
-    cpu_real_md = os.path.join(args.dir, "cpu-real", "cpu-real.md")
-    cpu_real = open(cpu_real_md).read() if os.path.exists(cpu_real_md) else ""
-    vllm_md = os.path.join(args.dir, "published", "published-vllm.md")
-    published_vllm = open(vllm_md).read() if os.path.exists(vllm_md) else ""
+
+    def section(*parts: str) -> str:  # a generated section under --dir, or nothing when it was not made
+        path = os.path.join(args.dir, *parts)
+        return open(path).read() if os.path.exists(path) else ""
+
+    published, cpu_real = section("published", "published.md"), section("cpu-real", "cpu-real.md")
+    published_vllm = section("published", "published-vllm.md")
     gpu_notes = tuple(os.path.relpath(n, os.path.dirname(os.path.abspath(args.out)))
                       for n in sorted(glob.glob(os.path.join(os.path.abspath(args.dir), "gpu-*", "README.md"))))
     text = render(df, args.plot if not df.empty else None, published, cpu_real, published_vllm, gpu_notes)

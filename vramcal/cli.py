@@ -186,15 +186,9 @@ def cmd_estimate(args) -> int:
                  device=args.device, use_cache=not args.no_disk_cache, exact=not args.fast, progress=_progress(args),
                  max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size)
     if not args.no_correction:
-        from .calibrate.corrections import machine_correction, machine_device_corrections
+        from .calibrate.corrections import with_machine_corrections
 
-        if e.devices:
-            per, why = machine_device_corrections(e, args.db)
-            e = e.corrected_devices(per)
-            if why:
-                e.notes.append(why)
-        else:
-            e = e.corrected(machine_correction(e.device, e.quant, e.config_hash, args.db))
+        e = with_machine_corrections(e, args.db, e.device)
     if args.json:
         out = e.to_dict()
         if q is not None:

@@ -3,8 +3,6 @@ arithmetic of memory here."""
 
 from __future__ import annotations
 
-from .estimator.loading import python_code
-from .estimator.placement import OFFLOAD_FLAG
 from .units import fmt_gib_gb, gb, gib
 from .workload import PROBE_STAGES, STAGE_LABELS, STAGES
 
@@ -93,6 +91,8 @@ def _cell(n: int | None, width: int = 12) -> str:
 
 def placement_lines(e, corrected: str = "") -> list[str]:
     """The grouped map, what loads if transformers refuses it, and one column per device."""
+    from .estimator.placement import OFFLOAD_FLAG  # here: the commands that only list records need no estimator
+
     p = e.placement
     loads = p.loads
     mm = ", ".join(f"{d}={gib(b):.2f} GiB" for d, b in p.max_memory.items())
@@ -340,6 +340,8 @@ def recheck_line(out: dict) -> str:
 
 
 def memo_markdown(m: dict) -> str:
+    from .estimator.loading import python_code
+
     return "\n".join([
         f"# Known-good configuration: {m['model']}",
         "",

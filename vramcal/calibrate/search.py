@@ -159,11 +159,12 @@ class Search:
             return None, peaks
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.fits(est, work(mid), budget, placement)[0]:
-                lo = mid
+            ok, p = self.fits(est, work(mid), budget, placement)
+            if ok:
+                lo, peaks = mid, p  # the peaks of the largest that fits so far: not priced again at the end
             else:
                 hi = mid - 1
-        return lo, self.fits(est, work(lo), budget, placement)[1]
+        return lo, peaks
 
     def split(self, est: Estimator, work: Workload, budget: Budget, offload: bool = True,
               strategy: str | None = None) -> Split | None:

@@ -211,7 +211,7 @@ def cpu_resident_stages(inp: CpuInputs, *, kv_prompt: int, kv_end: int, prefill_
     if m == "bnb8" and out_features:
         int8_first, int8_most = int8_prefill_heap(inp.quantized_elements, batch * prompt_tokens, out_features)
     notes = []
-    cold = 0 if converts else pages_load
+    cold = pages_load  # none when the load converts (above)
     if on_the_fly:
         notes.append("glibc heap retention after an on-the-fly bitsandbytes load varies run to run "
                      f"between 0 and {bound / MIB:,.0f} MiB after loading"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-from .placement import OFFLOAD_FLAG
+from .placement import DEVICE_MAP_CHOICES, OFFLOAD_FLAG
 
 
 def accelerate_key(device: str) -> int | str:
@@ -32,9 +32,9 @@ def placed_load(plan) -> dict:
     """The load of a :class:`~vramcal.estimator.placement.Placement`: its strategy with its
     ``max_memory``, or -- when the installed transformers refuses it -- the alternative it suggests (the
     same map as a custom ``device_map``, with the offload flag for bitsandbytes)."""
-    loads = plan.alternative if plan.refused and plan.alternative is not None else plan
+    loads = plan.loads
     if loads is plan:
-        if plan.strategy in ("auto", "balanced", "balanced_low_0", "sequential"):
+        if plan.strategy in DEVICE_MAP_CHOICES:
             return {"device_map": plan.strategy, "max_memory": dict(plan.max_memory)}
         return {"device_map": dict(plan.device_map)}
     return {"device_map": dict(loads.device_map), "bnb_extra": {OFFLOAD_FLAG: True}}

@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import UserError
-from ..units import fmt_gib_gb, parse_size
+from ..units import fmt_gib_gb, size_option
 from ..versions import software_versions
 from ..workload import device_name, parse_device
 from .cache import load_cached, store_cached
@@ -75,10 +75,7 @@ def parse_max_memory(text: str) -> dict[str, int]:
         dev = str(parse_device(name, placement=True, flag="device in --max-memory"))
         if dev in out:
             raise UserError(f"--max-memory names {dev} twice: give each device once")
-        try:
-            out[dev] = parse_size(size)
-        except ValueError as exc:
-            raise UserError(f"--max-memory {dev}: {exc}") from None
+        out[dev] = size_option(size, f"--max-memory {dev}")  # never negative: parse_size reads no sign
     return dict(sorted(out.items(), key=lambda kv: _device_order(kv[0])))
 
 
@@ -93,10 +90,7 @@ def normalise_max_memory(max_memory: dict | str) -> dict[str, int]:
         if dev in out:
             raise UserError(f"max_memory names {dev} twice: give each device once")
         if isinstance(v, str):
-            try:
-                v = parse_size(v)
-            except ValueError as exc:
-                raise UserError(f"max_memory {dev}: {exc}") from None
+            v = size_option(v, f"max_memory {dev}")
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise UserError(f"max_memory {dev}: {v!r} is not a byte count")
         out[dev] = v

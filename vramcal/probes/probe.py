@@ -210,7 +210,7 @@ def _placed_load(source, spec, max_memory, device_map, device: str) -> dict:
 
     mm, strategy = placement_request(max_memory, device_map, device)
     plan = plan_placement(source, spec, mm, strategy)
-    loads = plan.alternative if plan.refused and plan.alternative is not None else plan
+    loads = plan.loads
     load = placed_load(plan)
     gpus = [loads.main_device] + [g for g in loads.gpus if g != loads.main_device]
     return {"load": load, "gpus": gpus, "main_device": loads.main_device, "plan": plan}
