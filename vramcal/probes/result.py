@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from ..estimator.result import Estimate
 from ..workload import NEW_TOKENS, PROBE_STAGES, parse_device
-from .readings import StageReading, comparable, subtracts_baseline
+from .readings import StageReading, comparable
 from .sampler import Sample, attribute
 
 STAGE_ORDER = PROBE_STAGES
@@ -64,8 +64,9 @@ def vision_reading(ev: dict, samples: list[Sample], series: str | None, start: f
     inside = [s.values.get(series) for s in samples if series and t0 <= s.t - start <= t1]
     inside = [v for v in inside if v is not None]
     peak = max(inside) if inside else None
-    if peak is not None and subtracts_baseline(series):
-        peak = None if baseline is None or baseline.used_bytes is None else peak - baseline.used_bytes
+    if peak is not None:  # the readings' one baseline rule, as for every stage
+        reading = StageReading("vision", series, peak_bytes=peak)
+        peak = comparable({"vision": reading}, series, baseline)["vision"].peak_bytes
     return VisionReading(round(t0, 6), round(t1, 6), peak, len(inside), ev.get("allocated_start"),
                          ev.get("max_allocated"))
 
