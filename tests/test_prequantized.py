@@ -57,8 +57,8 @@ def _rewrite(path, convert, quantization_config, drop_dtype=False):
 
 @pytest.fixture(scope="module")
 def fp8_block(tmp_path_factory):
-    """Llama with every projection in block fp8 (128 x 128 blocks, float32 inverse scales), as DeepSeek-V3 and
-    Qwen3-*-FP8 store theirs."""
+    """Llama with every projection in block fp8 (128 x 128 blocks), its inverse scales stored in bf16 as
+    Qwen3-8B-FP8 stores them (DeepSeek-V3 stores float32; transformers holds float32 either way)."""
     import torch
 
     path = tmp_path_factory.mktemp("fp8") / "m"
@@ -71,7 +71,7 @@ def fp8_block(tmp_path_factory):
         w = v.float().reshape(o // 128, 128, i // 128, 128)
         scale = (w.abs().amax(dim=(1, 3)).clamp(min=1e-6) / 448.0)
         q = (w / scale[:, None, :, None]).reshape(o, i).to(torch.float8_e4m3fn)
-        return {k: q, k + "_scale_inv": scale.contiguous()}
+        return {k: q, k + "_scale_inv": scale.to(torch.bfloat16).contiguous()}
 
     _rewrite(path, convert, {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                              "weight_block_size": [128, 128]})
@@ -125,11 +125,23 @@ def _est(path, quant="auto", gpu=None, device="cuda"):
     return estimate(str(path), quant, ctx=256, device=device, gpu=gpu_target(gpu) if gpu else None, use_cache=False)
 
 
-def test_fp8_kept_on_hopper_is_the_checkpoint_as_stored(fp8_block):
+def test_fp8_kept_on_hopper_is_what_transformers_holds(fp8_block, monkeypatch):
+    """Kept, the model holds the fp8 weights and float32 scales (FP8Linear's own dtype: the bf16 scales of
+    the checkpoint are cast up). The CPU would take the dequantized path, so the GPU check of
+    validate_environment is skipped for the load: loading runs no kernel."""
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
     e = _est(fp8_block, gpu="H200")
     assert e.quant == "fp8"
-    assert e.components["weights"] - _buffers(e) == _headers(fp8_block)
     assert any("kept as stored" in n for n in e.notes)
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
+    model = AutoModelForCausalLM.from_pretrained(str(fp8_block))
+    held = {str(p.dtype) for p in model.parameters()}
+    assert "torch.float8_e4m3fn" in held
+    assert e.components["weights"] - _buffers(e) == sum(p.numel() * p.element_size() for p in model.parameters())
+    scales = sum(p.numel() for n, p in model.named_parameters() if n.endswith("scale_inv"))
+    assert e.components["weights"] - _buffers(e) == _headers(fp8_block) + 2 * scales  # bf16 stored, f32 held
 
 
 @pytest.mark.parametrize("how", [{"gpu": "RTX 3090"}, {"gpu": "A100 80GB PCIe"}, {"device": "cpu"},
@@ -248,3 +260,20 @@ def test_gpu_table_has_each_compute_capability():
         from vramcal.probes.hardware import gpu_target
 
         gpu_target("")
+
+
+def test_vllm_prices_gpt_oss_mxfp4_experts_as_its_loader_lays_them(mxfp4):
+    """vLLM's MXFP4 (layers/quantization/mxfp4.py): the experts only, packed FP4 and one uint8 scale per 32
+    values, the intermediate size per rank padded to 64, biases float32; attention stays 16-bit."""
+    from vramcal.estimator.vllm.engine import VllmArgs, estimate_vllm
+
+    h, inter, experts, layers = 256, 256, 4, 2
+    for tp in (1, 2):
+        v = estimate_vllm(str(mxfp4), VllmArgs(gpu_memory_bytes=80 * 2**30, max_model_len=4096,
+                                               tensor_parallel_size=tp))
+        pad = -(-(inter // tp) // 64) * 64
+        w13 = experts * 2 * pad * h
+        w2 = experts * h * pad
+        per_layer = (w13 + w2) // 2 + (w13 + w2) // 32 + experts * (2 * pad + h) * 4
+        assert v.ranks[0].weights_groups["experts"] == layers * per_layer
+        assert "mxfp4" in v.quantization

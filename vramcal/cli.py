@@ -134,6 +134,9 @@ def _add_estimate(sub) -> None:
     _add_model_args(p, ctx_help="whole context: prompt + new tokens (default 4096)")
     p.add_argument("--device", default=None, help="cuda (NVML view, the default) or cpu (process memory)")
     p.add_argument("--fast", action="store_true", help="use the fitted activation model instead of tracing this point")
+    p.add_argument("--allow-approximate", action="store_true",
+                   help="accept an answer part of which comes from a formula (an architecture the installed "
+                        "transformers cannot build or run): refused without it")
     p.add_argument("--no-disk-cache", action="store_true", help="recompute the inventory instead of reading the cache")
     p.add_argument("--json", action="store_true", help="one JSON object, integer bytes")
     p.add_argument("--db", help="records database (default $VRAMCAL_DB or ~/.local/share/vramcal/vramcal.db)")
@@ -163,6 +166,17 @@ def _progress(args):
 
         return Progress(sys.stderr)
     return None
+
+
+def refuse_formulas(e, allowed: bool) -> None:
+    """An estimate a formula stood in for (the installed transformers cannot build or run the model) is
+    refused unless the user accepts an approximate answer: it looks as exact as the others."""
+    formula = [k for k, how in e.methods.items() if str(how).startswith("formula")]
+    if not formula or allowed:
+        return
+    why = next((n for n in e.notes if "formula" in n), "transformers cannot build or run it here")
+    raise UserError(f"{e.model}: the {' and '.join(formula)} would come from a formula ({why}); pass "
+                    "--allow-approximate to accept an approximate answer")
 
 
 def cmd_estimate(args) -> int:
@@ -206,6 +220,7 @@ def cmd_estimate(args) -> int:
                  device=args.device, use_cache=not args.no_disk_cache, exact=not args.fast, progress=_progress(args),
                  max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size,
                  gpu=_gpu(args))
+    refuse_formulas(e, args.allow_approximate)
     if not args.no_correction:
         from .calibrate.corrections import with_machine_corrections
 

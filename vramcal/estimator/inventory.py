@@ -24,7 +24,7 @@ from ..errors import UserError
 from ..versions import software_versions
 from .cache import CACHE_PROBLEMS, load_cached, store_cached
 from .checkpoint import checkpoint_tensors, tensor_bytes
-from .meta import UnknownArchitecture, _first_line, build_meta_model, import_bitsandbytes
+from .meta import UnknownArchitecture, _first_line, build_meta_model, declared_model_type, import_bitsandbytes
 from .formats import REPLACED_ON_META, format_for
 from .quant import (
     DTYPE_BYTES,
@@ -237,6 +237,11 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
     warmup = _warmup_bytes(model, hf_quantizer) if quant.method not in ("gptq", "awq") else None
     tc = text_config(source.config)
     notes = _defaults_used(tc, model.config)
+    given_type = source.config.get("model_type")
+    if given_type and given_type != getattr(model.config, "model_type", given_type) and declared_model_type(
+            source.config) is not None:
+        notes.append(f"model_type {given_type!r} is remote code this transformers does not have; priced as the "
+                      f"architecture the config declares, {type(model).__name__} ({model.config.model_type})")
     if untied:
         notes.append(f"the checkpoint stores {', '.join(untied)} beside the tensor the config ties it to: "
                      "transformers keeps both (it ties only equal tensors), so both are counted")

@@ -117,6 +117,25 @@ def auto_class_for(cfg, architectures=None):
     return known[0]
 
 
+def declared_model_type(raw: dict) -> str | None:
+    """For a config transformers does not know by its ``model_type`` (remote code: Kimi-K2's ``kimi_k2``),
+    the model type of the class its ``architectures`` names, where transformers has that class (Kimi-K2
+    declares DeepseekV3ForCausalLM); None otherwise, or when the model type is known."""
+    model_type = raw.get("model_type")
+    named = (raw.get("architectures") or [None])[0]
+    if not isinstance(named, str) or model_type in _known_model_types():
+        return None
+    from transformers.models.auto import modeling_auto
+
+    types = sorted({t for attr in dir(modeling_auto) if attr.startswith("MODEL_") and attr.endswith("_MAPPING_NAMES")
+                    for t, cls in getattr(modeling_auto, attr).items() if cls == named})
+    if not types:
+        return None
+    prefix = named.lower()
+    # the model type the class is named after (deepseek_v3 for DeepseekV3ForCausalLM, not a model reusing it)
+    return next((t for t in types if prefix.startswith(t.replace("_", "").replace("-", ""))), types[0])
+
+
 def build_config(source: ModelSource, raw: dict | None = None):
     """The config object transformers makes of ``source.config`` (every field it leaves out filled with
     the config class's default, as ``from_pretrained`` fills it). UnknownArchitecture when the
@@ -125,6 +144,10 @@ def build_config(source: ModelSource, raw: dict | None = None):
 
     raw = clean_config(source.config) if raw is None else raw
     model_type = raw.get("model_type")
+    declared = declared_model_type(raw)
+    if declared is not None:  # remote code whose declared class transformers has: price that architecture
+        raw = {**raw, "model_type": declared}
+        model_type = declared
     try:
         return AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
     except (ValueError, KeyError) as exc:

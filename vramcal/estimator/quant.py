@@ -103,6 +103,11 @@ def config_dtype(config: dict, stored: str | None = None) -> str:
     return "float32"  # transformers' default when neither the config nor the checkpoint names one
 
 
+def _names_dtype(config: dict) -> bool:
+    tc = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return any(isinstance(c.get(k), str) for c in (config, tc) for k in ("dtype", "torch_dtype"))
+
+
 def _is_bnb(qc) -> bool:
     return isinstance(qc, dict) and (qc.get("quant_method") == "bitsandbytes" or bool(qc.get("load_in_4bit"))
                                      or bool(qc.get("load_in_8bit")))
@@ -116,10 +121,11 @@ def resolve_quant(name: str, config, dtype: str | None = None, gpu=None) -> Quan
     then give the load dtype when the config names none)."""
     stored = None
     if hasattr(config, "config"):
-        from .checkpoint import auto_dtype
+        source, config = config, config.config
+        if dtype is None and not _names_dtype(config):
+            from .checkpoint import auto_dtype
 
-        stored = auto_dtype(config)
-        config = config.config
+            stored = auto_dtype(source)  # read only when the config leaves the choice to the checkpoint
     name = (name or "auto").lower()
     if name not in QUANTS:
         raise UserError(f"unknown quant {name!r}: choose one of {', '.join(QUANTS)}")
