@@ -62,6 +62,7 @@ class Format:
     label = ""
     kept_from: tuple[int, int] | None = None  # the compute capability from which the format is kept
     can_dequantize = False  # transformers has a dequantize=True load for it
+    config_class = ""  # transformers' config class of the format (the dequantized load passes it)
 
     def check(self, qc: dict) -> None:
         """Refuse a contradictory quantization_config in one line (UserError)."""
@@ -121,6 +122,7 @@ class Format:
 class FineGrainedFP8(Format):
     methods = ("fp8", "mxfp8")
     label = "fp8"
+    config_class = "FineGrainedFP8Config"
     kept_from = (8, 9)
     can_dequantize = True
 
@@ -141,6 +143,7 @@ class FbgemmFP8(Format):
 class MXFP4(Format):
     methods = ("mxfp4",)
     label = "mxfp4"
+    config_class = "Mxfp4Config"
     kept_from = (7, 5)
     can_dequantize = True
 
@@ -166,6 +169,7 @@ class MXFP4(Format):
 class CompressedTensors(Format):
     methods = ("compressed-tensors",)
     label = "compressed-tensors"
+    config_class = "CompressedTensorsConfig"
     kept_from = None  # int and fp8 schemes load compressed everywhere; the fp8 kernels need 8.9 (prepare)
     can_dequantize = True
 

@@ -247,6 +247,11 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
                      "transformers keeps both (it ties only equal tensors), so both are counted")
     if quant.method in ("gptq", "awq"):
         notes.append(f"{quant.implementation}: layout from the format's formula (no checkpoint headers to read)")
+    if groups["experts"] and fmt is not None:
+        notes.append(f"{groups['experts']:,} bytes of fused MoE expert weights in {quant.dtype}: transformers' "
+                     f"{fmt.label} modules do not take this model's 3-D expert tensors, so its loader dequantizes "
+                     "the stored experts into them (quantizers/base.py, update_weight_conversions); "
+                     "--engine vllm keeps them quantized")
     if groups["experts"] and quant.method in ("bnb4", "bnb8"):
         notes.append(f"{groups['experts']:,} bytes of fused MoE expert weights stay in {quant.dtype}: "
                      "this transformers version keeps 3-D expert tensors out of bitsandbytes' Linear layers")

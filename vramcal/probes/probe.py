@@ -43,6 +43,7 @@ from collections.abc import Callable
 
 from ..errors import UserError
 from ..estimator.formats import CPU
+from ..estimator.loading import quantization_kwargs
 from ..estimator.quant import resolve_quant
 from ..estimator.resolve import ModelSource, resolve_model
 from ..estimator.vision import check_images
@@ -158,7 +159,7 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
                 identity["estimate"] = _estimate_or_note(source, quant, work, dtype, attn, device, kv_dtype,
                                                          cache, notes, max_memory, device_map, gpu)
             child_spec = {"device": device, "dtype": spec.dtype, "ctx": ctx, "batch": batch,
-                          "bnb": None if spec.pre_quantized else spec.bnb_config_kwargs(), "attn": attn,
+                          "bnb": quantization_kwargs(spec), "attn": attn,
                           "new_tokens": new_tokens, "kv_dtype": kv_dtype, "cache": cache}
             if work.images:
                 child_spec.update(images=work.images, image_size=work.image_size, processor=source.processor)
