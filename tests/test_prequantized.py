@@ -207,6 +207,7 @@ def _cli(*args):
 @pytest.mark.parametrize("qc, words", [
     ({"quant_method": "no-such-method"}, "not a format the installed transformers knows"),
     ({"quant_method": "hqq"}, "does not model that format"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "--engine vllm prices it"),
     ({"quant_method": "awq", "bits": 3, "group_size": 128}, "bits 3"),
     ({"quant_method": "gptq", "bits": 4}, "must give bits and group_size"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
@@ -265,15 +266,45 @@ def test_gpu_table_has_each_compute_capability():
 def test_vllm_prices_gpt_oss_mxfp4_experts_as_its_loader_lays_them(mxfp4):
     """vLLM's MXFP4 (layers/quantization/mxfp4.py): the experts only, packed FP4 and one uint8 scale per 32
     values, the intermediate size per rank padded to 64, biases float32; attention stays 16-bit."""
+    from vramcal.estimator.resolve import resolve_model
+    from vramcal.estimator.vllm import quant as vq
+    from vramcal.estimator.vllm.arch import arch_of
     from vramcal.estimator.vllm.engine import VllmArgs, estimate_vllm
+    from vramcal.estimator.vllm.layout import rank_weights
+    from vramcal.estimator.vllm.shapes import model_params
 
-    h, inter, experts, layers = 256, 256, 4, 2
-    for tp in (1, 2):
-        v = estimate_vllm(str(mxfp4), VllmArgs(gpu_memory_bytes=80 * 2**30, max_model_len=4096,
-                                               tensor_parallel_size=tp))
-        pad = -(-(inter // tp) // 64) * 64
+    source = resolve_model(str(mxfp4))
+    params, filled = model_params(source, "bfloat16")
+    arch = arch_of(source.config, filled)
+    scheme = vq.resolve(source.config, None)
+    assert scheme.scheme == "mxfp4"
+    h, experts, layers = 256, 4, 2
+    for tp, inter in ((1, 256), (2, 128), (4, 64)):
+        pad = -(-inter // 64) * 64
         w13 = experts * 2 * pad * h
         w2 = experts * h * pad
         per_layer = (w13 + w2) // 2 + (w13 + w2) // 32 + experts * (2 * pad + h) * 4
-        assert v.ranks[0].weights_groups["experts"] == layers * per_layer
-        assert "mxfp4" in v.quantization
+        assert rank_weights(params, arch, tp, 1, 2, scheme)[0].groups["experts"] == layers * per_layer
+    # attention stays 16-bit: the unquantized layout's bytes, less the experts' bf16 biases (float32, experts)
+    plain = rank_weights(params, arch, 1, 1, 2, vq.NONE)[0].groups
+    biases = layers * experts * (2 * 256 + h) * 2
+    assert rank_weights(params, arch, 1, 1, 2, scheme)[0].groups["dense"] == plain["dense"] - biases
+    v = estimate_vllm(str(mxfp4), VllmArgs(gpu_memory_bytes=80 * 2**30, max_model_len=4096))
+    assert "mxfp4" in v.quantization and v.fits
+
+
+@pytest.mark.parametrize("qc", [
+    {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
+     "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float",
+                                                                      "strategy": "tensor_group", "group_size": 16}}}},
+    {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16},
+])
+def test_vllm_nvfp4_layout(qc):
+    """NVFP4 as vLLM holds it: half a byte a value, an fp8 scale per 16 values swizzled into 128 x 4 tiles,
+    four float32 scalars a shard (compressed_tensors_w4a4_nvfp4.py, modelopt.py)."""
+    from vramcal.estimator.vllm import quant as vq
+
+    q = vq.resolve({**LLAMA, "quantization_config": qc}, None)
+    assert q.scheme == "nvfp4"
+    assert q.linear_bytes(4096, 4096, 2) == 4096 * 4096 // 2 + 4096 * 256 + 16
+    assert q.linear_bytes(100, 64, 2) == 100 * 32 + 128 * 4 + 16  # rows padded to 128, 4 scale columns

@@ -222,6 +222,13 @@ for _entry in (FineGrainedFP8(), FbgemmFP8(), MXFP4(), CompressedTensors(), Pack
 REPLACED_ON_META = ("fp8", "mxfp8", "fbgemm_fp8", "mxfp4", "compressed-tensors")
 
 
+# formats transformers does not load pre-quantized, and why (vLLM does: estimator/vllm/quant.py)
+NOT_LOADED_BY_TRANSFORMERS = {
+    "nvfp4": "transformers cannot load a pre-quantized NVFP4 checkpoint (NVFP4HfQuantizer refuses it)",
+    "modelopt": "transformers has no loader for NVIDIA ModelOpt checkpoints",
+}
+
+
 def format_for(qc: dict) -> Format:
     """The entry of a checkpoint's ``quantization_config``; one line for a method vramcal does not model."""
     if not isinstance(qc, dict):
@@ -232,6 +239,8 @@ def format_for(qc: dict) -> Format:
     if not method:
         raise UserError("the config's quantization_config names no quant_method: fix the config.json")
     entry = FORMATS.get(method)
+    if entry is None and method in NOT_LOADED_BY_TRANSFORMERS:
+        raise UserError(f"quant_method {method!r}: {NOT_LOADED_BY_TRANSFORMERS[method]}; --engine vllm prices it")
     if entry is None:
         known = _transformers_methods()
         if method in known:
@@ -247,4 +256,4 @@ def _transformers_methods() -> set[str]:
         from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
     except ImportError:
         return set()
-    return {m.lower() for m in AUTO_QUANTIZER_MAPPING} | {"bitsandbytes", "nvfp4", "modelopt"}
+    return {m.lower() for m in AUTO_QUANTIZER_MAPPING} | {"bitsandbytes"}
