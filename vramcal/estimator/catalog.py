@@ -27,5 +27,5 @@ def catalog_rows() -> list[dict]:
         meta = cfg.get("_vramcal_catalog", {})
         rows.append({"name": name, "architecture": (cfg.get("architectures") or ["?"])[0],
                      "model_type": cfg.get("model_type"), "hub_id": meta.get("hub_id"),
-                     "params_b": PARAMS.get(name, 0) / 1e9})
+                     "params_b": PARAMS[name] / 1e9 if name in PARAMS else None})  # None: no published count
     return rows
