@@ -66,7 +66,8 @@ def args_of(row: dict):
                     quantization=row["quantization"] or None, enforce_eager=row["enforce_eager"] == "True",
                     gpu_memory_bytes=int(round(float(row["gpu_total_gib"]) * GIB)), gpu_name=row["gpu"],
                     vllm_version=row["vllm_version"], usage=row.get("usage") or "serve",
-                    allow_long_max_model_len=True)
+                    allow_long_max_model_len=True,
+                    flashinfer_sampler={"True": True, "False": False}.get(row.get("flashinfer_sampler") or ""))
 
 
 def kv_rules_tokens(est, row: dict) -> int | None:
@@ -93,6 +94,7 @@ def run_row(row: dict, corpus_dir: Path) -> dict:
 
     out = {k: row[k] for k in ("id", "source_id", "model", "vllm_version", "gpu", "tp", "pp", "dtype", "kv_cache_dtype",
                                "quantization", "max_model_len")}
+    out["split"] = row.get("split") or "fit"
     try:
         est = estimate_vllm(model_ref(row, corpus_dir), args_of(row))
     except UserError as exc:
@@ -140,15 +142,33 @@ def render(rows: list[dict], sources_md: str) -> str:
              "(the KV arithmetic alone).", "",
              "How to read it: the weights and the KV page and block rules are arithmetic from vLLM's source, with "
              "nothing fitted. The activation model's six coefficients, the non-torch defaults and the CUDA-graph "
-             "default were fitted to the 0.15-0.19 rows of this table (docs/vllm.md), so their errors here are "
-             "in-sample; the two A100 rows (r008 at 0.15.1, r010 at 0.9.2) were not used and land at 1.03 % and "
-             "0.06 % on the KV tokens. No row of 0.20-0.33 with a config here was found: those versions' rules "
-             "(CUDA graphs subtracted, tokens from the concurrency) are tested against the source's arithmetic, "
-             "not against logs. The public planners publish no per-term predictions for these runs "
-             "(llm-d-planner publishes the runs themselves, as its accuracy set), so there is no column for them.",
-             "",
-             "| term | vLLM version | rows | median abs error | p90 | worst | target |",
-             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+             "default were fitted to the llm-d-planner rows (0.15-0.19, H100; `split` = fit in the corpus), so "
+             "their errors are in-sample. The *held-out* rows (`split` = held-out: other GPUs, versions and "
+             "people, nothing fitted to them) are summarised apart first. The public planners publish no "
+             "per-term predictions for these runs, so there is no column for them.",
+             ""]
+    for split, title in (("held-out", "Held-out rows (nothing was fitted to them)"),
+                         ("fit", "In-sample rows (the coefficients were fitted to them)")):
+        g = [r for r in ok if r.get("split", "fit") == split]
+        if not g:
+            continue
+        lines += [f"### {title}", "", "| term | rows | median abs error | p90 | worst | target |",
+                  "| --- | ---: | ---: | ---: | ---: | --- |"]
+        for term in ("KV tokens", "weights", "KV memory"):
+            med, p90, n = _stats(r.get(f"{term}_err_pct") for r in g)
+            if not n:
+                continue
+            worst = max(abs(r[f"{term}_err_pct"]) for r in g if r.get(f"{term}_err_pct") is not None)
+            target = ""
+            if term in TARGETS:
+                tm, tp = TARGETS[term]
+                met = med <= tm and (tp is None or p90 <= tp)
+                target = f"median ≤ {tm:g} %" + (f", p90 ≤ {tp:g} %" if tp else "") + (": met" if met else ": **missed**")
+            lines.append(f"| {term} | {n} | {_pct(med)} | {_pct(p90)} | {_pct(worst)} | {target} |")
+        lines.append("")
+    lines += ["### All rows, by version", "",
+              "| term | vLLM version | rows | median abs error | p90 | worst | target |",
+              "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
     for term, _, _ in TERMS:
         for ver in versions + ["all"]:
             g = [r for r in ok if ver == "all" or r["vllm_version"] == ver]
@@ -176,8 +196,8 @@ def render(rows: list[dict], sources_md: str) -> str:
         lines += ["", "Rows vramcal could not estimate:", ""] + [f"- {r['id']}: {r['error']}" for r in failed]
     lines += ["", "### Every row", "",
               "Logged → vramcal, GiB unless said; error of the KV tokens in brackets.", "",
-              "| id | model | vLLM | tp×pp | dtype / kv / quant | weights | activation | non-torch | KV memory | "
-              "KV tokens | KV rules |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| id | split | model | vLLM | tp×pp | dtype / kv / quant | weights | activation | non-torch | KV memory | "
+              "KV tokens | KV rules |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def pair(r, term, fmt="{:.2f}"):
         lo, pr = r.get(f"{term}_logged"), r.get(f"{term}_vramcal")
@@ -188,7 +208,8 @@ def render(rows: list[dict], sources_md: str) -> str:
             f"{int(r['KV tokens_logged']):,} → {int(r['KV tokens_vramcal']):,} ({r['KV tokens_err_pct']:+.2f} %)")
         rules = "n/a" if r.get("kv_rules_err_pct") is None else f"{r['kv_rules_err_pct']:+.2f} %"
         q = "/".join(x or "-" for x in (r["dtype"], r["kv_cache_dtype"], r["quantization"]))
-        lines.append(f"| {r['id'].replace('_h100-80gb', '').replace('llmd_', '')[:48]} | {r['model']} | {r['vllm_version']} | "
+        lines.append(f"| {r['id'].replace('_h100-80gb', '').replace('llmd_', '')[:48]} | {r.get('split', 'fit')} | "
+                     f"{r['model']} | {r['vllm_version']} | "
                      f"{r['tp']}×{r['pp']} | {q} | {pair(r, 'weights')} | {pair(r, 'activation')} | "
                      f"{pair(r, 'non-torch')} | {pair(r, 'KV memory')} | {tok} | {rules} |")
     return "\n".join(lines) + "\n"
@@ -223,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     wm, wp, _ = _stats(r.get("weights_err_pct") for r in ok)
     print(f"{len(ok)} of {len(rows)} vLLM rows: KV tokens median {_pct(med)}, p90 {_pct(p90)}; weights median "
           f"{_pct(wm)}, p90 {_pct(wp)}", file=sys.stderr)
+    held = [r for r in ok if r.get("split") == "held-out"]
+    if held:
+        med, p90, n = _stats(r.get("KV tokens_err_pct") for r in held)
+        wm, _, _ = _stats(r.get("weights_err_pct") for r in held)
+        print(f"held-out ({n} rows): KV tokens median {_pct(med)}, p90 {_pct(p90)}; weights median {_pct(wm)}",
+              file=sys.stderr)
     return 0
 
 

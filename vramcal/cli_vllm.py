@@ -16,7 +16,7 @@ VLLM_FLAGS = {
     "kv_cache_dtype": "--kv-cache-dtype", "quantization": "--quantization", "block_size": "--block-size",
     "enforce_eager": "--enforce-eager", "kv_cache_memory": "--kv-cache-memory-bytes", "gpu_memory": "--gpu-memory",
     "vllm_version": "--vllm-version", "allow_long_max_model_len": "--allow-long-max-model-len",
-    "vllm_entrypoint": "--vllm-entrypoint",
+    "vllm_entrypoint": "--vllm-entrypoint", "flashinfer_sampler": "--flashinfer-sampler",
 }
 
 
@@ -51,6 +51,10 @@ def add_vllm_args(p, *, fit: bool = False) -> None:
                    help="vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1: a --max-model-len above the model's limit")
     g.add_argument("--vllm-entrypoint", default=None, choices=("serve", "llm"),
                    help="serve (default): the defaults of `vllm serve`; llm: of the LLM class")
+    g.add_argument("--flashinfer-sampler", default=None, choices=("yes", "no"),
+                   help="whether vLLM samples with FlashInfer (its log says \"Using FlashInfer for top-p & top-k "
+                        "sampling\"): then its profile skips the top-k/top-p sort of vLLM before 0.17 (default: "
+                        "not known, the sort is priced)")
     if fit:
         g.add_argument("--concurrency", type=float, default=None,
                        help="with --max-model-len: the requests of that length to hold at once; fit then says the "
@@ -128,7 +132,8 @@ def vllm_args(args):
         kv_cache_memory_bytes=size_option(args.kv_cache_memory, "--kv-cache-memory-bytes", above_zero=True),
         gpu_memory_bytes=total,
         gpu_name=name, vllm_version=args.vllm_version, allow_long_max_model_len=bool(args.allow_long_max_model_len),
-        usage=args.vllm_entrypoint or "serve")
+        usage=args.vllm_entrypoint or "serve",
+        flashinfer_sampler=None if args.flashinfer_sampler is None else args.flashinfer_sampler == "yes")
 
 
 def cmd_estimate_vllm(args, out, progress) -> int:

@@ -13,7 +13,8 @@ rank's dense MLP width, V = the padded vocabulary):
 
 - sampler: ``(SAMPLER_BYTES + el) x S x V + HIDDEN_KEPT x T x H x el`` -- the logits in the model
   dtype, their float32 copy and the sampler's temporaries; up to 0.16 top-k/top-p sort the vocabulary
-  in PyTorch (``v1/sample/ops/topk_topp_sampler.py``), ``SORT_BYTES`` more per logit;
+  in PyTorch (``v1/sample/ops/topk_topp_sampler.py``), ``SORT_BYTES`` more per logit, unless
+  FlashInfer's sampler runs (:func:`.versions.sampler_sorts`);
 - forward: ``T x el x (MLP_WIDTHS x I + FORWARD_HIDDEN x H)`` -- gate/up and the activation's output
   at once, and the hidden states around them;
 - fused MoE: its workspaces, cached across calls so present during the sampler too:
@@ -54,7 +55,7 @@ class Activation:
 
 
 def activation(arch: Arch, tp: int, stage: int, pp: int, el: int, mnbt: int, seqs: int,
-               v: V.Version) -> Activation:
+               v: V.Version, flashinfer: bool | None = None) -> Activation:
     """The activation peak of one rank's profiling run (the module's doc)."""
     t = mnbt
     s = min(seqs, mnbt)
@@ -66,7 +67,7 @@ def activation(arch: Arch, tp: int, stage: int, pp: int, el: int, mnbt: int, seq
         moe = int(t * arch.experts_per_token * (max(2 * mi, h) + mi) * el)
     fwd = int(t * el * (MLP_WIDTHS * dense_i + FORWARD_HIDDEN * h))
     last, first = stage == pp - 1, stage == 0
-    per_logit = SAMPLER_BYTES + el + (SORT_BYTES if V.sampler_sorts(v) else 0.0)
+    per_logit = SAMPLER_BYTES + el + (SORT_BYTES if V.sampler_sorts(v, flashinfer) else 0.0)
     samp = int(per_logit * s * pad_vocab(arch.vocab) + HIDDEN_KEPT * t * h * el) if last else 0
     pipe = (0 if last else 2 * t * h * el) + (0 if first else 2 * t * h * el)
     peak = max(fwd, samp)

@@ -70,6 +70,7 @@ class VllmArgs:
     vllm_version: str | None = None
     allow_long_max_model_len: bool = False  # VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
     usage: str = "serve"  # serve | llm: the defaults of `vllm serve` or of the LLM class
+    flashinfer_sampler: bool | None = None  # FlashInfer's top-k/top-p sampler in use (None: not known)
 
     def validated(self) -> VllmArgs:
         u = self.gpu_memory_utilization
@@ -96,6 +97,8 @@ class VllmArgs:
             raise UserError("--kv-cache-memory must be above zero, e.g. --kv-cache-memory 20GiB")
         if self.gpu_memory_bytes is not None and not 0 < self.gpu_memory_bytes <= 4 * 1024**4:
             raise UserError(f"--gpu-memory must be a GPU's total memory, e.g. 80GiB; got {self.gpu_memory_bytes}")
+        if self.flashinfer_sampler not in (None, True, False):
+            raise UserError(f"flashinfer_sampler must be yes or no, got {self.flashinfer_sampler!r}")
         if self.usage not in ("serve", "llm"):
             raise UserError(f"unknown usage {self.usage!r}: serve or llm")
         return self
@@ -168,7 +171,7 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     rank_specs: list[list[K.LayerSpec]] = []
     for i, w in enumerate(weights):
         lo, hi = w.layers
-        act = activation(arch, tp, w.pp_rank, pp, el, mnbt, seqs, v)
+        act = activation(arch, tp, w.pp_rank, pp, el, mnbt, seqs, v, args.flashinfer_sampler)
         act_bytes = max(act.total + offsets.get("activation_bytes", 0), 0)
         graphs = cuda_graph_bytes(hi - lo, args.enforce_eager)
         if args.kv_cache_memory_bytes is not None:
@@ -219,7 +222,7 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     lines = _log_lines(v, limiting, tokens, max_len, conc, fits, error, subtract_graphs)
     methods = {
         "weights": "vLLM's layout of the installed transformers' model on the meta device (docs/vllm.md)",
-        "activation": f"profile-run model fitted to 0.15-0.19 logs ({activation(arch, tp, pp - 1, pp, el, mnbt, seqs, v).which} "
+        "activation": f"profile-run model fitted to 0.15-0.19 logs ({activation(arch, tp, pp - 1, pp, el, mnbt, seqs, v, args.flashinfer_sampler).which} "
                       f"peak; max_num_batched_tokens {mnbt}, max_num_seqs {seqs}: "
                       f"{d.why if args.max_num_seqs is None and args.max_num_batched_tokens is None else 'as given'})",
         "non_torch": f"default per setup: {non_torch_why}",

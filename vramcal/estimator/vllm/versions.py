@@ -129,10 +129,15 @@ def concurrency_rule(v: Version) -> str:
     return "groups"
 
 
-def sampler_sorts(v: Version) -> bool:
+def sampler_sorts(v: Version, flashinfer: bool | None = None) -> bool:
     """Up to 0.16 top-k/top-p sort the whole vocabulary in PyTorch for the dummy sampler run; from
-    0.17.0 a Triton kernel does it for batches of 8 and more (``v1/sample/ops/topk_topp_sampler.py``)."""
-    return v < (0, 17, 0)
+    0.17.0 a Triton kernel does it for batches of 8 and more (``v1/sample/ops/topk_topp_sampler.py``).
+    ``TopKTopPSampler`` takes FlashInfer's sampling kernel instead when FlashInfer is installed and
+    usable on the GPU (``flashinfer_sampler_supported``: "Using FlashInfer for top-p & top-k sampling."
+    in the log; "FlashInfer is not available. Falling back to the PyTorch-native implementation" when it
+    is not); that kernel samples without sorting. ``flashinfer`` None: not known, the sort is priced
+    (the larger activation, so the smaller KV cache)."""
+    return v < (0, 17, 0) and not flashinfer
 
 
 # ------------------------------------------------------------------------------ scheduler defaults
