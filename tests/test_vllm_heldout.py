@@ -135,3 +135,26 @@ def test_held_out_weights_within_one_percent(row):
 
     got = run_row(row, CORPUS_DIR)
     assert not got["error"] and abs(got["weights_err_pct"]) < 1.0, got
+
+
+def test_gpu_name_gives_vllms_device_defaults():
+    """`_set_default_args` keys on the device's name as well as its memory: an A100 of 79.25 GiB gets 256
+    sequences and 2048 batched tokens under `vllm serve`, an H100 of the same memory 1024 and 8192 (issue 27:
+    the A100 row was priced with the H100's defaults when only --gpu-memory said what it was)."""
+    import json
+    import subprocess
+    import sys
+
+    def run(gpu):
+        r = subprocess.run([sys.executable, "-m", "vramcal", "estimate", "llama-3.1-8b", "--engine", "vllm",
+                            "--gpu", gpu, "--gpu-memory", "79.25GiB", "--max-model-len", "8192", "--json"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["vllm"]
+
+    a100, h100 = run("A100-SXM4-80GB"), run("H100 80GB HBM3")
+    assert (a100["max_num_seqs"], a100["max_num_batched_tokens"]) == (256, 2048)
+    assert (h100["max_num_seqs"], h100["max_num_batched_tokens"]) == (1024, 8192)
+    r = subprocess.run([sys.executable, "-m", "vramcal", "estimate", "llama-3.1-8b", "--engine", "vllm", "--gpu",
+                        "Voodoo 3"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1

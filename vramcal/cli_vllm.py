@@ -89,8 +89,7 @@ def refuse_transformers_flags(args, command: str) -> None:
               ("--device cpu", str(getattr(args, "device", "cuda")).startswith("cpu")),
               ("--synthetic", command in ("estimate", "fit") and bool(getattr(args, "synthetic", False))),
               ("--images", bool(getattr(args, "images", 0))),
-              ("--image-size", getattr(args, "image_size", None) is not None),
-              ("--gpu", getattr(args, "gpu", None) is not None))
+              ("--image-size", getattr(args, "image_size", None) is not None))
     used = [flag for flag, on in checks if on]
     if used:
         raise UserError(f"--engine vllm does not use {', '.join(used)}: give vLLM's flags instead (--max-model-len, "
@@ -118,7 +117,13 @@ def vllm_args(args):
 
     total = size_option(args.gpu_memory, "--gpu-memory", above_zero=True)
     name = None
-    if total is None:
+    if getattr(args, "gpu", None) is not None:  # a described GPU: vLLM's defaults depend on its name and size
+        from .probes.hardware import find_gpu, gpu_target
+
+        name = gpu_target(args.gpu).name
+        if total is None:
+            total = int(find_gpu(name).memory_gb * 1024**3)
+    elif total is None:
         total, name = this_gpu()
     dtype = "auto" if args.dtype is None else args.dtype
     return VllmArgs(
