@@ -308,3 +308,38 @@ def test_vllm_nvfp4_layout(qc):
     assert q.scheme == "nvfp4"
     assert q.linear_bytes(4096, 4096, 2) == 4096 * 4096 // 2 + 4096 * 256 + 16
     assert q.linear_bytes(100, 64, 2) == 100 * 32 + 128 * 4 + 16  # rows padded to 128, 4 scale columns
+
+
+def _ct(path, fmt, weights, acts=None):
+    group = {"targets": ["Linear"], "weights": weights, **({"input_activations": acts} if acts else {})}
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**LLAMA, "torch_dtype": "bfloat16", "quantization_config": {
+        "quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+        "quantization_status": "compressed", "config_groups": {"group_0": group}}}))
+    return _est(path, gpu="H200")
+
+
+OUTS = [256, 128, 128, 256, 512, 512, 256]
+INS = [256, 256, 256, 256, 256, 256, 512]
+SIXTEEN = 2 * (2 * 1000 * 256 + 5 * 256)  # embeddings, lm_head and the norms stay bf16
+
+
+def test_compressed_tensors_w4a16_and_w8a8_and_nvfp4_layouts(tmp_path):
+    """The compressed-tensors library's own compressed modules on meta, per scheme (2 layers)."""
+    n = 2 * sum(o * i for o, i in zip(OUTS, INS))
+    shapes = 2 * len(OUTS) * 16  # each packed module keeps its weight_shape (two int64)
+    w4 = _ct(tmp_path / "w4a16", "pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group",
+                                                    "group_size": 128, "symmetric": True, "dynamic": False})
+    groups = 2 * sum(o * (i // 128) for o, i in zip(OUTS, INS))
+    assert w4.components["weights"] - _buffers(w4) == n // 2 + 2 * groups + shapes + SIXTEEN
+    w8 = _ct(tmp_path / "w8a8", "int-quantized",
+             {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False},
+             {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True})
+    assert w8.components["weights"] - _buffers(w8) == n + 2 * 2 * sum(OUTS) + SIXTEEN
+    nv = _ct(tmp_path / "nvfp4", "nvfp4-pack-quantized",
+             {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+              "dynamic": False},
+             {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "dynamic": "local",
+              "symmetric": True})
+    # packed FP4, one fp8 scale per 16 values, float32 global scales (weight and input) per module
+    assert nv.components["weights"] - _buffers(nv) == n // 2 + n // 16 + 2 * len(OUTS) * 2 * 4 + SIXTEEN
