@@ -6,7 +6,8 @@ X-Repo-Commit, Content-Length, Content-Range headers), serving folders the tests
 It binds 127.0.0.1 on a free port, runs in a daemon thread, counts every request and every body byte it
 serves, and stops itself after ``lifetime_s`` even if a test forgets to. ``modes[repo]`` makes one
 repository misbehave: ``gated401`` / ``gated403`` (GatedRepo), ``private`` (401 without the token),
-``ratelimit`` (429), ``slow`` (answers after ``slow_s``), ``truncate`` (announces a body and sends half).
+``ratelimit`` (429), ``slow`` (answers after ``slow_s``), ``truncate`` (announces a file's body and sends half; ``truncate-weights``
+only the safetensors files').
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class HubServer:
         self._stop = threading.Event()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.httpd.daemon_threads = True
+        self.httpd.handle_error = lambda request, address: None  # a client that hung up (timeouts, cuts): expected
         self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
         self._timer = threading.Timer(lifetime_s, self.stop)
@@ -199,7 +201,8 @@ class HubServer:
                         return self._reply(416, b"", {"Content-Range": f"bytes */{len(data)}"})
                     status, body = 206, data[start:end + 1]
                     headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
-                if mode == "truncate":  # announce the whole body, send half, hang up
+                if mode == "truncate" or (mode == "truncate-weights" and name.endswith(".safetensors")):
+                    # announce the whole body, send half, hang up
                     self.send_response(status)
                     for k, v in headers.items():
                         self.send_header(k, v)

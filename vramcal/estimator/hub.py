@@ -198,7 +198,8 @@ def _store_metadata(meta: HubMetadata, revision: str) -> None:
            "sha256": _digest(payload), "payload": payload}
     repo_dir = _repo_dir(meta.repo_id, meta.endpoint)
     try:
-        _write_atomic(_doc_path(repo_dir, meta.commit), json.dumps(doc).encode())
+        if not meta.from_cache:
+            _write_atomic(_doc_path(repo_dir, meta.commit), json.dumps(doc).encode())
         if revision != meta.commit:
             _write_atomic(_ref_path(repo_dir, revision), meta.commit.encode())
     except OSError as exc:  # a cache that cannot be written costs a fetch next time, nothing else
@@ -252,6 +253,9 @@ def _fetch(repo_id: str, revision: str, endpoint: str, progress) -> HubMetadata:
     if not isinstance(commit, str) or not COMMIT.match(commit):
         raise UserError(f"{endpoint} gave no commit for {repo_id} at {revision}: is HF_ENDPOINT a Hugging Face "
                         "Hub or a mirror of one?")
+    cached = load_metadata(repo_id, commit, endpoint)
+    if cached is not None:  # the revision points where it did (or to a commit fetched before)
+        return cached
     sizes = {s.rfilename: s.size for s in (info.siblings or [])}
     if "config.json" not in sizes:
         ggufs = sorted(n for n in sizes if n.endswith(".gguf"))
@@ -376,7 +380,7 @@ def _fetch_gguf(repo_id, filename, revision, endpoint, repo_dir, progress) -> Gg
         return cached
     fs = HfFileSystem(endpoint=endpoint)
     want = GGUF_FIRST_READ
-    with fs.open(f"{repo_id}/{filename}", "rb", revision=commit, block_size=0) as fh:
+    with fs.open(f"{repo_id}/{filename}", "rb", revision=commit, block_size=GGUF_FIRST_READ, cache_type="none") as fh:
         size = int(fh.size)
         data = b""
         while True:
@@ -476,58 +480,73 @@ class _Short(Exception):
 @contextlib.contextmanager
 def _hub_errors(repo_id: str, endpoint: str, revision: str):
     """Every failure of a fetch as one line with what to do (the token never appears: no message
-    repeats a request's headers)."""
-    import httpx2 as httpx  # huggingface_hub's HTTP client (2.x); its exceptions reach us unwrapped
-    from huggingface_hub import errors
-
-    page = f"{endpoint}/{repo_id}"
+    repeats a request's headers). An error that is not the Hub's or the network's goes on as it is."""
     try:
         yield
     except UserError:
         raise
-    except errors.GatedRepoError:
-        raise UserError(f"{repo_id} is gated: accept its licence at {page} and log in (`hf auth login`, or set "
-                        "HF_TOKEN), then retry") from None
-    except errors.RevisionNotFoundError:
-        raise UserError(f"{repo_id} has no revision {revision!r} on {endpoint}: give a branch, tag or commit "
-                        "that exists with --revision") from None
-    except errors.RepositoryNotFoundError:
-        raise UserError(f"{repo_id} was not found on {endpoint}: check the spelling; if it is private, log in with "
-                        "an account that can read it (`hf auth login`, or set HF_TOKEN)") from None
-    except errors.RemoteEntryNotFoundError as exc:
-        raise UserError(f"{repo_id}: a file its listing names is missing on {endpoint} ({_status(exc)}): retry, "
-                        "or report it to the repository") from None
-    except errors.OfflineModeIsEnabled:
-        raise UserError(f"{repo_id} is not cached and huggingface_hub is offline (HF_HUB_OFFLINE=1): unset it "
-                        "to fetch the model's metadata") from None
-    except errors.HfHubHTTPError as exc:
+    except Exception as exc:
+        message = _one_line(_cause(exc), repo_id, endpoint, revision)
+        if message is None:
+            raise
+        raise UserError(message) from None
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The Hub's or the network's error under huggingface_hub's wrapping (hf_hub_download reports a failed
+    HEAD as "cannot find the requested files in the local cache", the real reason chained below it)."""
+    import httpx2 as httpx  # huggingface_hub's HTTP client; HfHubHTTPError is one of its HTTPErrors
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, httpx.HTTPError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return exc
+
+
+def _one_line(exc: BaseException, repo_id: str, endpoint: str, revision: str) -> str | None:
+    import httpx2 as httpx
+    from huggingface_hub import constants, errors
+
+    page = f"{endpoint}/{repo_id}"
+    login = "`hf auth login`, or set HF_TOKEN"
+    if isinstance(exc, errors.GatedRepoError):
+        return f"{repo_id} is gated: accept its licence at {page} and log in ({login}), then retry"
+    if isinstance(exc, errors.RevisionNotFoundError):
+        return (f"{repo_id} has no revision {revision!r} on {endpoint}: give a branch, tag or commit that exists "
+                "with --revision")
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        return (f"{repo_id} was not found on {endpoint}: check the spelling; if it is private, log in with an "
+                f"account that can read it ({login})")
+    if isinstance(exc, errors.RemoteEntryNotFoundError):
+        return f"{repo_id}: a file its listing names is missing on {endpoint} ({_status(exc)}): retry later"
+    if isinstance(exc, errors.OfflineModeIsEnabled):
+        return f"{repo_id} is not cached and huggingface_hub is offline (HF_HUB_OFFLINE=1): unset it to fetch it"
+    if isinstance(exc, errors.HfHubHTTPError):
         code = exc.response.status_code if exc.response is not None else None
         if code == 429:
-            raise UserError(f"{endpoint} refused {repo_id} for now: rate limited (HTTP 429); wait a few minutes and "
-                            "retry, or log in (`hf auth login`) for a higher limit") from None
+            return (f"{endpoint} refused {repo_id} for now: rate limited (HTTP 429); wait a few minutes and retry, "
+                    "or log in (`hf auth login`) for a higher limit")
         if code in (401, 403):
-            raise UserError(f"{endpoint} denied access to {repo_id} (HTTP {code}): log in with an account that can "
-                            f"read it (`hf auth login`, or set HF_TOKEN); a gated model's licence is accepted at "
-                            f"{page}") from None
-        raise UserError(f"{endpoint} answered {_status(exc)} for {repo_id}: retry later, or check HF_ENDPOINT") \
-            from None
-    except (errors.SafetensorsParsingError, errors.NotASafetensorsRepoError) as exc:
-        raise UserError(f"{repo_id}: a safetensors header could not be read ({' '.join(str(exc).split())[:160]}): "
-                        "the answer was cut short or the file is broken; retry") from None
-    except httpx.TimeoutException:
-        from huggingface_hub import constants
-
-        raise UserError(f"{endpoint} did not answer within {constants.HF_HUB_DOWNLOAD_TIMEOUT} s for {repo_id}: "
-                        "retry, or allow longer with HF_HUB_ETAG_TIMEOUT / HF_HUB_DOWNLOAD_TIMEOUT") from None
-    except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
-        raise UserError(f"the answer from {endpoint} for {repo_id} was cut short ({type(exc).__name__}): retry; "
-                        "nothing was kept") from None
-    except (httpx.TransportError, ConnectionError) as exc:
-        raise UserError(f"cannot reach {endpoint} for {repo_id} ({_reason(exc)}): check the network (or "
-                        "HF_ENDPOINT for a mirror); --offline uses only what is on this machine") from None
-    except OSError as exc:  # a short download hf_hub_download noticed, a full disk for the temp folder
-        raise UserError(f"fetching {repo_id} from {endpoint} failed ({_reason(exc)}): retry; nothing was kept") \
-            from None
+            return (f"{endpoint} denied access to {repo_id} (HTTP {code}): log in with an account that can read it "
+                    f"({login}); a gated model's licence is accepted at {page}")
+        return f"{endpoint} answered {_status(exc)} for {repo_id}: retry later, or check HF_ENDPOINT"
+    if isinstance(exc, (errors.SafetensorsParsingError, errors.NotASafetensorsRepoError)):
+        return (f"{repo_id}: a safetensors header could not be read ({' '.join(str(exc).split())[:160]}): the "
+                "answer was cut short or the file is broken; retry")
+    if isinstance(exc, httpx.TimeoutException):
+        wait = max(constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT)
+        return (f"{endpoint} did not answer within {wait} s for {repo_id}: retry, or allow longer with "
+                "HF_HUB_ETAG_TIMEOUT / HF_HUB_DOWNLOAD_TIMEOUT")
+    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+        return f"the answer from {endpoint} for {repo_id} was cut short ({type(exc).__name__}): retry; nothing was kept"
+    if isinstance(exc, (httpx.TransportError, ConnectionError)):
+        return (f"cannot reach {endpoint} for {repo_id} ({_reason(exc)}): check the network (or HF_ENDPOINT for a "
+                "mirror); --offline uses only what is on this machine")
+    if isinstance(exc, OSError):  # a short download hf_hub_download noticed, a full disk for the temp folder
+        return f"fetching {repo_id} from {endpoint} failed ({_reason(exc)}): retry; nothing was kept"
+    return None
 
 
 def _status(exc) -> str:
