@@ -73,6 +73,13 @@ def _gguf(path: Path, tokens: int, template_bytes: int = 0) -> Path:
 def repos(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hub-repos")
     out = _save(root)
+    gptq = root / "gptq"  # the same tensors under a pre-quantized config: counted from the headers as stored
+    gptq.mkdir()
+    os.link(root / "single" / "model.safetensors", gptq / "model.safetensors")
+    config = json.loads((root / "single" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (gptq / "config.json").write_text(json.dumps(config))
+    out["org/gptq"] = gptq
     _gguf(root / "gguf-one" / "model-Q8_0.gguf", 2000, template_bytes=3 * 1024**2)
     out["org/gguf-one"] = root / "gguf-one"
     for quant in ("Q4_K_M", "Q8_0"):
@@ -157,6 +164,21 @@ def test_remote_headers_and_estimate_equal_the_folder_on_disk(hubenv, repos, cap
     assert rc == 0 and f"revision {hubenv.commit('org/sharded')}" in table.splitlines()[2]
 
 
+def test_pre_quantized_inventory_from_remote_headers(hubenv, repos):
+    """A pre-quantized checkpoint is counted tensor by tensor as stored: from the fetched headers exactly as
+    from the files (the estimator takes that path because the headers count as a checkpoint)."""
+    from vramcal.estimator.checkpoint import has_checkpoint
+    from vramcal.estimator.inventory import _compute
+    from vramcal.estimator.quant import resolve_quant
+
+    remote, local = resolve_model("org/gptq"), resolve_model(str(repos["org/gptq"]))
+    spec = resolve_quant("auto", local.config)
+    assert spec.pre_quantized and has_checkpoint(remote) and not remote.weight_files
+    a, b = _compute(local, spec), _compute(remote, spec)
+    assert a.to_dict() == b.to_dict()
+    assert sum(b.groups.values()) > 60 * 1024**2  # the stored bf16 tensors, not a formula's 4-bit guess
+
+
 @pytest.mark.slow  # three estimates in fresh interpreters (~30 s on a busy machine)
 def test_cli_with_hf_endpoint_second_run_makes_no_request(server, repos, tmp_path):
     """As a user runs it: HF_ENDPOINT in the environment, progress on stderr naming files and bytes; the
@@ -197,6 +219,25 @@ def test_revision_and_refresh(hubenv, capsys):
     assert [p for _, p, _ in hubenv.requests] == ["/api/models/org/single/revision/main?blobs=true"]
     rc, _, err = _cli(capsys, "estimate", "org/single", "--revision", "v9-missing", "--fast")
     assert rc == 2 and err.count("\n") == 1 and "no revision 'v9-missing'" in err and "--revision" in err
+
+
+def test_local_hf_cache_first_and_its_commit_named(hubenv, tmp_path, capsys):
+    """A snapshot `hf download` left is read from disk (its folder name is the commit); a --revision the
+    local cache does not hold goes to the Hub instead of taking another snapshot."""
+    from huggingface_hub import constants
+
+    repo = Path(constants.HF_HUB_CACHE) / "models--org--single"
+    commit = "a" * 40
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit / "config.json").write_text(json.dumps({**BIG, "model_type": "llama"}))
+    local = resolve_model("org/single")
+    assert (local.origin, local.revision) == ("hf-cache", commit) and hubenv.requests == []
+    remote = resolve_model("org/single", hub.HubOptions(revision=hubenv.commit("org/single")))
+    assert remote.origin == "hub" and hubenv.requests
+    rc, out, _ = _cli(capsys, "estimate", "org/single", "--fast", "--json", "--no-correction")
+    assert rc == 0 and json.loads(out)["revision"] == commit
 
 
 # --------------------------------------------------------------------------------- failures: one line, exit 2

@@ -125,7 +125,9 @@ def _repo_dir(repo_id: str, endpoint: str) -> Path:
 
 
 def _ref_path(repo_dir: Path, revision: str) -> Path:
-    return repo_dir / "refs" / quote(revision, safe="")
+    """refs/<revision>, one file a name: "/" of refs/pr/1 and a leading "." (".", "..") are escaped."""
+    name = quote(revision, safe="")
+    return repo_dir / "refs" / (name.replace(".", "%2E", 1) if name.startswith(".") else name)
 
 
 def _doc_path(repo_dir: Path, commit: str) -> Path:
@@ -190,7 +192,7 @@ def load_metadata(repo_id: str, commit: str, endpoint: str) -> HubMetadata | Non
         return None
 
 
-def _store_metadata(meta: HubMetadata, revision: str) -> None:
+def _store_metadata(meta: HubMetadata, revision: str, progress=None) -> None:
     """The document first, then the ref that points to it: a ref never names a commit that is not there."""
     payload = {"files": meta.files, "weight_sizes": meta.weight_sizes,
                "headers": {f: {n: [d, list(s)] for n, (d, s) in h.items()} for f, h in meta.headers.items()}}
@@ -203,8 +205,8 @@ def _store_metadata(meta: HubMetadata, revision: str) -> None:
         if revision != meta.commit:
             _write_atomic(_ref_path(repo_dir, revision), meta.commit.encode())
     except OSError as exc:  # a cache that cannot be written costs a fetch next time, nothing else
-        _say(None, f"could not keep the fetched metadata in {repo_dir} ({exc.strerror or exc}); the next "
-                   "estimate fetches it again")
+        _say(progress, f"could not keep the Hub metadata in {repo_dir} ({exc.strerror or exc}); the next "
+                       "estimate fetches it again")
 
 
 # ----------------------------------------------------------------------------------------------- fetch
@@ -237,7 +239,7 @@ def hub_metadata(repo_id: str, options: HubOptions = HubOptions()) -> HubMetadat
                         "machine with a network, or pass a config.json path")
     with _hub_errors(repo_id, endpoint, revision):
         meta = _fetch(repo_id, revision, endpoint, options.progress)
-    _store_metadata(meta, revision)
+    _store_metadata(meta, revision, options.progress)
     return meta
 
 
@@ -495,19 +497,32 @@ def _hub_errors(repo_id: str, endpoint: str, revision: str):
 def _cause(exc: BaseException) -> BaseException:
     """The Hub's or the network's error under huggingface_hub's wrapping (hf_hub_download reports a failed
     HEAD as "cannot find the requested files in the local cache", the real reason chained below it)."""
-    import httpx2 as httpx  # huggingface_hub's HTTP client; HfHubHTTPError is one of its HTTPErrors
-
+    httpx = _http_client()
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, httpx.HTTPError):
+        if httpx is not None and isinstance(seen, httpx.HTTPError):
             return seen
         seen = seen.__cause__ or seen.__context__
     return exc
 
 
+def _http_client():
+    """huggingface_hub's HTTP client module: httpx2 (huggingface_hub 2), httpx (1.x); None before (requests,
+    whose errors are OSErrors and end in the last branch of :func:`_one_line`)."""
+    import importlib
+
+    for name in ("httpx2", "httpx"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
 def _one_line(exc: BaseException, repo_id: str, endpoint: str, revision: str) -> str | None:
-    import httpx2 as httpx
     from huggingface_hub import constants, errors
+
+    httpx = _http_client()
 
     page = f"{endpoint}/{repo_id}"
     login = "`hf auth login`, or set HF_TOKEN"
@@ -535,13 +550,13 @@ def _one_line(exc: BaseException, repo_id: str, endpoint: str, revision: str) ->
     if isinstance(exc, (errors.SafetensorsParsingError, errors.NotASafetensorsRepoError)):
         return (f"{repo_id}: a safetensors header could not be read ({' '.join(str(exc).split())[:160]}): the "
                 "answer was cut short or the file is broken; retry")
-    if isinstance(exc, httpx.TimeoutException):
+    if httpx is not None and isinstance(exc, httpx.TimeoutException):
         wait = max(constants.HF_HUB_ETAG_TIMEOUT, constants.HF_HUB_DOWNLOAD_TIMEOUT)
         return (f"{endpoint} did not answer within {wait} s for {repo_id}: retry, or allow longer with "
                 "HF_HUB_ETAG_TIMEOUT / HF_HUB_DOWNLOAD_TIMEOUT")
-    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+    if httpx is not None and isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
         return f"the answer from {endpoint} for {repo_id} was cut short ({type(exc).__name__}): retry; nothing was kept"
-    if isinstance(exc, (httpx.TransportError, ConnectionError)):
+    if isinstance(exc, ConnectionError) or httpx is not None and isinstance(exc, httpx.TransportError):
         return (f"cannot reach {endpoint} for {repo_id} ({_reason(exc)}): check the network (or HF_ENDPOINT for a "
                 "mirror); --offline uses only what is on this machine")
     if isinstance(exc, OSError):  # a short download hf_hub_download noticed, a full disk for the temp folder
