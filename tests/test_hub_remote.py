@@ -240,6 +240,15 @@ def test_local_hf_cache_first_and_its_commit_named(hubenv, tmp_path, capsys):
     assert rc == 0 and json.loads(out)["revision"] == commit
 
 
+def test_vllm_engine_sizes_a_remote_model_too(hubenv, capsys):
+    rc, out, _ = _cli(capsys, "estimate", "org/single", "--engine", "vllm", "--gpu-memory", "80GiB", "--no-correction",
+                      "--json")
+    assert rc == 0 and json.loads(out)["revision"] == hubenv.commit("org/single")
+    rc, table, _ = _cli(capsys, "estimate", "org/single", "--engine", "vllm", "--gpu-memory", "80GiB",
+                        "--no-correction", "--offline")
+    assert rc == 0 and f"revision {hubenv.commit('org/single')}" in table
+
+
 # --------------------------------------------------------------------------------- failures: one line, exit 2
 
 @pytest.mark.parametrize("mode, words", [
