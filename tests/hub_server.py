@@ -6,8 +6,8 @@ X-Repo-Commit, Content-Length, Content-Range headers), serving folders the tests
 It binds 127.0.0.1 on a free port, runs in a daemon thread, counts every request and every body byte it
 serves, and stops itself after ``lifetime_s`` even if a test forgets to. ``modes[repo]`` makes one
 repository misbehave: ``gated401`` / ``gated403`` (GatedRepo), ``private`` (401 without the token),
-``ratelimit`` (429), ``slow`` (answers after ``slow_s``), ``truncate`` (announces a file's body and sends half; ``truncate-weights``
-only the safetensors files').
+``ratelimit`` (429), ``slow`` (answers after ``slow_s``), ``truncate`` (announces a file's body and sends
+half), ``truncate-weights`` (the same, for the safetensors files only).
 """
 
 from __future__ import annotations

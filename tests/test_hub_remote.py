@@ -91,7 +91,7 @@ def repos(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(repos):
-    with HubServer(repos, token=TOKEN, slow_s=3.0) as srv:
+    with HubServer(repos, token=TOKEN, slow_s=3.0, lifetime_s=1200) as srv:  # ends itself even if pytest hangs
         yield srv
 
 
