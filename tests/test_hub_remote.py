@@ -80,6 +80,14 @@ def repos(tmp_path_factory) -> dict[str, Path]:
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     (gptq / "config.json").write_text(json.dumps(config))
     out["org/gptq"] = gptq
+    nodtype = root / "nodtype"  # a config naming no dtype: the load dtype is the checkpoint's (its first file)
+    nodtype.mkdir()
+    os.link(root / "single" / "model.safetensors", nodtype / "model.safetensors")
+    config = json.loads((root / "single" / "config.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        config.pop(key, None)
+    (nodtype / "config.json").write_text(json.dumps(config))
+    out["org/nodtype"] = nodtype
     _gguf(root / "gguf-one" / "model-Q8_0.gguf", 2000, template_bytes=3 * 1024**2)
     out["org/gguf-one"] = root / "gguf-one"
     for quant in ("Q4_K_M", "Q8_0"):
@@ -177,6 +185,13 @@ def test_pre_quantized_inventory_from_remote_headers(hubenv, repos):
     a, b = _compute(local, spec), _compute(remote, spec)
     assert a.to_dict() == b.to_dict()
     assert sum(b.groups.values()) > 60 * 1024**2  # the stored bf16 tensors, not a formula's 4-bit guess
+
+
+def test_load_dtype_from_remote_headers_when_the_config_names_none(hubenv, repos):
+    from vramcal.estimator.quant import resolve_quant
+
+    remote, local = resolve_model("org/nodtype"), resolve_model(str(repos["org/nodtype"]))
+    assert resolve_quant("auto", remote).dtype == resolve_quant("auto", local).dtype == "bfloat16"
 
 
 @pytest.mark.slow  # three estimates in fresh interpreters (~30 s on a busy machine)

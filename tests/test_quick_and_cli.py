@@ -189,7 +189,9 @@ def test_unknown_model_type_falls_back_to_labelled_formula(tmp_path):
     (d / "config.json").write_text(json.dumps({
         "model_type": "not_a_real_arch", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 1000, "intermediate_size": 512, "torch_dtype": "bfloat16"}))
-    r = run("estimate", str(d), "--ctx", "256", "--json")
+    r = run("estimate", str(d), "--ctx", "256", "--json")  # a formula's answer is not given as if exact
+    assert r.returncode == 2 and "--allow-approximate" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = run("estimate", str(d), "--ctx", "256", "--json", "--allow-approximate")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["approximate"] is True

@@ -207,9 +207,12 @@ def quick_json(q) -> dict:
 
 
 def models_table(rows: list[dict]) -> str:
-    lines = [f"{'name':<20} {'architecture':<24} {'params':>9}  hub id"]
-    for r in rows:
-        lines.append(f"{r['name']:<20} {r['architecture']:<24} {r['params_b']:>8.2f}B  {r['hub_id']}")
+    wn = max([len("name")] + [len(r["name"]) for r in rows])
+    wa = max([len("architecture")] + [len(r["architecture"]) for r in rows])
+    lines = [f"{'name':<{wn}} {'architecture':<{wa}} {'params':>9}  hub id"]
+    for r in rows:  # params: the published count (n/a where none was published)
+        params = f"{'n/a':>9}" if r["params_b"] is None else f"{r['params_b']:>8.2f}B"
+        lines.append(f"{r['name']:<{wn}} {r['architecture']:<{wa}} {params}  {r['hub_id']}")
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ PARAMS = {
     "phi-4": 14_659_507_200, "qwen2.5-0.5b": 494_032_768, "qwen2.5-14b": 14_770_033_664,
     "qwen2.5-32b": 32_763_876_352, "qwen2.5-72b": 72_706_203_648, "qwen2.5-7b": 7_615_616_512,
     "qwen3-30b-a3b": 30_532_122_624, "qwen3-32b": 32_762_123_264, "qwen3-8b": 8_190_735_360,
+    "qwen3-vl-8b": 8_767_123_696,  # the checkpoint's tensor count (safetensors headers), vision tower included
 }
 
 
@@ -26,5 +27,5 @@ def catalog_rows() -> list[dict]:
         meta = cfg.get("_vramcal_catalog", {})
         rows.append({"name": name, "architecture": (cfg.get("architectures") or ["?"])[0],
                      "model_type": cfg.get("model_type"), "hub_id": meta.get("hub_id"),
-                     "params_b": PARAMS.get(name, 0) / 1e9})
+                     "params_b": PARAMS[name] / 1e9 if name in PARAMS else None})  # None: no published count
     return rows

@@ -6,7 +6,8 @@ paste (:func:`python_code`) and the known-good memo stores them beside the comma
 prices, what it measures and what it tells a user to run are the same load.
 
 The arguments are plain data (JSON): the dtype by name, ``quantization_config`` as the keyword
-arguments of ``BitsAndBytesConfig`` (none for a pre-quantized checkpoint: its config carries its own),
+arguments of ``BitsAndBytesConfig`` (none for a pre-quantized checkpoint: its config carries its own; its
+dequantized load names its format's config class with ``dequantize=True``, e.g. ``FineGrainedFP8Config``),
 and a placement as transformers takes it -- a strategy with ``max_memory`` (GPU indices as accelerate
 takes them), or, where the installed transformers refuses a bitsandbytes map with modules on cpu or
 disk, the same map as a custom ``device_map`` with ``llm_int8_enable_fp32_cpu_offload``
@@ -65,12 +66,23 @@ def load_kwargs(dtype: str, device: str, bnb: dict | None = None, load: dict | N
     return out
 
 
+def quantization_kwargs(quant) -> dict | None:
+    """``quantization_config`` as plain data: ``BitsAndBytesConfig``'s arguments for an on-the-fly
+    bitsandbytes load; a pre-quantized checkpoint's dequantized load as its format's config class with
+    ``dequantize=True`` (``{"config_class": "FineGrainedFP8Config", "dequantize": True}``); else None (a
+    checkpoint's own quantization_config, or none)."""
+    if quant.method == "dequantized":
+        from .formats import format_for
+
+        return {"config_class": format_for(quant.extra["quantization_config"]).config_class, "dequantize": True}
+    return None if quant.pre_quantized else quant.bnb_config_kwargs()
+
+
 def from_pretrained_kwargs(quant, device: str, placement=None, attn: str | None = None,
                            offload_folder: str | None = None) -> dict:
     """The arguments that load ``quant`` (a :class:`~vramcal.estimator.quant.QuantSpec`) on ``device``,
     or as ``placement`` places it."""
-    bnb = None if quant.pre_quantized else quant.bnb_config_kwargs()
-    return load_kwargs(quant.dtype, device, bnb, None if placement is None else placed_load(placement), attn,
+    return load_kwargs(quant.dtype, device, quantization_kwargs(quant), None if placement is None else placed_load(placement), attn,
                        offload_folder)
 
 
@@ -81,7 +93,13 @@ def materialize(kwargs: dict) -> dict:
 
     out = dict(kwargs)
     out["dtype"] = getattr(torch, kwargs["dtype"])
-    if kwargs.get("quantization_config"):
+    qc = kwargs.get("quantization_config")
+    if qc and "config_class" in qc:  # a pre-quantized format's own config class (dequantize=True)
+        import transformers
+
+        rest = {k: v for k, v in qc.items() if k != "config_class"}
+        out["quantization_config"] = getattr(transformers, qc["config_class"])(**rest)
+    elif qc:
         bnb = dict(kwargs["quantization_config"])
         if "bnb_4bit_compute_dtype" in bnb:
             bnb["bnb_4bit_compute_dtype"] = getattr(torch, bnb["bnb_4bit_compute_dtype"])
@@ -105,15 +123,16 @@ def python_code(model: str, kwargs: dict, auto_class: str = "AutoModelForCausalL
     """The load as Python a user can paste."""
     lines = ["import torch"]
     bnb = kwargs.get("quantization_config")
-    lines.append(f"from transformers import {auto_class}" + (", BitsAndBytesConfig" if bnb else ""))
+    config_class = (bnb or {}).get("config_class", "BitsAndBytesConfig")
+    lines.append(f"from transformers import {auto_class}" + (f", {config_class}" if bnb else ""))
     lines += ["", f"model = {auto_class}.from_pretrained(", f"    {json.dumps(model)},"]
     for key, value in kwargs.items():
         if key == "dtype":
             text = f"torch.{value}"
         elif key == "quantization_config":
-            text = "BitsAndBytesConfig(" + ", ".join(
+            text = config_class + "(" + ", ".join(
                 f"{k}=torch.{v}" if k == "bnb_4bit_compute_dtype" else f"{k}={_literal(v)}"
-                for k, v in value.items()) + ")"
+                for k, v in value.items() if k != "config_class") + ")"
         elif key == "device_map" and isinstance(value, dict) and len(value) > 4:
             text = "{\n" + "".join(f"        {_literal(k)}: {_literal(v)},\n" for k, v in value.items()) + "    }"
         else:

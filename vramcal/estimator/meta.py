@@ -5,7 +5,10 @@ maps. Nothing here allocates memory for weights.
 
 from __future__ import annotations
 
+import contextlib
+
 from ..errors import UserError
+from .formats import REPLACED_ON_META, format_for
 from .quant import QuantSpec
 from .resolve import ModelSource
 
@@ -114,6 +117,25 @@ def auto_class_for(cfg, architectures=None):
     return known[0]
 
 
+def declared_model_type(raw: dict) -> str | None:
+    """For a config transformers does not know by its ``model_type`` (remote code: Kimi-K2's ``kimi_k2``),
+    the model type of the class its ``architectures`` names, where transformers has that class (Kimi-K2
+    declares DeepseekV3ForCausalLM); None otherwise, or when the model type is known."""
+    model_type = raw.get("model_type")
+    named = (raw.get("architectures") or [None])[0]
+    if not isinstance(named, str) or model_type in _known_model_types():
+        return None
+    from transformers.models.auto import modeling_auto
+
+    types = sorted({t for attr in dir(modeling_auto) if attr.startswith("MODEL_") and attr.endswith("_MAPPING_NAMES")
+                    for t, cls in getattr(modeling_auto, attr).items() if cls == named})
+    if not types:
+        return None
+    prefix = named.lower()
+    # the model type the class is named after (deepseek_v3 for DeepseekV3ForCausalLM, not a model reusing it)
+    return next((t for t in types if prefix.startswith(t.replace("_", "").replace("-", ""))), types[0])
+
+
 def build_config(source: ModelSource, raw: dict | None = None):
     """The config object transformers makes of ``source.config`` (every field it leaves out filled with
     the config class's default, as ``from_pretrained`` fills it). UnknownArchitecture when the
@@ -122,6 +144,10 @@ def build_config(source: ModelSource, raw: dict | None = None):
 
     raw = clean_config(source.config) if raw is None else raw
     model_type = raw.get("model_type")
+    declared = declared_model_type(raw)
+    if declared is not None:  # remote code whose declared class transformers has: price that architecture
+        raw = {**raw, "model_type": declared}
+        model_type = declared
     try:
         return AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
     except (ValueError, KeyError) as exc:
@@ -141,13 +167,22 @@ def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, d
     import torch
 
     raw = clean_config(source.config)
-    if quant.method in ("bnb4", "bnb8") and not quant.pre_quantized:
-        raw.pop("quantization_config", None)
-    elif quant.method == "none":
+    if (quant.method in ("bnb4", "bnb8") and not quant.pre_quantized) or quant.method in ("none", "dequantized"):
+        raw.pop("quantization_config", None)  # a dequantized load builds the plain model in the load dtype
+    elif quant.pre_quantized and quant.method not in ("bnb4", "bnb8"):
+        # a config transformers would refuse for its quantization_config is one line, not a traceback
         raw.pop("quantization_config", None)
     cfg = build_config(source, raw)
     dtype = getattr(torch, quant.dtype)
     hf_quantizer = None
+    fmt = None
+    if quant.pre_quantized and quant.method in REPLACED_ON_META:
+        fmt = format_for(quant.extra["quantization_config"])
+        from transformers.quantizers.auto import AutoHfQuantizer
+
+        hf_quantizer = AutoHfQuantizer.from_config(fmt.quantization_config(quant.extra["quantization_config"], True),
+                                                   pre_quantized=True)
+        fmt.prepare(hf_quantizer, quant.extra.get("capability"))
     if quant.method in ("bnb4", "bnb8"):
         import_bitsandbytes()
         from transformers import BitsAndBytesConfig
@@ -181,9 +216,20 @@ def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, d
         try:
             if dtype.is_floating_point:
                 torch.set_default_dtype(dtype)
-            with torch.device("meta"):
+            with contextlib.ExitStack() as stack:
+                for patch in (fmt.replacement_patches() if fmt is not None else ()):
+                    stack.enter_context(patch)
+                stack.enter_context(torch.device("meta"))
+                # use_kernels=True keeps MXFP4's CPU branch from switching to its dequantized load: the GPU
+                # decided the path already (formats.Format.path)
                 hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map=device_map, checkpoint_files=None,
-                                              use_kernels=False)
+                                              use_kernels=fmt is not None)
+        except (ImportError, ValueError, TypeError, AttributeError, RuntimeError) as exc:
+            if fmt is None:
+                raise
+            raise UserError(f"{source.name}: transformers' {fmt.label} quantizer cannot convert this model "
+                            f"({type(exc).__name__}: {_first_line(exc)}): the format or its library is not "
+                            "supported for this architecture here") from None
         finally:
             torch.set_default_dtype(before)
     return model, hf_quantizer, dtype

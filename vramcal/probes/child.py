@@ -162,7 +162,7 @@ def _preimport(spec: dict):
         _get_model_class(config, auto._model_mapping)
     except (KeyError, ValueError):
         pass  # a config class the auto mapping does not know: from_pretrained says so in its own words
-    if spec.get("bnb"):
+    if spec.get("bnb") and "config_class" not in spec["bnb"]:
         import bitsandbytes  # noqa: F401
     if spec.get("images"):
         from . import images  # noqa: F401  (PIL, numpy and the image processors)

@@ -75,10 +75,18 @@ def param_bytes(p: Param, arch: Arch, tp: int, el: int, quant: VllmQuant) -> tup
         return "buffers", n * 4
     if p.role in ("expert_col", "expert_row"):
         e, a, b = shape
+        if quant.scheme == "mxfp4":
+            return "experts", e * quant.linear_bytes(*_mxfp4_expert(p.role, a, b, arch, tp), el)
         out, inp = (a // tp, b) if p.role == "expert_col" else (a, b // tp)
         q = quant if not p.vision else None
         return "experts", e * (q.linear_bytes(out, inp, el) if q else out * inp * el)
-    quantized = p.linear and not p.vision and quant.scheme != "none"
+    if quant.scheme == "mxfp4" and len(shape) == 2 and ".experts." in f".{p.name}" and p.name.endswith("_bias"):
+        # the experts' biases: float32 after loading, gate_up's split with the intermediate size (padded)
+        e, rows = shape
+        if "gate_up" in p.name:
+            rows = 2 * _mxfp4_inter(arch, tp)
+        return "experts", e * rows * 4
+    quantized = p.linear and not p.vision and quant.scheme != "none" and not quant.experts_only
     if len(shape) == 2:
         out, inp = shape
         if p.role == "col":
@@ -97,6 +105,20 @@ def param_bytes(p: Param, arch: Arch, tp: int, el: int, quant: VllmQuant) -> tup
             return "dense", _kv_rows(shape[0], arch.kv_heads, tp) * el
         return ("vision" if p.vision else "norms"), n * el
     return ("vision" if p.vision else "dense"), n * el
+
+
+def _mxfp4_inter(arch: Arch, tp: int) -> int:
+    from .quant import MXFP4_PAD
+
+    inter = (arch.moe_intermediate or arch.intermediate) // tp
+    return -(-inter // MXFP4_PAD) * MXFP4_PAD
+
+
+def _mxfp4_expert(role: str, a: int, b: int, arch: Arch, tp: int) -> tuple[int, int]:
+    """(rows, columns) of one expert's MXFP4 weight on a rank: ``w13`` is 2 x the padded intermediate size by
+    hidden, ``w2`` hidden by the padded intermediate size, whichever way the checkpoint orders them."""
+    inter = _mxfp4_inter(arch, tp)
+    return (2 * inter, arch.hidden) if role == "expert_col" else (arch.hidden, inter)
 
 
 def rank_weights(params: list[Param], arch: Arch, tp: int, pp: int, el: int, quant: VllmQuant) -> list[RankWeights]:

@@ -17,6 +17,18 @@ scheme                    what a linear layer of ``out x in`` keeps (vLLM file)
                           repacks into tensors of the same size, ``gptq_marlin.py``, ``awq_marlin.py``);
                           AWQ and asymmetric GPTQ also keep packed zero points per group
 ``bnb4``                  bitsandbytes 4-bit: packed uint8 and a float32 absmax per 64 values
+``mxfp4``                 gpt-oss: the MoE experts only (``Mxfp4Config.get_quant_method`` leaves every
+                          ``LinearBase`` unquantized): packed FP4 (``n / 2`` uint8) and one uint8 E8M0
+                          scale per 32 values, the intermediate size per rank padded to a multiple of 64
+                          (128 on ROCm, 256 with FlashInfer's MXFP4 MoE), biases float32 after loading
+                          (``layers/quantization/mxfp4.py``, ``create_weights`` and
+                          ``process_weights_after_loading``)
+``nvfp4``                 NVFP4 (compressed-tensors ``nvfp4-pack-quantized``, ModelOpt ``NVFP4``): packed
+                          FP4 (``n / 2`` uint8) and one fp8 scale per 16 values, the scales swizzled into
+                          128 x 4 tiles (rows padded to 128, scale columns to 4: ``swizzle_blockscale``),
+                          and four float32 scalars per merged shard (global weight and input scales,
+                          alpha, the input scale's inverse) (``compressed_tensors_w4a4_nvfp4.py``,
+                          ``modelopt.py``)
 ========================  ===========================================================================
 
 Embeddings, ``lm_head`` and MoE routers stay in the model dtype in every scheme; MoE experts follow
@@ -29,13 +41,18 @@ from dataclasses import dataclass
 
 from ...errors import UserError
 
-CHECKPOINT_METHODS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "bitsandbytes", "fp8")
-QUANT_CHOICES = ("fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "bitsandbytes")
+CHECKPOINT_METHODS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "bitsandbytes", "fp8",
+                      "mxfp4", "modelopt")
+QUANT_CHOICES = ("fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "bitsandbytes", "mxfp4",
+                 "modelopt")
+NVFP4_GROUP = 16
+MXFP4_BLOCK = 32
+MXFP4_PAD = 64  # vLLM's round_up of the expert intermediate size per rank on CUDA's Triton path
 # vLLM accepts these spellings of a checkpoint's own method (config/model.py's _verify_quantization:
 # the Marlin kernels override the plain names)
 COMPATIBLE = {"gptq": {"gptq", "gptq_marlin"}, "awq": {"awq", "awq_marlin"},
               "compressed-tensors": {"compressed-tensors"}, "bitsandbytes": {"bitsandbytes"},
-              "fp8": {"fp8"}}
+              "fp8": {"fp8"}, "mxfp4": {"mxfp4"}, "modelopt": {"modelopt", "modelopt_fp4"}}
 
 
 @dataclass(frozen=True)
@@ -48,6 +65,11 @@ class VllmQuant:
     zero_points: bool = False
     act_order: bool = False
     dtype_forced: str | None = None  # GPTQ / AWQ run in float16
+
+    @property
+    def experts_only(self) -> bool:
+        """Only the MoE experts are quantized (MXFP4: every other linear layer stays 16-bit)."""
+        return self.scheme == "mxfp4"
 
     def linear_bytes(self, out: int, inp: int, el: int, shards: int = 1) -> int:
         """Bytes one rank keeps for a linear layer whose rank-local weight is ``out x inp``."""
@@ -74,6 +96,11 @@ class VllmQuant:
             return b
         if s == "bnb4":
             return -(-n // 2) + -(-n // 64) * 4
+        if s == "mxfp4":
+            return n // 2 + n // MXFP4_BLOCK
+        if s == "nvfp4":
+            scale_cols = -(-(inp // NVFP4_GROUP) // 4) * 4
+            return n // 2 + -(-out // 128) * 128 * scale_cols + 16 * shards
         raise ValueError(f"unknown scheme {s!r}")
 
     @property
@@ -130,6 +157,15 @@ def _checkpoint_scheme(own: str, qc: dict, asked: str | None) -> VllmQuant:
         zero = own == "awq" or not qc.get("sym", True)
         return VllmQuant("wNa16", method, bits, group if group > 0 else None, zero_points=zero,
                          act_order=bool(qc.get("desc_act")), dtype_forced="float16")
+    if own == "mxfp4":
+        return VllmQuant("mxfp4", "mxfp4", 4, group_size=MXFP4_BLOCK)
+    if own == "modelopt":
+        algo = str(qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo") or "").upper()
+        if algo == "NVFP4":
+            return VllmQuant("nvfp4", "modelopt", 4, group_size=NVFP4_GROUP)
+        if algo == "FP8":
+            return VllmQuant("fp8", "modelopt", 8)
+        raise UserError(f"ModelOpt quant_algo {algo or '(none)'!r} is not modelled for vLLM: NVFP4 and FP8 are")
     if own == "bitsandbytes":
         if qc.get("load_in_8bit"):
             raise UserError("a pre-quantized bitsandbytes 8-bit checkpoint is not modelled for vLLM")
@@ -141,6 +177,8 @@ def _checkpoint_scheme(own: str, qc: dict, asked: str | None) -> VllmQuant:
         a = first.get("input_activations")
         bits = int(w.get("num_bits", 8))
         strategy = str(w.get("strategy", "channel"))
+        if bits == 4 and str(w.get("type", "int")) == "float":  # nvfp4-pack-quantized: FP4 in groups of 16
+            return VllmQuant("nvfp4", "compressed-tensors", 4, group_size=int(w.get("group_size") or NVFP4_GROUP))
         if bits == 8 and a:
             return VllmQuant("ct-channel" if strategy == "channel" else "ct-tensor", "compressed-tensors", 8)
         if bits in (4, 8) and not a:
