@@ -302,7 +302,8 @@ def test_fit_the_longest_length_and_the_utilization_a_length_needs(capsys):
 
 def test_as_estimate_stages():
     e = _est("llama-3.1-8b")
-    est = as_estimate(type("S", (), {"name": "x", "config": {"architectures": ["L"]}, "config_hash": "h"})(), e)
+    est = as_estimate(type("S", (), {"name": "x", "config": {"architectures": ["L"]}, "config_hash": "h",
+                                     "revision": None})(), e)
     assert est.stages["post_load"] > e.requested_bytes > est.stages["load_peak"] > e.weights_bytes
 
 

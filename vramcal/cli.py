@@ -129,9 +129,11 @@ def _add_estimate(sub) -> None:
                        description="Predict device memory per stage (load, after load, first token, end) "
                                    "as the installed transformers + quantizer will lay the model out. "
                                    "Without MODEL, --params-b and --bits give the source documents' formula.")
-    p.add_argument("model", nargs="?", help="directory with config.json, a config.json, a Hub id in the local cache, "
-                                            "or a catalog name (`vramcal models`)")
+    p.add_argument("model", nargs="?", help="directory with config.json, a config.json, a catalog name (`vramcal "
+                                            "models`), or a Hub id: from the local HF cache, else its config and "
+                                            "weight headers read from the Hub (never the weights; docs/hub.md)")
     _add_model_args(p, ctx_help="whole context: prompt + new tokens (default 4096)")
+    add_hub_args(p)
     p.add_argument("--device", default=None, help="cuda (NVML view, the default) or cpu (process memory)")
     p.add_argument("--fast", action="store_true", help="use the fitted activation model instead of tracing this point")
     p.add_argument("--allow-approximate", action="store_true",
@@ -155,6 +157,25 @@ def _add_estimate(sub) -> None:
     q.add_argument("--head-dim", type=int)
     q.add_argument("--kv-bytes", type=int, default=2, help="bytes per cached value (2 = bf16/fp16, 1 = fp8)")
     p.set_defaults(func=cmd_estimate)
+
+
+def add_hub_args(p) -> None:
+    g = p.add_argument_group("a Hub id not on this machine (docs/hub.md)")
+    g.add_argument("--revision", default=None, metavar="REV", help="branch, tag or commit to size (default main)")
+    g.add_argument("--offline", action="store_true", help="never fetch (as HF_HUB_OFFLINE=1): only local copies")
+    g.add_argument("--refresh", action="store_true",
+                   help="ask the Hub again where --revision points (else the commit fetched first is reused)")
+
+
+def hub_options(args, progress=None):
+    """The Hub flags of a command as :class:`~vramcal.estimator.hub.HubOptions`."""
+    from .estimator.hub import HubOptions
+
+    revision = getattr(args, "revision", None)
+    if revision is not None and (not revision.strip() or not revision.isprintable()):
+        raise UserError(f"--revision {revision!r} is not a branch, tag or commit name")
+    return HubOptions(revision=revision, offline=bool(getattr(args, "offline", False)),
+                      refresh=bool(getattr(args, "refresh", False)), progress=progress)
 
 
 def _progress(args):
@@ -213,11 +234,14 @@ def cmd_estimate(args) -> int:
             _out(json.dumps(present.quick_json(q)) if args.json else present.quick_table(q))
             return 0
     from .estimator.estimate import estimate
+    from .estimator.resolve import resolve_model
 
     max_memory, device_map = _placement(args, args.device)
-    e = estimate(args.model, args.quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
+    progress = _progress(args)
+    source = resolve_model(args.model, hub_options(args, progress))
+    e = estimate(source, args.quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
                  dtype=parse_dtype(args.dtype), kv_dtype=args.kv_dtype, attn=args.attn, cache=args.cache,
-                 device=args.device, use_cache=not args.no_disk_cache, exact=not args.fast, progress=_progress(args),
+                 device=args.device, use_cache=not args.no_disk_cache, exact=not args.fast, progress=progress,
                  max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size,
                  gpu=_gpu(args))
     refuse_formulas(e, args.allow_approximate)

@@ -150,7 +150,9 @@ def cmd_estimate_vllm(args, out, progress) -> int:
         raise UserError("--engine vllm needs a MODEL (directory, config.json, cached Hub id or catalog name)")
     refuse_transformers_flags(args, "estimate")
     vargs = vllm_args(args)
-    source = resolve_model(args.model)
+    from .cli import hub_options
+
+    source = resolve_model(args.model, hub_options(args, progress))
     est = estimate_vllm(source, vargs, use_cache=not args.no_disk_cache, progress=progress)
     if not args.no_correction:
         from .calibrate.vllm_corrections import corrected

@@ -27,6 +27,7 @@ def estimate_table(e) -> str:
     lines = [f"{e.model}  [{e.architecture}]  quant={e.quant} ({e.quant_implementation})  dtype={e.dtype}",
              f"ctx={e.ctx} (prompt {e.prompt} + {e.new_tokens} new)  batch={e.batch}  attn={e.attn}  cache={e.cache}  "
              f"kv-dtype={e.kv_dtype}  device={e.device}" + ("   APPROXIMATE" if e.approximate else "")]
+    lines += _revision_line(e)
     if e.images:
         lines.append(f"images: {e.images} of {e.image_size[0]}x{e.image_size[1]} per prompt = {e.image_tokens} image "
                      f"tokens; context {e.context} (ctx {e.ctx} + image tokens)"
@@ -441,6 +442,11 @@ def _gib_cell(n: int | None) -> str:
     return "n/a" if n is None else f"{gib(n):.2f} GiB"
 
 
+def _revision_line(e) -> list[str]:
+    """Which commit of a Hub model was priced (docs/hub.md); nothing for a folder or a catalog name."""
+    return [f"revision {e.revision} (the Hub commit whose config and weight headers were priced)"] if e.revision else []
+
+
 def vllm_table(e) -> str:
     """``estimate --engine vllm``: the terms vLLM prints, per rank when there are several, then the lines."""
     v = e.vllm
@@ -450,7 +456,7 @@ def vllm_table(e) -> str:
              f"x {v.gpu_memory_utilization:g} = {gib(v.requested_bytes):.2f} GiB  max-model-len={v.max_model_len:,}  "
              f"max-num-seqs={v.max_num_seqs}  max-num-batched-tokens={v.max_num_batched_tokens}  block={v.block_size}"
              + ("  enforce-eager" if v.enforce_eager else ""))
-    lines = [head, setup, ""]
+    lines = [head, setup, *_revision_line(e), ""]
     if not v.fits:
         lines += ["WOULD NOT START", "  " + (v.error or ""), ""]
     graphs = "subtracted" if v.cuda_graph_subtracted else "outside the budget"

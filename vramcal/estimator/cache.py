@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..paths import cache_dir
 from ..versions import VRAMCAL_VERSION, estimator_source_hash, software_versions
+from .checkpoint import checkpoint_names
 from .quant import QuantSpec
 from .resolve import ModelSource
 
@@ -32,7 +33,7 @@ __all__ = ["CACHE_PROBLEMS", "cache_dir", "load_cached", "store_cached"]
 
 def _cache_key(source: ModelSource, quant: QuantSpec, kind: str) -> str:
     return json.dumps([CACHE_SCHEMA, kind, source.config_hash, quant.key(), software_versions(), VRAMCAL_VERSION,
-                       estimator_source_hash(), [os.path.basename(f) for f in source.weight_files]], sort_keys=True)
+                       estimator_source_hash(), checkpoint_names(source)], sort_keys=True)
 
 
 def _cache_path(source: ModelSource, quant: QuantSpec, kind: str) -> Path:

@@ -366,7 +366,8 @@ class Estimator:
             warnings=_warnings(tc, work, single.peak if placement is None else 0, device, self.quant),
             ranges=ranges, estimator_model=model_id(device_kind(device)), vramcal_version=VRAMCAL_VERSION,
             weights_parts=dict(inv.parts), images=self.images.count if self.images else 0,
-            image_size=self._image_size(), image_tokens=work.prompt - text.prompt, vision_peak=vision_peak)
+            image_size=self._image_size(), image_tokens=work.prompt - text.prompt, vision_peak=vision_peak,
+            revision=self.source.revision)
         if placement is not None:
             self._place(out, placement, work, parts, runtime)
         out.from_pretrained = from_pretrained_kwargs(self.quant, load_device or device, placement,

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from ..errors import UserError
 from ..versions import software_versions
 from .cache import CACHE_PROBLEMS, load_cached, store_cached
-from .checkpoint import checkpoint_tensors, tensor_bytes
+from .checkpoint import has_checkpoint, source_tensors, tensor_bytes
 from .meta import UnknownArchitecture, _first_line, build_meta_model, declared_model_type, import_bitsandbytes
 from .formats import REPLACED_ON_META, format_for
 from .quant import (
@@ -103,7 +103,7 @@ def inventory(source: ModelSource, quant: QuantSpec, use_cache: bool = True, pro
 
 
 def _compute(source: ModelSource, quant: QuantSpec) -> Inventory:
-    if quant.method in ("gptq", "awq") and source.weight_files:
+    if quant.method in ("gptq", "awq") and has_checkpoint(source):
         return checkpoint_inventory(source, quant)
     try:
         return meta_inventory(source, quant)
@@ -347,9 +347,9 @@ def _untied_in_checkpoint(model, source: ModelSource) -> list[str]:
     ``from_pretrained`` ties them only if their values are equal; two separate tensors in a safetensors
     file (which cannot store shared tensors) are taken as different, so they stay untied."""
     tied = getattr(model, "all_tied_weights_keys", None) or {}
-    if not tied or not source.weight_files:
+    if not tied or not has_checkpoint(source):
         return []
-    names = set(checkpoint_tensors(source.weight_files))
+    names = set(source_tensors(source))
     return sorted(target for target, src in tied.items() if target in names and src in names)
 
 
@@ -387,7 +387,7 @@ def checkpoint_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
     """Count the tensors of a pre-quantized checkpoint as stored (safetensors headers only). Parameters
     are the unquantized model's: a packed int32 ``qweight`` holds ``32 / bits`` of them per element, and
     scales, zeros and indices hold none."""
-    tensors = checkpoint_tensors(source.weight_files)
+    tensors = source_tensors(source)
     sizes: Counter[int] = Counter()
     groups = dict.fromkeys(GROUPS, 0)
     params = quantized = 0

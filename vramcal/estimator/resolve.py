@@ -1,5 +1,6 @@
 """Find a model's config from what the user typed: a directory, a config.json, a Hub id in the local
-Hugging Face cache (never the network), or a name from the built-in catalog.
+Hugging Face cache, a name from the built-in catalog, or else a Hub id whose config and weight headers
+are read from the Hub without downloading the weights (:mod:`vramcal.estimator.hub`, docs/hub.md).
 
 ``vramcal estimate`` and ``vramcal probe`` both resolve MODEL here, so they agree on what it means.
 """
@@ -20,13 +21,18 @@ from .quant import DTYPE_BYTES
 @dataclass(frozen=True)
 class ModelSource:
     name: str  # what the user typed, or the catalog name
-    origin: str  # directory | config | hf-cache | catalog
+    origin: str  # directory | config | hf-cache | hub | catalog
     config: dict = field(hash=False)
     directory: str | None = None  # holds config.json and maybe weights
     weight_files: tuple[str, ...] = ()  # *.safetensors beside the config
     # the checkpoint's image processor settings: {"preprocessor_config.json": {...}, "processor_config.json":
     # {...}}, each present only where the file is (vision-language models; vramcal.estimator.vision)
     processor: dict = field(default_factory=dict, hash=False, compare=False)
+    # the commit a Hub model's files come from (hf-cache: the snapshot's; hub: the one fetched), else None
+    revision: str | None = None
+    # a Hub model read without its weights: each safetensors file's header, {file name: {tensor: (dtype,
+    # shape)}} (vramcal.estimator.checkpoint.source_tensors reads these or weight_files, never both)
+    weight_headers: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def config_hash(self) -> str:
@@ -58,17 +64,18 @@ def catalog_entry(name: str) -> dict:
 MAX_CONFIG_BYTES = 16 * 1024**2  # the largest published config.json is a few hundred KB
 
 
-def hf_snapshot(repo_id: str) -> Path | None:
-    """The local snapshot folder of a Hub model, or None: ``refs/main``'s revision when it has a
-    config.json, else the newest snapshot that has one. huggingface_hub finds the files; a snapshot that
-    resolves outside its repository's cache folder (a crafted ref or link) is refused."""
+def hf_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """The local snapshot folder of a Hub model, or None: ``revision``'s when given, else ``refs/main``'s
+    revision when it has a config.json, else the newest snapshot that has one. huggingface_hub finds the
+    files; a snapshot that resolves outside its repository's cache folder (a crafted ref or link) is
+    refused."""
     from huggingface_hub import constants, try_to_load_from_cache
 
     repo = Path(constants.HF_HUB_CACHE) / ("models--" + repo_id.replace("/", "--"))
-    found = try_to_load_from_cache(repo_id, "config.json")
+    found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
     candidates = [Path(found).parent] if isinstance(found, str) else []
     snapshots = repo / "snapshots"
-    if not candidates and snapshots.is_dir():
+    if not candidates and revision is None and snapshots.is_dir():
         revisions = sorted((p for p in snapshots.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime,
                            reverse=True)
         for rev in revisions:
@@ -213,15 +220,17 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def resolve_model(spec: str) -> ModelSource:
-    """Resolve MODEL. Order: existing path, catalog name, Hub id in the local cache. The config is
-    validated (:func:`validate_config`) before anything uses it."""
-    source = _resolve(spec)
+def resolve_model(spec: str, hub=None) -> ModelSource:
+    """Resolve MODEL. Order: existing path, catalog name, Hub id in the local Hugging Face cache, then
+    the same id's metadata from vramcal's cache or the Hub (``hub``: a
+    :class:`~vramcal.estimator.hub.HubOptions`: revision, offline, progress). The config is validated
+    (:func:`validate_config`) before anything uses it."""
+    source = _resolve(spec, hub)
     validate_config(source.config, source.name)
     return source
 
 
-def _resolve(spec) -> ModelSource:
+def _resolve(spec, hub=None) -> ModelSource:
     if not isinstance(spec, str) or not spec:
         raise UserError("no model given: pass a directory, a config.json, a cached Hub id or a catalog name")
     path = Path(spec).expanduser()
@@ -243,16 +252,27 @@ def _resolve(spec) -> ModelSource:
         cfg = catalog_entry(spec)
         processor = (cfg.get("_vramcal_catalog") or {}).get("processor") or {}
         return ModelSource(name=spec, origin="catalog", config=cfg, processor=processor)
-    if "/" in spec and not spec.startswith((".", "/")) and spec.count("/") == 1:
-        snap = hf_snapshot(spec)
-        if snap is None:
-            from huggingface_hub import constants
+    from .hub import HubOptions, check_repo_id, hub_metadata, looks_like_hub_id
 
-            raise UserError(f"{spec} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}): vramcal never downloads; "
-                            f"run `huggingface-cli download {spec} config.json` once, or pass a config.json path")
-        return ModelSource(name=spec, origin="hf-cache", config=_read_config(snap / "config.json"), directory=str(snap),
-                           weight_files=tuple(sorted(str(p) for p in snap.glob("*.safetensors"))),
-                           processor=_read_processor(snap))
+    if looks_like_hub_id(spec):
+        hub = hub or HubOptions()
+        check_repo_id(spec)
+        snap = hf_snapshot(spec, hub.revision)
+        if snap is not None:
+            return ModelSource(name=spec, origin="hf-cache", config=_read_config(snap / "config.json"),
+                               directory=str(snap), weight_files=tuple(sorted(str(p) for p in snap.glob("*.safetensors"))),
+                               processor=_read_processor(snap), revision=snap.name)
+        meta = hub_metadata(spec, hub)
+        config = meta.files["config.json"]
+        if "model_type" not in config:
+            raise UserError(f"{spec}'s config.json (commit {meta.commit[:12]}) has no model_type: it is not a "
+                            "transformers config.json")
+        return ModelSource(name=spec, origin="hub", config=config, revision=meta.commit,
+                           processor={k: meta.files[k] for k in PROCESSOR_FILES if k in meta.files},
+                           weight_headers=meta.headers)
+    if any(not ch.isascii() or not ch.isprintable() for ch in spec):
+        raise UserError(f"model {spec!r} not found: no such path, not in the catalog, and not a Hub id (OWNER/NAME in "
+                        "ASCII letters, digits, '-', '_' and '.'); `vramcal models` lists the catalog")
     raise UserError(f"model {spec!r} not found: no such path and not in the catalog; `vramcal models` lists the catalog")
 
 

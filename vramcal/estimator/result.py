@@ -137,6 +137,9 @@ class Estimate:
     image_size: tuple[int, int] | None = None
     image_tokens: int = 0
     vision_peak: int | None = None
+    # the Hub commit whose config and weight headers were priced (a Hub id: from the local HF cache or
+    # fetched, docs/hub.md); None for a folder, a config.json or a catalog name
+    revision: str | None = None
 
     # ------------------------------------------------------------------ views
     @property

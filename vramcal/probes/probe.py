@@ -197,8 +197,10 @@ def preflight(source: ModelSource, spec, device: str, synthetic: bool, interval_
             _check_device(gpu)
     series, notes = _check_device(device)
     if not source.weight_files and not synthetic:
-        raise UserError(f"{source.name} has no *.safetensors weights here: add --synthetic to probe random "
-                        "weights at its real widths")
+        raise UserError(f"{source.name} has no *.safetensors weights here: "
+                        + (f"only its metadata was read from the Hub; `hf download {source.name} --revision "
+                           f"{source.revision}` puts the weights in the local cache, or " if source.origin == "hub" else "")
+                        + "add --synthetic to probe random weights at its real widths")
     return series, notes, placed
 
 

@@ -304,4 +304,4 @@ def as_estimate(source: ModelSource, v: VllmEstimate, version_hash: str = ""):
         weights_breakdown=groups, kv_breakdown={"paged": kv_bytes}, formula=None, notes=list(v.notes),
         runtime_source=f"vLLM {v.version} startup (docs/vllm.md)", config_hash=source.config_hash, prompt=prompt,
         new_tokens=NEW_TOKENS, peak_stage=peak_stage, peak_breakdown=breakdown, warnings=warnings,
-        mode="vllm", estimator_model=MODEL_ID, vramcal_version=VRAMCAL_VERSION, vllm=v)
+        mode="vllm", estimator_model=MODEL_ID, vramcal_version=VRAMCAL_VERSION, vllm=v, revision=source.revision)
