@@ -15,7 +15,8 @@ from .errors import UserError
 LLAMACPP_FLAGS = {
     "ctx_size": "--ctx-size", "n_gpu_layers": "--n-gpu-layers", "tensor_split": "--tensor-split",
     "split_mode": "--split-mode", "main_gpu": "--main-gpu", "override_tensor": "--override-tensor",
-    "n_cpu_moe": "--n-cpu-moe", "cpu_moe": "--cpu-moe", "no_mmap": "--no-mmap", "parallel": "--parallel",
+    "n_cpu_moe": "--n-cpu-moe", "cpu_moe": "--cpu-moe", "no_mmap": "--no-mmap", "load_mode": "--load-mode",
+    "parallel": "--parallel",
     "kv_unified": "--kv-unified", "cache_type_k": "--cache-type-k", "cache_type_v": "--cache-type-v",
     "flash_attn": "--flash-attn", "batch_size": "--batch-size", "ubatch_size": "--ubatch-size",
     "swa_full": "--swa-full", "no_kv_offload": "--no-kv-offload", "gpu_count": "--gpu-count",
@@ -44,6 +45,10 @@ def add_flags(p, command: str) -> None:
                    help="every expert weight stays in the CPU")
     g.add_argument("--no-mmap", dest="no_mmap", action="store_true", default=None,
                    help="read the weights into a CPU buffer instead of mapping the file (CPU, not CPU_Mapped)")
+    g.add_argument("-lm", "--load-mode", dest="load_mode", default=None,
+                   choices=("auto", "none", "mmap", "mlock", "mmap+mlock", "dio"),
+                   help="llama.cpp's newer spelling: auto / mmap map the file (CPU_Mapped), none / dio read it "
+                        "into a buffer (as --no-mmap)")
     g.add_argument("-np", "--parallel", dest="parallel", type=int, default=None, help="sequences / server slots "
                                                                                        "(default 1)")
     g.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_true", default=None,
@@ -126,6 +131,10 @@ def _overrides(values) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _or(value, default):
+    return default if value is None else value
+
+
 def llama_args(args, **over):
     """The command line's flags as :class:`LlamaArgs` (validated there; one line on bad input)."""
     from .estimator.llamacpp.buffers import LlamaArgs
@@ -134,11 +143,13 @@ def llama_args(args, **over):
     a = LlamaArgs(
         ctx_size=0 if args.ctx_size is None else args.ctx_size, n_gpu_layers=_ngl(args.n_gpu_layers),
         tensor_split=_split(args.tensor_split) if args.tensor_split else None, split_mode=args.split_mode or "layer",
-        main_gpu=args.main_gpu or 0, overrides=_overrides(args.override_tensor), n_cpu_moe=args.n_cpu_moe or 0,
-        cpu_moe=bool(args.cpu_moe), use_mmap=not args.no_mmap, n_parallel=args.parallel or 1,
+        main_gpu=_or(args.main_gpu, 0), overrides=_overrides(args.override_tensor), n_cpu_moe=_or(args.n_cpu_moe, 0),
+        cpu_moe=bool(args.cpu_moe),
+        use_mmap=not args.no_mmap and (args.load_mode or "auto") in ("auto", "mmap", "mmap+mlock"),
+        n_parallel=_or(args.parallel, 1),
         kv_unified=bool(args.kv_unified), cache_type_k=(args.cache_type_k or "f16").lower(),
         cache_type_v=(args.cache_type_v or "f16").lower(), flash_attn=args.flash_attn or "auto",
-        n_batch=args.batch_size or 2048, n_ubatch=args.ubatch_size or 512, swa_full=bool(args.swa_full),
+        n_batch=_or(args.batch_size, 2048), n_ubatch=_or(args.ubatch_size, 512), swa_full=bool(args.swa_full),
         offload_kqv=not args.no_kv_offload, n_gpus=n_gpus)
     from dataclasses import replace
 
