@@ -159,7 +159,7 @@ def llama_args(args, **over):
 def _refuse_others(args, command: str) -> None:
     from .cli_vllm import refuse_transformers_flags
 
-    allowed = ("--device cpu",) + (("--budget", "--buffer") if command == "fit" else ())
+    allowed = ("--device cpu",) + (("--budget", "--buffer") if command in ("fit", "check") else ())
     refuse_transformers_flags(args, command, engine="llama.cpp", allowed=allowed,
                               instead="-c, -ngl, -ts, -ctk, -ctv, -fa, -np, -ub ...")
 
@@ -231,9 +231,30 @@ def _probe(args, io, *, check: bool) -> int:
     from .cli_vllm import command_of
 
     run_id = record_run(args.db, m, est, result, command_of(args, verb))
-    io.out(json.dumps({**result.to_dict(), "run_id": run_id}) if args.json
-           else present.llamacpp_probe_table(result, run_id))
-    return 0 if result.status == "ok" else 1
+    verdict = _verdict(args, est, result) if check else None
+    if verdict:
+        result.notes.append(verdict[1])
+    io.out(json.dumps({**result.to_dict(), "run_id": run_id, "fits": verdict[0] if verdict else None})
+           if args.json else present.llamacpp_probe_table(result, run_id))
+    return 0 if result.status == "ok" and (verdict is None or verdict[0]) else 1
+
+
+def _verdict(args, est, result) -> tuple[bool, str] | None:
+    """``check --budget``: does the fullest device (each GPU's buffers and the CUDA context; on a CPU-only run
+    the host buffers) stay within the budget less --buffer? Without --budget, the run's own end decides."""
+    from .calibrate.check import DEFAULT_BUFFER
+    from .estimator.llamacpp.fit import gpu_totals
+    from .units import fmt_gib_gb, size_option
+
+    if getattr(args, "budget", None) in (None, "auto"):
+        return None
+    budget = size_option(args.budget, "--budget", above_zero=True)
+    buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
+    totals = gpu_totals(est) if result.series != "rss" else {"CPU": est.device_bytes().get("CPU", 0)}
+    dev, need = max(totals.items(), key=lambda kv: kv[1], default=("-", 0))
+    ok = need + buffer <= budget
+    return ok, (f"{dev} needs {fmt_gib_gb(need)} + {fmt_gib_gb(buffer)} kept free: "
+                f"{'fits' if ok else 'does not fit'} {fmt_gib_gb(budget)}")
 
 
 def cmd_probe(args, io) -> int:

@@ -409,7 +409,11 @@ def model_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, p: Placement) -> tuple
 
     out: dict[str, int] = {}
     mapped: dict[int, list[GgufTensor]] = {}
+    seen: set[tuple[str, str]] = set()
     for t, buf, matmul in placed:
+        if (t.name, buf) in seen and not t.name.startswith("rope_freqs."):
+            continue  # a duplicated tensor (a tied output) in the buffer that holds it already: one copy
+        seen.add((t.name, buf))
         if buf == "CPU" and not p.gpus and matmul and _repacked(t, a):
             out["CPU_REPACK"] = out.get("CPU_REPACK", 0) + pad(t.nbytes, CPU_ALIGN)
         elif buf == "CPU":

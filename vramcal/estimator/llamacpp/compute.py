@@ -183,6 +183,10 @@ def build_graph(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, n_tokens: in
     fa = c.flash_attn
     gemma = h.arch in ("gemma2", "gemma3")
     tokens = g.input(T * I32)
+    # build_inp_embd puts both inputs in the graph (ggml_build_forward_select): the token ids and an
+    # [n_embd, n_tokens] f32 embeddings input that nothing consumes when tokens are given -- allocated first
+    # and never freed, as every graph input is
+    g.input(E * T * F32)
     pos = g.input(T * I32)
     swa = any(h.is_swa)
     n_kv_base = c.n_ctx_seq
@@ -206,7 +210,7 @@ def build_graph(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, n_tokens: in
     inp = g.op("get_rows", E * T * F32, tokens)
     if gemma:
         inp = g.op("scale", E * T * F32, inp)
-    out_ids = g.input(n_outputs * I32) if n_outputs < T else None
+    out_ids = g.input(n_outputs * I32)  # always built (llama-graph.cpp build_inp_out_ids: constant topology)
     cur = inp
     n_layers = range(h.n_layer) if layers is None else layers
     last = h.n_layer - 1
@@ -218,24 +222,26 @@ def build_graph(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, n_tokens: in
         inp_sa = cur
         x = g.op("rms_norm", E * T * F32, cur)
         x = g.op("mul", E * T * F32, x)
+        # the order ggml_build_forward_expand leaves them in (GGML_SCHED_DEBUG=2): Q, its norm and rope, V, K
         q = g.op("mul_mat", hq * hd_k * T * F32, x)
         qv = g.view(q)
-        k = g.op("mul_mat", hkv * hd_k * T * F32, x)
-        kv = g.view(k)
-        v = g.op("mul_mat", hkv * hd_v * T * F32, x)
-        vv = g.view(v)
         if h.arch == "gemma3":
             qv = g.op("rms_norm", qv.nbytes, qv)
             qv = g.op("mul", qv.nbytes, qv)
-            kv = g.op("rms_norm", kv.nbytes, kv)
-            kv = g.op("mul", kv.nbytes, kv)
         qr = g.op("rope", qv.nbytes, qv, pos)
-        kr = g.op("rope", kv.nbytes, kv, pos)
         if gemma:
             qr = g.op("scale", qr.nbytes, qr)
+        v = g.op("mul_mat", hkv * hd_v * T * F32, x)
+        vv = g.view(v)
+        k = g.op("mul_mat", hkv * hd_k * T * F32, x)
+        kv = g.view(k)
+        if h.arch == "gemma3":
+            kv = g.op("rms_norm", kv.nbytes, kv)
+            kv = g.op("mul", kv.nbytes, kv)
+        kr = g.op("rope", kv.nbytes, kv, pos)
         k_idx, v_idx = idx[key]
         g.op("set_rows", 0, kr, k_idx)  # into the cache: a view of it, nothing allocated
-        g.op("set_rows", 0, vv, v_idx)
+        g.op("set_rows", 0, g.view(vv), v_idx)
         qp = g.view(qr)
         if fa:
             att = g.op("flash_attn_ext", hd_v * hq * T * F32, qp, masks[key])
@@ -254,7 +260,7 @@ def build_graph(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, n_tokens: in
         if gemma:
             o = g.op("rms_norm", o.nbytes, o)
             o = g.op("mul", o.nbytes, o)
-        if il == last and out_ids is not None:
+        if il == last:
             o = g.op("get_rows", E * n_outputs * F32, o, out_ids)
             inp_sa = g.op("get_rows", E * n_outputs * F32, inp_sa, out_ids)
             T = n_outputs
