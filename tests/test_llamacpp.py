@@ -279,3 +279,18 @@ def test_check_says_whether_the_buffers_fit_the_budget(tmp_path, dense):
     assert ok.returncode == 0 and json.loads(ok.stdout)["fits"] is True, ok.stderr[-2000:]
     tight = _cli(*base, "--budget", "8MiB", "--buffer", "1MiB")
     assert tight.returncode == 1 and json.loads(tight.stdout)["fits"] is False
+
+
+def test_header_reader_agrees_with_gguf_reader(tmp_path):
+    """read_header walks the header itself (GGUFReader parses every vocabulary string); both agree."""
+    import gguf
+
+    from vramcal.estimator.llamacpp.gguf_file import read_header
+
+    path = write_tiny(tmp_path / "m.gguf", arch="gemma2", tied=True, sliding_window=128, weight_type="Q8_0")
+    meta, infos = read_header(Path(path))
+    r = gguf.GGUFReader(path)
+    assert [(t.name, int(t.tensor_type), tuple(int(x) for x in t.shape), int(t.data_offset)) for t in r.tensors] == \
+        [(n, ty, sh, off) for n, ty, sh, off in infos]
+    assert meta["gemma2.attention.sliding_window"] == 128 and meta["general.architecture"] == "gemma2"
+    assert len(meta["tokenizer.ggml.tokens"]) == 1024 and meta["tokenizer.ggml.tokens"][259] == "\u2581t0"

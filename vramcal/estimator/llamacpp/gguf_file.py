@@ -1,6 +1,7 @@
-"""A GGUF file's header, read with the ``gguf`` package (llama.cpp's own ``gguf-py``): the metadata and
-every tensor's name, type, shape, bytes as stored and offset in the file. The tensor data are never read
-(the reader maps the file; only the header pages are touched).
+"""A GGUF file's header: the metadata and every tensor's name, type, shape, bytes as stored and offset in
+the file, by the layout and types of the ``gguf`` package (llama.cpp's own ``gguf-py``: ``GGUFValueType``,
+``GGMLQuantizationType``, ``GGML_QUANT_SIZES``). The tensor data are never read (the file is mapped; only
+the header pages are touched).
 
 Inputs: a ``.gguf`` file; the first (or any) part of a split GGUF, ``NAME-00001-of-0000N.gguf``, whose
 parts are read together as llama.cpp loads them (``split.count`` in the first); a Hugging Face cache id
@@ -106,28 +107,96 @@ def _cached_snapshot(repo_id: str) -> Path | None:
         return None
 
 
-def _scalar(field_):
-    """A reader field's value: scalars and strings as Python values, arrays as lists (short ones) or their
-    length (the tokenizer's vocabulary: only its size matters here)."""
-    from gguf import GGUFValueType
+# GGUF value types (gguf.GGUFValueType): the struct format of each scalar
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+LONG_ARRAY = 4096  # arrays longer than this (a vocabulary, its merges) are kept as ("array", length)
 
-    kind = field_.types[0] if field_.types else None
-    if kind == GGUFValueType.ARRAY:
-        n = len(field_.data)
-        if n > 4096:
-            return ("array", n)
-        sub = field_.types[1] if len(field_.types) > 1 else None
-        if sub == GGUFValueType.STRING:
-            return [bytes(field_.parts[i]).decode("utf-8", "replace") for i in field_.data]
-        return [field_.parts[i].tolist()[0] for i in field_.data]
-    if kind == GGUFValueType.STRING:
-        return bytes(field_.parts[field_.data[0]]).decode("utf-8", "replace")
-    return field_.parts[field_.data[0]].tolist()[0]
+
+class _Header:
+    """The GGUF header as llama.cpp's ``gguf.c`` lays it out (version 2 and 3: little-endian, 64-bit counts),
+    read straight from the mapped file with ``struct``. ``gguf.GGUFReader`` parses every vocabulary and merge
+    string into numpy views (about 20 s of CPU for a 128k-token vocabulary with 280k merges); this walks past
+    the long arrays and keeps their length, which is all the buffers need. The layout and the value types
+    are the ``gguf`` package's (``GGUFValueType``, ``GGML_QUANT_SIZES``)."""
+
+    def __init__(self, buf) -> None:
+        import struct
+
+        self.buf, self.pos, self.struct = buf, 0, struct
+
+    def take(self, fmt: str):
+        v = self.struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += self.struct.calcsize("<" + fmt)
+        return v[0] if len(v) == 1 else v
+
+    def string(self) -> str:
+        n = self.take("Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError("a string runs past the end of the file")
+        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", "replace")
+        self.pos += n
+        return s
+
+    def value(self, kind: int):
+        if kind == 8:
+            return self.string()
+        if kind == 9:
+            sub, n = self.take("I"), self.take("Q")
+            if n > LONG_ARRAY:
+                self.skip(sub, n)
+                return ("array", n)
+            return [self.value(sub) for _ in range(n)]
+        if kind not in _SCALARS:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        return self.take(_SCALARS[kind])
+
+    def skip(self, kind: int, n: int) -> None:
+        if kind == 8:
+            unpack, buf = self.struct.unpack_from, self.buf
+            pos = self.pos
+            for _ in range(n):
+                pos += 8 + unpack("<Q", buf, pos)[0]
+            self.pos = pos
+        elif kind in _SCALARS:
+            self.pos += self.struct.calcsize("<" + _SCALARS[kind]) * n
+        else:
+            for _ in range(n):
+                self.value(kind)
+        if self.pos > len(self.buf):
+            raise ValueError("an array runs past the end of the file")
+
+
+def read_header(path: Path) -> tuple[dict, list[tuple[str, int, tuple[int, ...], int]]]:
+    """(metadata, [(tensor name, ggml type id, shape, offset from the file's start)]) of one GGUF file."""
+    import mmap
+
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        h = _Header(mm)
+        magic, version = h.take("4s"), h.take("I")
+        if magic != GGUF_MAGIC:
+            raise ValueError("no GGUF magic")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (llama.cpp reads 2 and 3)")
+        n_tensors, n_kv = h.take("Q"), h.take("Q")
+        meta: dict = {}
+        for _ in range(n_kv):
+            key = h.string()
+            meta[key] = h.value(h.take("I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = h.string()
+            dims = tuple(h.take("Q") for _ in range(h.take("I")))
+            infos.append((name, h.take("I"), dims, h.take("Q")))
+        align = meta.get("general.alignment", 32)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise ValueError(f"general.alignment {align!r} is not a power of two")
+        data = (h.pos + align - 1) // align * align
+    return meta, [(n, t, d, data + off) for n, t, d, off in infos]
 
 
 def read_gguf(spec: str) -> GgufModel:
     """The header of the GGUF ``spec`` names (every part of a split one). Bad input is one line."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     first = locate(spec)
     paths = _parts(first)
@@ -140,29 +209,29 @@ def read_gguf(spec: str) -> GgufModel:
             raise UserError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'): give a .gguf model "
                             "file (a safetensors checkpoint goes without --engine llama.cpp)")
         try:
-            reader = GGUFReader(str(path), "r")
-        except (ValueError, IndexError, KeyError, OverflowError, MemoryError) as exc:
+            meta, infos = read_header(path)
+        except (ValueError, OverflowError, MemoryError, IndexError) as exc:  # struct.error is a ValueError
             raise UserError(f"{path} is truncated or damaged: its GGUF header does not read ({type(exc).__name__}: "
                             f"{str(exc)[:160]}); download it again, or wait for the download to end") from None
-        for name, f in reader.fields.items():
-            if name.startswith("GGUF."):
-                continue
+        for name, value in meta.items():
             if idx == 0 or name.startswith("split."):
-                metadata.setdefault(name, _scalar(f))
+                metadata.setdefault(name, value)
         size = os.path.getsize(path)
-        for t in reader.tensors:
-            type_id = int(t.tensor_type)
-            block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
-            shape = tuple(int(x) for x in t.shape)
+        for name, type_id, shape, offset in infos:
+            try:
+                qtype = GGMLQuantizationType(type_id)
+            except ValueError:
+                raise UserError(f"{path}: tensor {name} has ggml type {type_id}, which this gguf package does not "
+                                "know (a newer llama.cpp type): upgrade gguf") from None
+            block, type_bytes = GGML_QUANT_SIZES[qtype]
             rows = 1
             for d in shape[1:]:
                 rows *= d
             nbytes = rows * (shape[0] // block) * type_bytes
-            offset = int(t.data_offset)
             if offset + nbytes > size:
-                raise UserError(f"{path} is truncated: tensor {t.name} ends at byte {offset + nbytes:,}, the file has "
+                raise UserError(f"{path} is truncated: tensor {name} ends at byte {offset + nbytes:,}, the file has "
                                 f"{size:,} (still downloading?)")
-            tensors.append(GgufTensor(t.name, GGMLQuantizationType(type_id).name, type_id, shape, nbytes, idx, offset))
+            tensors.append(GgufTensor(name, qtype.name, type_id, shape, nbytes, idx, offset))
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str):
         raise UserError(f"{first} has no general.architecture: not a llama.cpp model file")
