@@ -206,9 +206,9 @@ def assert_matches(est, logged, compute_tol: float = 0.01):
 
 
 # the compute replay is within 1 % of llama.cpp's reservation for these graphs; in the four marked with
-# GAP it is off by about one [n_embd, n_ubatch] f32 tensor (1.5 to 4.4 %: KQ without flash attention, a tied
-# output with --no-mmap, a q8_0 unified cache, gemma3's sliding window) -- a node of those graphs the replay
-# does not have yet, cause not found; asserted within 5 % so a larger drift still fails
+# GAP it is off by about one [n_embd, n_ubatch] f32 tensor (1.5 to 4.4 %: KQ without flash attention, a peak
+# at the logits (n_vocab 4000), a q8_0 unified cache, gemma3's sliding window) -- a node or a placement of the
+# allocator the replay gets wrong, cause not found; asserted within 5 % so a larger drift still fails
 GAP = 0.05
 CASES = [
     ("dense-f16", dict(), dict(ctx_size=2048)),

@@ -200,13 +200,12 @@ def build_graph(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, n_tokens: in
     def mask(n_kv: int) -> Node:
         return g.input(n_kv * per_stream * streams * (F16 if fa else F32))
 
-    masks = {"base": mask(n_kv_base)}
-    if swa:
-        masks["swa"] = mask(n_kv_swa)
+    # graph inputs in the order ggml's graph walk meets them (its leafs): tokens, positions, the KV row
+    # indices at the first set_rows, the masks at the first attention, out_ids at the last layer
     v_max = max((h.n_embd_v_gqa(il) for il in range(h.n_layer)), default=0)
-    idx = {}
-    for key in masks:
-        idx[key] = (g.input(T * I64), g.input(T * (1 if fa else v_max) * I64))
+    keys = ["base", "swa"] if swa else ["base"]
+    idx = {key: (g.input(T * I64), g.input(T * (1 if fa else v_max) * I64)) for key in keys}
+    masks = {key: mask(n_kv_swa if key == "swa" else n_kv_base) for key in keys}
     inp = g.op("get_rows", E * T * F32, tokens)
     if gemma:
         inp = g.op("scale", E * T * F32, inp)
