@@ -145,10 +145,9 @@ def _add_estimate(sub) -> None:
     p.add_argument("--no-correction", action="store_true",
                    help="do not apply this machine's correction from the records database")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    from .cli_vllm import add_engine_arg, add_vllm_args
+    from .engines import add_engine_flags
 
-    add_engine_arg(p)
-    add_vllm_args(p)
+    add_engine_flags(p, "estimate")
     q = p.add_argument_group("quick mode (no config needed)")
     q.add_argument("--params-b", type=float, help="parameters, in billions")
     q.add_argument("--bits", type=float, help="bits per parameter")
@@ -200,14 +199,20 @@ def refuse_formulas(e, allowed: bool) -> None:
                     "--allow-approximate to accept an approximate answer")
 
 
-def cmd_estimate(args) -> int:
-    from . import present
-    from .cli_vllm import cmd_estimate_vllm, refuse_vllm_flags
-    from .estimator.vllm.engine import engine_choice
+def _run_engine(command: str, args) -> int:
+    """The command as the engine of ``--engine`` runs it (:mod:`vramcal.engines`)."""
+    from .engines import Io, engine_for
 
-    if engine_choice(args.engine) == "vllm":
-        return cmd_estimate_vllm(args, _out, _progress(args))
-    refuse_vllm_flags(args)
+    return engine_for(args).run(command, args, Io(_out, lambda: _progress(args)))
+
+
+def cmd_estimate(args) -> int:
+    return _run_engine("estimate", args)
+
+
+def estimate_transformers(args, io) -> int:
+    from . import present
+
     quick = args.params_b is not None or args.bits is not None
     if args.model is None and not quick:
         raise UserError("give a MODEL (directory, config.json, cached Hub id or catalog name) "
@@ -275,21 +280,18 @@ def _add_probe(sub) -> None:
     p.add_argument("--timeline", metavar="FILE.png", help="write a plot of memory over time")
     p.add_argument("--samples", action="store_true", help="include every sample in --json (default: the count)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--db", help="--engine vllm: the records database the run goes into")
-    from .cli_vllm import add_engine_arg, add_vllm_args
+    p.add_argument("--db", help="--engine vllm / llama.cpp: the records database the run goes into")
+    from .engines import add_engine_flags
 
-    add_engine_arg(p)
-    add_vllm_args(p)
+    add_engine_flags(p, "probe")
     p.set_defaults(func=cmd_probe)
 
 
 def cmd_probe(args) -> int:
-    from .cli_vllm import cmd_probe_vllm, refuse_vllm_flags
-    from .estimator.vllm.engine import engine_choice
+    return _run_engine("probe", args)
 
-    if engine_choice(args.engine) == "vllm":
-        return cmd_probe_vllm(args, _out, check=False)
-    refuse_vllm_flags(args)
+
+def probe_transformers(args, io) -> int:
     if args.db is not None:
         raise UserError("--db belongs to `vramcal probe --engine vllm` (a transformers probe records nothing)")
     from .probes.probe import run_probe
@@ -356,14 +358,12 @@ def _config(args, work) -> Configuration:
 
 
 def cmd_check(args) -> int:
+    return _run_engine("check", args)
+
+
+def check_transformers(args, io) -> int:
     from . import present
     from .calibrate.check import DEFAULT_BUFFER, check
-    from .cli_vllm import cmd_probe_vllm, refuse_vllm_flags
-    from .estimator.vllm.engine import engine_choice
-
-    if engine_choice(args.engine) == "vllm":
-        return cmd_probe_vllm(args, _out, check=True)
-    refuse_vllm_flags(args)
 
     work = _work(args, 4096)
     budget = None if args.budget in (None, "auto") else size_option(args.budget, "--budget")
@@ -428,13 +428,12 @@ def _fill_device(args) -> None:
 
 
 def cmd_fit(args) -> int:
-    from . import present
-    from .cli_vllm import cmd_fit_vllm, refuse_vllm_flags
-    from .estimator.vllm.engine import engine_choice
+    return _run_engine("fit", args)
 
-    if engine_choice(args.engine) == "vllm":
-        return cmd_fit_vllm(args, _out)
-    refuse_vllm_flags(args)
+
+def fit_transformers(args, io) -> int:
+    from . import present
+
     if args.dtype is not None:
         raise UserError("--dtype belongs to --engine vllm in `vramcal fit`")
     if args.budget is None:
@@ -655,10 +654,9 @@ def _add_calibration(sub) -> None:
     c.add_argument("--prefer", default="quality", choices=POLICIES, help="order of adjustments (see above)")
     c.add_argument("--db")
     c.add_argument("--json", action="store_true")
-    from .cli_vllm import add_engine_arg, add_vllm_args
+    from .engines import add_engine_flags
 
-    add_engine_arg(c)
-    add_vllm_args(c)
+    add_engine_flags(c, "check")
     c.set_defaults(func=cmd_check)
 
     m = sub.add_parser("memo", help="the known-good memo of the last run that fit (Markdown or JSON)")
@@ -679,11 +677,9 @@ def _add_calibration(sub) -> None:
     _add_image_args(f.add_argument_group("images"))
     _add_gpu_arg(f)
     _add_placement_args(f)
-    from .cli_vllm import add_engine_arg, add_vllm_args
+    from .engines import add_engine_flags
 
-    add_engine_arg(f)
-    f.add_argument("--dtype", default=None, help="--engine vllm: auto | bfloat16 | float16 | float32")
-    add_vllm_args(f, fit=True)
+    add_engine_flags(f, "fit")
     f.add_argument("--no-disk-cache", action="store_true", help=argparse.SUPPRESS)
     f.add_argument("--no-correction", action="store_true", help="--engine vllm: do not apply this machine's "
                                                                  "learned vLLM terms")

@@ -56,28 +56,18 @@ def add_plan(sub, func) -> None:
 
 
 def cmd_plan(args, out) -> int:
-    from . import present
+    from .engines import Io, engine_named
+
+    return engine_named(args.engine).run("plan", args, Io(out))
+
+
+def _inputs(args):
+    """The workload, the buffer and the machine, each validated: nothing is searched for bad input."""
     from .calibrate.check import DEFAULT_BUFFER
-    from .calibrate.plan import plan_model
     from .probes.hardware import described, parse_bandwidth, parse_hardware, this_machine
     from .units import size_option
-    from .workload import choice, workload
+    from .workload import workload
 
-    # ---- every input first: nothing is searched for bad input
-    choice(args.goal, GOALS, "--goal")
-    from .estimator.vllm.engine import engine_choice
-
-    vllm = engine_choice(args.engine) == "vllm"
-    if vllm:
-        transformers_only = [f for f, given in (("--images", args.images), ("--image-size", args.image_size),
-                                                ("--prompt", args.prompt), ("--buffer", args.buffer),
-                                                ("--batch", args.batch != 1), ("--attn", args.attn != "auto"),
-                                                ("--db", args.db)) if given]
-        if transformers_only:
-            raise UserError(f"{', '.join(transformers_only)} belong to transformers' plans, not to --engine vllm "
-                            "(vLLM takes --gpu-memory-utilization of each GPU and batches requests itself)")
-    elif args.gpu_memory_utilization is not None or args.vllm_version is not None:
-        raise UserError("--gpu-memory-utilization and --vllm-version belong to --engine vllm")
     given = args.ctx is not None or args.prompt is not None
     work = workload(args.ctx if given else None, args.batch, args.new_tokens, args.prompt, args.images,
                     args.image_size)
@@ -94,17 +84,42 @@ def cmd_plan(args, out) -> int:
                         "(give --hardware to plan for another)")
     else:
         hardware = this_machine(bandwidths)
+    return work, asked, buffer, hardware
+
+
+def plan_vllm_cmd(args, io) -> int:
+    """``plan --engine vllm``: tensor parallelism, fp8 weights and the KV dtype for `vllm serve`."""
+    from . import present
+    from .calibrate.plan_vllm import plan_vllm
+    from .workload import choice
+
+    choice(args.goal, GOALS, "--goal")
+    transformers_only = [f for f, given in (("--images", args.images), ("--image-size", args.image_size),
+                                            ("--prompt", args.prompt), ("--buffer", args.buffer),
+                                            ("--batch", args.batch != 1), ("--attn", args.attn != "auto"),
+                                            ("--db", args.db)) if given]
+    if transformers_only:
+        raise UserError(f"{', '.join(transformers_only)} belong to transformers' plans, not to --engine vllm "
+                        "(vLLM takes --gpu-memory-utilization of each GPU and batches requests itself)")
+    _, _, _, hardware = _inputs(args)
+    vres = plan_vllm(args.model, hardware, ctx=args.ctx, goal=args.goal,
+                     utilization=args.gpu_memory_utilization, vllm_version=args.vllm_version)
+    io.out(json.dumps(vres.to_dict()) if args.json else present.vllm_plan_text(vres))
+    return 0 if vres.plans else 1
+
+
+def plan_transformers(args, io) -> int:
+    from . import present
+    from .calibrate.plan import plan_model
     from .estimator.resolve import resolve_model
     from .estimator.vision import check_images
+    from .workload import choice
 
-    if vllm:
-        from .calibrate.plan_vllm import plan_vllm
-
-        vres = plan_vllm(args.model, hardware, ctx=args.ctx, goal=args.goal,
-                         utilization=args.gpu_memory_utilization, vllm_version=args.vllm_version)
-        out(json.dumps(vres.to_dict()) if args.json else present.vllm_plan_text(vres))
-        return 0 if vres.plans else 1
-
+    out = io.out
+    choice(args.goal, GOALS, "--goal")
+    if args.gpu_memory_utilization is not None or args.vllm_version is not None:
+        raise UserError("--gpu-memory-utilization and --vllm-version belong to --engine vllm")
+    work, asked, buffer, hardware = _inputs(args)
     check_images(resolve_model(args.model).config, work.images, args.model)  # bad input, before the search
 
     result = plan_model(args.model, hardware, buffer=buffer, batch=work.batch, new_tokens=work.new_tokens,

@@ -73,8 +73,11 @@ def refuse_vllm_flags(args) -> None:
                         "or drop them")
 
 
-def refuse_transformers_flags(args, command: str) -> None:
-    """The transformers engine's flags mean nothing to vLLM's startup: refused, not ignored."""
+def refuse_transformers_flags(args, command: str, engine: str = "vllm", allowed: tuple[str, ...] = (),
+                              instead: str = "--max-model-len, --quantization, --kv-cache-dtype, "
+                                             "--tensor-parallel-size ...") -> None:
+    """The transformers engine's flags mean nothing to vLLM's startup (or llama.cpp's): refused, not
+    ignored; ``allowed`` are those the engine's command takes after all (``fit``'s --budget)."""
     checks = (("--quant", getattr(args, "quant", "auto") not in (None, "auto")),
               ("--ctx", getattr(args, "ctx", None) is not None), ("--prompt", getattr(args, "prompt", None) is not None),
               ("--batch", getattr(args, "batch", 1) not in (None, 1)),
@@ -90,11 +93,10 @@ def refuse_transformers_flags(args, command: str) -> None:
               ("--synthetic", command in ("estimate", "fit") and bool(getattr(args, "synthetic", False))),
               ("--images", bool(getattr(args, "images", 0))),
               ("--image-size", getattr(args, "image_size", None) is not None))
-    used = [flag for flag, on in checks if on]
+    used = [flag for flag, on in checks if on and flag not in allowed]
     if used:
-        raise UserError(f"--engine vllm does not use {', '.join(used)}: give vLLM's flags instead (--max-model-len, "
-                        "--quantization, --kv-cache-dtype, --tensor-parallel-size ...; `vramcal "
-                        f"{command} --help`)")
+        raise UserError(f"--engine {engine} does not use {', '.join(used)}: give its own flags instead ({instead}; "
+                        f"`vramcal {command} --help`)")
 
 
 def this_gpu() -> tuple[int | None, str | None]:

@@ -602,3 +602,72 @@ def vllm_plan_text(r) -> str:
     if r.notes:
         lines += ["", "notes"] + ["  " + n for n in r.notes]
     return "\n".join(lines)
+
+
+def llamacpp_json(e) -> dict:
+    """``estimate --engine llama.cpp --json``: llama.cpp's buffers under ``llama_cpp``, integer bytes."""
+    return {"engine": "llama.cpp", "model": e.model, "device_bytes": e.device_bytes(), "llama_cpp": e.to_dict()}
+
+
+def llamacpp_table(e) -> str:
+    """``estimate --engine llama.cpp``: the buffer lines llama.cpp will print, then the total per device."""
+    from .units import MIB
+
+    head = (f"{e.model}  [{e.arch}]  n_ctx={e.n_ctx:,} (n_ctx_seq {e.n_ctx_seq:,} x {e.n_seq_max} seq)  "
+            f"n_batch={e.n_batch} n_ubatch={e.n_ubatch}  flash_attn={'on' if e.flash_attn else 'off'}  "
+            f"offloaded {e.n_gpu_layers}/{e.n_layer + 1} layers")
+    lines = [head, "", "what llama.cpp will print"] + ["  " + ln for ln in e.log_lines()]
+    if e.kv_caches:
+        lines += [f"  llama_kv_cache: {c['cache']}: {c['cells']:,} cells, {c['layers']} layers, "
+                  f"{c['streams']} stream(s), K {c['k_bytes'] / MIB:.2f} MiB, V {c['v_bytes'] / MIB:.2f} MiB"
+                  for c in e.kv_caches]
+    lines += ["", "per device"]
+    lines += [_row(dev, b) for dev, b in e.device_bytes().items()]
+    weights = ", ".join(f"{t} {n / MIB:,.1f} MiB" for t, n in sorted(e.weight_types.items(), key=lambda x: -x[1]))
+    lines += ["", f"weights as stored: {_g(e.weights_bytes)} ({weights})", f"compute: {e.compute_method}"]
+    if e.notes:
+        lines += ["", "notes"] + ["  " + n for n in e.notes]
+    return "\n".join(lines)
+
+
+def llamacpp_fit_table(f, budget: int, buffer: int) -> str:
+    lines = [f"{f.model}  budget {_g(budget)} per GPU, {_g(buffer)} kept free"]
+    if not f.fits:
+        lines.append("  nothing fits: " + (f.note or ""))
+    else:
+        lines += [f"  -ngl {f.n_gpu_layers}  -c {f.ctx_size:,}   ({f.gpu_layers}/{f.n_layer + 1} layers on the GPUs)",
+                  f"  largest GPU total {_g(f.peak_bytes)} (buffers + the CUDA context)",
+                  "", "  " + f.command]
+    if f.notes:
+        lines += ["", "notes"] + ["  " + n for n in f.notes]
+    return "\n".join(lines)
+
+
+def llamacpp_probe_table(r, run_id) -> str:
+    """``probe --engine llama.cpp``: each buffer llama.cpp logged beside the prediction, then the samples."""
+    from .units import MIB
+
+    lines = [f"{r.model}  llama.cpp  status {r.status}" + (f"  (recorded as run {run_id})" if run_id is not None
+                                                            else "")]
+    if r.error:
+        lines.append("  " + r.error)
+    lines += ["", f"  {'buffer':<30} {'predicted MiB':>14} {'logged MiB':>12}"]
+    e, g = r.estimate, r.logged
+    for kind in ("model", "kv", "compute"):
+        pred, got = getattr(e, f"{kind}_buffer_bytes", {}) or {}, getattr(g, f"{kind}_buffer_bytes", {}) or {}
+        for name in list(dict.fromkeys([*pred, *got])):
+            p, q = pred.get(name), got.get(name)
+            lines.append(f"  {name + ' ' + kind:<30} {'n/a' if p is None else f'{p / MIB:.2f}':>14} "
+                         f"{'n/a' if q is None else f'{q / MIB:.2f}':>12}")
+    po, go = e.output_buffer_bytes if e else None, g.output_buffer_bytes
+    lines.append(f"  {'output':<30} {'n/a' if po is None else f'{po / MIB:.2f}':>14} "
+                 f"{'n/a' if go is None else f'{go / MIB:.2f}':>12}")
+    lines.append(f"  {'n_ctx':<30} {e.n_ctx if e else 'n/a':>14} {g.n_ctx if g.n_ctx is not None else 'n/a':>12}")
+    what = "the child's resident set" if r.series == "rss" else f"NVML memory.used of {r.series}"
+    lines += ["", f"sampled ({what})"]
+    for name, s in r.stages.items():
+        lines.append(f"  {name:<14} peak {_gib_cell(s.get('peak_bytes')):>12}   at the marker "
+                     f"{_gib_cell(s.get('used_bytes')):>12}")
+    if r.notes:
+        lines += ["", "notes"] + ["  " + n for n in r.notes]
+    return "\n".join(lines)

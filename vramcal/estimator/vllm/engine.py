@@ -32,7 +32,6 @@ from .quant import VllmQuant, resolve as resolve_quant
 from .result import VllmEstimate, VllmRank
 
 MODEL_ID = "vllm-startup/1"  # the arithmetic's id: runs record it, corrections are fitted per id
-ENGINES = ("transformers", "vllm")
 DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "fp16": "float16", "bfloat16": "bfloat16",
           "bf16": "bfloat16", "float": "float32", "float32": "float32", "fp32": "float32"}
 KV_DTYPES = {"auto": None, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "bfloat16": 2, "float16": 2, "half": 2}
@@ -40,13 +39,6 @@ BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 DEFAULT_UTILIZATION = 0.9  # CacheConfig.gpu_memory_utilization
 CONTEXT_BYTES = 512 * MIB  # used before vLLM's first snapshot: the CUDA context (0.19 H100 logs: 0.51 GiB)
 NCCL_INIT_BYTES = 1024 * MIB  # ... and NCCL communicators with tp x pp > 1 (0.19 H100 logs: 1.02 GiB more)
-
-
-def engine_choice(text: str | None) -> str:
-    name = (text or "transformers").lower()
-    if name not in ENGINES:
-        raise UserError(f"unknown --engine {text!r}: choose one of {', '.join(ENGINES)}")
-    return name
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,59 @@
+"""The engine registry (vramcal/engines.py): every entry's parts resolve, commands reach an engine only
+through it, and each engine's flags are refused under another."""
+
+from __future__ import annotations
+
+import pytest
+
+from vramcal.cli import build_parser, main
+from vramcal.engines import COMMANDS, ENGINES, _resolve, engine_named
+
+
+def test_every_entry_names_parts_that_exist():
+    assert set(ENGINES) == {"transformers", "vllm", "llama.cpp"}
+    for e in ENGINES.values():
+        for command, ref in e.handlers.items():
+            assert command in COMMANDS and callable(_resolve(ref)), (e.name, command)
+        for ref in (e.add_flags, e.flags_used, e.log_parser):
+            if ref:
+                assert callable(_resolve(ref)), (e.name, ref)
+        assert e.corrections_key and e.device_default and e.launch
+
+
+def test_aliases_and_unknown_names():
+    assert engine_named("LLAMACPP").name == "llama.cpp" and engine_named(None).name == "transformers"
+    with pytest.raises(Exception, match="unknown --engine 'sglang'"):
+        engine_named("sglang")
+
+
+def test_commands_do_not_name_an_engine():
+    """cli.py's command bodies dispatch through the registry: no `== "vllm"` branch is left."""
+    import inspect
+
+    import vramcal.cli as cli
+    import vramcal.cli_plan as cli_plan
+
+    for mod in (cli, cli_plan):
+        src = inspect.getsource(mod)
+        assert 'engine_choice' not in src and '== "vllm"' not in src
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["estimate", "x.gguf", "-ngl", "99"], "belongs to --engine llama.cpp"),
+    (["estimate", "x.gguf", "--engine", "llama.cpp", "--max-num-seqs", "4"], "belongs to --engine vllm"),
+    (["estimate", "x.gguf", "--engine", "llama.cpp", "--quant", "nf4"], "--engine llama.cpp does not use --quant"),
+    (["plan", "x.gguf", "--engine", "llama.cpp"], "is not built yet"),
+])
+def test_flags_of_another_engine_are_one_line_and_exit_2(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and needle in err, err
+
+
+def test_llamacpp_flags_in_llamas_spellings():
+    a = build_parser().parse_args(["estimate", "m.gguf", "--engine", "llama.cpp", "-c", "8192", "-ngl", "99",
+                                   "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-np", "4", "-kvu", "-ub", "256",
+                                   "-ts", "3,1", "-ot", "exps=CPU", "--n-cpu-moe", "2", "--no-mmap"])
+    assert (a.ctx_size, a.n_gpu_layers, a.cache_type_k, a.flash_attn, a.parallel, a.kv_unified, a.ubatch_size,
+            a.tensor_split, a.override_tensor, a.n_cpu_moe, a.no_mmap) == \
+        (8192, "99", "q8_0", "on", 4, True, 256, "3,1", ["exps=CPU"], 2, True)

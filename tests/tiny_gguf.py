@@ -1,0 +1,100 @@
+"""Tiny GGUF files for the llama.cpp tests, written with the ``gguf`` package: random numpy weights at
+small widths, a small SentencePiece-style vocabulary of our own (three control tokens, the 256 byte tokens,
+then filler pieces), and the architecture keys llama.cpp's loader reads (src/models/<arch>.cpp)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _vocab(w, n_vocab: int) -> None:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tokens += [f"\u2581t{i}" for i in range(n_vocab - len(tokens))]
+    types = [2, 3, 3] + [6] * 256 + [1] * (n_vocab - 259)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(n_vocab - 259)])
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+
+def write_tiny(path, *, arch: str = "llama", n_layer: int = 2, n_embd: int = 256, n_head: int = 4,
+               n_head_kv: int = 2, n_ff: int = 512, n_vocab: int = 1024, n_ctx_train: int = 4096,
+               weight_type: str = "F16", embd_type: str | None = None, tied: bool = False, n_expert: int = 0,
+               n_expert_used: int = 0, sliding_window: int = 0, head_dim: int | None = None, seed: int = 0) -> str:
+    """Write a tiny model llama.cpp loads and runs; return its path."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    hd = head_dim or n_embd // n_head
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_block_count(n_layer)
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(hd)
+    w.add_file_type(1)
+    if n_expert:
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
+    if sliding_window:
+        w.add_sliding_window(sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(50.0)
+        w.add_final_logit_softcapping(30.0)
+    _vocab(w, n_vocab)
+
+    def put(name: str, shape: tuple[int, ...], qtype: str | None = None) -> None:
+        data = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        if len(shape) == 1 or qtype is None:
+            qtype = "F32" if len(shape) == 1 else weight_type
+        t = gguf.GGMLQuantizationType[qtype]
+        if t == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, data)
+        elif t == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            q = gguf.quants.quantize(data, t)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=t)
+
+    put("token_embd.weight", (n_vocab, n_embd), embd_type or weight_type)
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        put(b + "attn_norm.weight", (n_embd,))
+        put(b + "attn_q.weight", (n_head * hd, n_embd), weight_type)
+        put(b + "attn_k.weight", (n_head_kv * hd, n_embd), weight_type)
+        put(b + "attn_v.weight", (n_head_kv * hd, n_embd), weight_type)
+        put(b + "attn_output.weight", (n_embd, n_head * hd), weight_type)
+        if arch in ("gemma2", "gemma3"):
+            put(b + "post_attention_norm.weight", (n_embd,))
+            put(b + "post_ffw_norm.weight", (n_embd,))
+        if arch == "gemma3":
+            put(b + "attn_q_norm.weight", (hd,))
+            put(b + "attn_k_norm.weight", (hd,))
+        put(b + "ffn_norm.weight", (n_embd,))
+        if n_expert:
+            put(b + "ffn_gate_inp.weight", (n_expert, n_embd), "F32")
+            put(b + "ffn_gate_exps.weight", (n_expert, n_ff, n_embd), weight_type)
+            put(b + "ffn_up_exps.weight", (n_expert, n_ff, n_embd), weight_type)
+            put(b + "ffn_down_exps.weight", (n_expert, n_embd, n_ff), weight_type)
+        else:
+            put(b + "ffn_gate.weight", (n_ff, n_embd), weight_type)
+            put(b + "ffn_up.weight", (n_ff, n_embd), weight_type)
+            put(b + "ffn_down.weight", (n_embd, n_ff), weight_type)
+    put("output_norm.weight", (n_embd,))
+    if not tied:
+        put("output.weight", (n_vocab, n_embd), weight_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)

@@ -1,0 +1,297 @@
+"""The command line of ``--engine llama.cpp`` (part of the command line, like :mod:`vramcal.cli`; nothing
+else imports it): llama.cpp's own flag spellings (``llama-server --help``), so the flags of a
+``llama-server`` / ``llama-cli`` command can be pasted, turned into
+:class:`~vramcal.estimator.llamacpp.buffers.LlamaArgs`, and the estimate, fit, probe and check run on a
+GGUF file (docs/llamacpp.md)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from .errors import UserError
+
+# dest -> the flag as llama.cpp spells it; every one belongs to --engine llama.cpp only
+LLAMACPP_FLAGS = {
+    "ctx_size": "--ctx-size", "n_gpu_layers": "--n-gpu-layers", "tensor_split": "--tensor-split",
+    "split_mode": "--split-mode", "main_gpu": "--main-gpu", "override_tensor": "--override-tensor",
+    "n_cpu_moe": "--n-cpu-moe", "cpu_moe": "--cpu-moe", "no_mmap": "--no-mmap", "load_mode": "--load-mode",
+    "parallel": "--parallel",
+    "kv_unified": "--kv-unified", "cache_type_k": "--cache-type-k", "cache_type_v": "--cache-type-v",
+    "flash_attn": "--flash-attn", "batch_size": "--batch-size", "ubatch_size": "--ubatch-size",
+    "swa_full": "--swa-full", "no_kv_offload": "--no-kv-offload", "gpu_count": "--gpu-count",
+}
+
+
+def add_flags(p, command: str) -> None:
+    """llama.cpp's flags, in its spellings and with its defaults (common/common.h, common/arg.cpp)."""
+    g = p.add_argument_group("--engine llama.cpp: the flags of your llama-server / llama-cli command, in "
+                             "llama.cpp's spellings (docs/llamacpp.md)")
+    g.add_argument("-c", "--ctx-size", dest="ctx_size", type=int, default=None,
+                   help="context size (default 0 = the model's n_ctx_train), padded to 256 as llama.cpp pads it")
+    g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", default=None, metavar="N",
+                   help="layers in VRAM: a number (999 = all), all, or auto (llama.cpp's default: all here; "
+                        "its --fit search is not modelled)")
+    g.add_argument("-ts", "--tensor-split", dest="tensor_split", default=None, metavar="N0,N1,...",
+                   help="share of the layers per GPU, e.g. 3,1")
+    g.add_argument("-sm", "--split-mode", dest="split_mode", default=None, choices=("none", "layer", "row"),
+                   help="layer (default) | none | row")
+    g.add_argument("-mg", "--main-gpu", dest="main_gpu", type=int, default=None, help="the GPU of -sm none (default 0)")
+    g.add_argument("-ot", "--override-tensor", dest="override_tensor", action="append", default=None,
+                   metavar="PATTERN=BUFFER,...", help="tensors whose name matches PATTERN go to BUFFER (CPU, CUDA0 ...)")
+    g.add_argument("-ncmoe", "--n-cpu-moe", dest="n_cpu_moe", type=int, default=None, metavar="N",
+                   help="the expert weights of the first N layers stay in the CPU")
+    g.add_argument("-cmoe", "--cpu-moe", dest="cpu_moe", action="store_true", default=None,
+                   help="every expert weight stays in the CPU")
+    g.add_argument("--no-mmap", dest="no_mmap", action="store_true", default=None,
+                   help="read the weights into a CPU buffer instead of mapping the file (CPU, not CPU_Mapped)")
+    g.add_argument("-lm", "--load-mode", dest="load_mode", default=None,
+                   choices=("auto", "none", "mmap", "mlock", "mmap+mlock", "dio"),
+                   help="llama.cpp's newer spelling: auto / mmap map the file (CPU_Mapped), none / dio read it "
+                        "into a buffer (as --no-mmap)")
+    g.add_argument("-np", "--parallel", dest="parallel", type=int, default=None, help="sequences / server slots "
+                                                                                       "(default 1)")
+    g.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_true", default=None,
+                   help="one KV buffer shared by all sequences")
+    g.add_argument("-ctk", "--cache-type-k", dest="cache_type_k", default=None, metavar="TYPE",
+                   help="f16 (default) | bf16 | f32 | q8_0 | q4_0 | q4_1 | q5_0 | q5_1 | iq4_nl")
+    g.add_argument("-ctv", "--cache-type-v", dest="cache_type_v", default=None, metavar="TYPE",
+                   help="as -ctk; a quantized V cache needs flash attention")
+    g.add_argument("-fa", "--flash-attn", dest="flash_attn", nargs="?", const="on", default=None,
+                   choices=("on", "off", "auto"), help="on | off | auto (default auto: on where the device has it; "
+                                                      "off on a CPU-only build)")
+    g.add_argument("-b", "--batch-size", dest="batch_size", type=int, default=None, help="logical batch (default 2048)")
+    g.add_argument("-ub", "--ubatch-size", dest="ubatch_size", type=int, default=None,
+                   help="physical batch, the compute graph's width (default 512)")
+    g.add_argument("--swa-full", dest="swa_full", action="store_true", default=None,
+                   help="full-size sliding-window caches")
+    g.add_argument("-nkvo", "--no-kv-offload", dest="no_kv_offload", action="store_true", default=None,
+                   help="keep the KV cache in the CPU")
+    g.add_argument("--gpu-count", dest="gpu_count", type=int, default=None, metavar="N",
+                   help="vramcal's: the GPUs llama.cpp would see (default: -ts's length, else this machine's, else 1)")
+
+
+def flags_used(args) -> list[str]:
+    return [flag for dest, flag in LLAMACPP_FLAGS.items() if getattr(args, dest, None) is not None]
+
+
+def _gpu_count(args) -> tuple[int, str | None]:
+    """The GPUs llama.cpp would see: --device cpu none; --gpu-count; -ts's length; this machine's (NVML);
+    else one, said in a note."""
+    if str(getattr(args, "device", "cuda") or "cuda").startswith("cpu"):
+        return 0, None
+    if args.gpu_count is not None:
+        return args.gpu_count, None
+    if args.tensor_split:
+        return len(_split(args.tensor_split)), None
+    from .probes import nvml
+
+    ok, _ = nvml.available()
+    if ok:
+        n = nvml.query("nvmlDeviceGetCount")
+        if not isinstance(n, nvml.NA) and n > 0:
+            return int(n), None
+    return 1, "no GPU seen here: priced for one CUDA GPU (--gpu-count N for more, --device cpu for a CPU-only build)"
+
+
+def _split(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in re.split(r"[,/]+", text.strip()) if x != "")
+    except ValueError:
+        raise UserError(f"-ts/--tensor-split {text!r}: shares separated by commas, e.g. 3,1") from None
+
+
+def _ngl(text) -> int:
+    if text is None or text == "auto":
+        return -1
+    if text == "all":
+        return -2
+    try:
+        n = int(text)
+    except (TypeError, ValueError):
+        raise UserError(f"-ngl/--n-gpu-layers {text!r}: a number of layers (999 = all), all, or auto") from None
+    return n if n >= 0 else -1
+
+
+def _overrides(values) -> tuple[tuple[str, str], ...]:
+    out = []
+    for value in values or ():
+        for item in value.split(","):
+            if not item.strip():
+                continue
+            pattern, sep, buf = item.partition("=")
+            if not sep or not pattern or not buf:
+                raise UserError(f"-ot/--override-tensor {item!r}: write PATTERN=BUFFER, e.g. '\\.ffn_.*_exps\\.=CPU'")
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise UserError(f"-ot/--override-tensor pattern {pattern!r} is not a regular expression ({exc})") \
+                    from None
+            out.append((pattern, buf))
+    return tuple(out)
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def llama_args(args, **over):
+    """The command line's flags as :class:`LlamaArgs` (validated there; one line on bad input)."""
+    from .estimator.llamacpp.buffers import LlamaArgs
+
+    n_gpus, note = _gpu_count(args)
+    a = LlamaArgs(
+        ctx_size=0 if args.ctx_size is None else args.ctx_size, n_gpu_layers=_ngl(args.n_gpu_layers),
+        tensor_split=_split(args.tensor_split) if args.tensor_split else None, split_mode=args.split_mode or "layer",
+        main_gpu=_or(args.main_gpu, 0), overrides=_overrides(args.override_tensor), n_cpu_moe=_or(args.n_cpu_moe, 0),
+        cpu_moe=bool(args.cpu_moe),
+        use_mmap=not args.no_mmap and (args.load_mode or "auto") in ("auto", "mmap", "mmap+mlock"),
+        n_parallel=_or(args.parallel, 1),
+        kv_unified=bool(args.kv_unified), cache_type_k=(args.cache_type_k or "f16").lower(),
+        cache_type_v=(args.cache_type_v or "f16").lower(), flash_attn=args.flash_attn or "auto",
+        n_batch=_or(args.batch_size, 2048), n_ubatch=_or(args.ubatch_size, 512), swa_full=bool(args.swa_full),
+        offload_kqv=not args.no_kv_offload, n_gpus=n_gpus)
+    from dataclasses import replace
+
+    return replace(a, **over).validated(), note
+
+
+def _refuse_others(args, command: str) -> None:
+    from .cli_vllm import refuse_transformers_flags
+
+    allowed = ("--device cpu",) + (("--budget", "--buffer") if command in ("fit", "check") else ())
+    refuse_transformers_flags(args, command, engine="llama.cpp", allowed=allowed,
+                              instead="-c, -ngl, -ts, -ctk, -ctv, -fa, -np, -ub ...")
+
+
+def cmd_estimate(args, io) -> int:
+    from . import present
+    from .estimator.llamacpp.buffers import estimate_llamacpp
+
+    if args.model is None:
+        raise UserError("--engine llama.cpp needs a GGUF file: `vramcal estimate --engine llama.cpp FILE.gguf -c 8192 "
+                        "-ngl 99`")
+    _refuse_others(args, "estimate")
+    a, note = llama_args(args)
+    e = estimate_llamacpp(args.model, a)
+    if note:
+        e.notes.append(note)
+    io.out(json.dumps(present.llamacpp_json(e)) if args.json else present.llamacpp_table(e))
+    return 0
+
+
+def cmd_fit(args, io) -> int:
+    """``fit --engine llama.cpp``: the most -ngl, then the largest -c, whose buffers fit each GPU's budget."""
+    from . import present
+    from .estimator.llamacpp.fit import fit_llamacpp
+    from .units import size_option
+
+    _refuse_others(args, "fit")
+    if args.budget is None or args.budget == "auto":
+        raise UserError("fit --engine llama.cpp needs --budget (each GPU's memory to fit in, e.g. 24GiB)")
+    budget = size_option(args.budget, "--budget", above_zero=True)
+    from .calibrate.check import DEFAULT_BUFFER
+
+    buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
+    if buffer >= budget:
+        raise UserError(f"--buffer ({buffer:,} B) must be below --budget ({budget:,} B)")
+    a, note = llama_args(args)
+    if a.n_gpus == 0:
+        raise UserError("fit --engine llama.cpp searches what fits the GPUs: drop --device cpu")
+    f = fit_llamacpp(args.model, a, budget - buffer, ctx_given=args.ctx_size is not None,
+                     ngl_given=args.n_gpu_layers is not None)
+    if note:
+        f.notes.append(note)
+    io.out(json.dumps(f.to_dict()) if args.json else present.llamacpp_fit_table(f, budget, buffer))
+    return 0 if f.fits else 1
+
+
+def _probe(args, io, *, check: bool) -> int:
+    """``probe`` / ``check --engine llama.cpp``: llama.cpp loads the GGUF in a child and generates 16
+    tokens; its buffer lines are read back and recorded beside the prediction (docs/llamacpp.md)."""
+    from . import present
+    from .estimator.llamacpp.buffers import estimate_llamacpp
+    from .estimator.llamacpp.gguf_file import read_gguf
+    from .probes.llamacpp_probe import child_spec, preflight, run_llamacpp_probe
+
+    verb = "check" if check else "probe"
+    _refuse_others(args, verb)
+    a, note = llama_args(args)
+    preflight(a.n_gpus if a.n_gpu_layers != 0 else 0)
+    if getattr(args, "synthetic", False):
+        raise UserError("--synthetic belongs to transformers' probes: a llama.cpp probe loads the GGUF itself")
+    m = read_gguf(args.model)
+    est = estimate_llamacpp(m, a)
+    if note:
+        est.notes.append(note)
+    gpus = [] if a.n_gpus == 0 or a.n_gpu_layers == 0 else list(range(a.n_gpus))
+    result = run_llamacpp_probe(m.path, m.name, child_spec(m.path, a), est, gpus=gpus,
+                                interval_ms=getattr(args, "interval_ms", 5.0) or 5.0,
+                                new_tokens=getattr(args, "new_tokens", 16) or 16)
+    from .cli_vllm import command_of
+
+    run_id = record_run(args.db, m, est, result, command_of(args, verb))
+    verdict = _verdict(args, est, result) if check else None
+    if verdict:
+        result.notes.append(verdict[1])
+    io.out(json.dumps({**result.to_dict(), "run_id": run_id, "fits": verdict[0] if verdict else None})
+           if args.json else present.llamacpp_probe_table(result, run_id))
+    return 0 if result.status == "ok" and (verdict is None or verdict[0]) else 1
+
+
+def _verdict(args, est, result) -> tuple[bool, str] | None:
+    """``check --budget``: does the fullest device (each GPU's buffers and the CUDA context; on a CPU-only run
+    the host buffers) stay within the budget less --buffer? Without --budget, the run's own end decides."""
+    from .calibrate.check import DEFAULT_BUFFER
+    from .estimator.llamacpp.fit import gpu_totals
+    from .units import fmt_gib_gb, size_option
+
+    if getattr(args, "budget", None) in (None, "auto"):
+        return None
+    budget = size_option(args.budget, "--budget", above_zero=True)
+    buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
+    totals = gpu_totals(est) if result.series != "rss" else {"CPU": est.device_bytes().get("CPU", 0)}
+    dev, need = max(totals.items(), key=lambda kv: kv[1], default=("-", 0))
+    ok = need + buffer <= budget
+    return ok, (f"{dev} needs {fmt_gib_gb(need)} + {fmt_gib_gb(buffer)} kept free: "
+                f"{'fits' if ok else 'does not fit'} {fmt_gib_gb(budget)}")
+
+
+def cmd_probe(args, io) -> int:
+    return _probe(args, io, check=False)
+
+
+def cmd_check(args, io) -> int:
+    return _probe(args, io, check=True)
+
+
+def record_run(db, m, est, result, command: str) -> int | None:
+    """The run in the records database, kept under the llama.cpp engine (``attn``/``quant_impl`` say
+    llama.cpp, the estimator model is llama.cpp's): the buffers predicted and logged in its result, the
+    sampled stages beside the prediction (on a CPU-only run, the child's resident set: its own baseline
+    plus the buffers its pages touched)."""
+    from .probes.machine import machine_fingerprint
+    from .records.store import Outcome, RunContext, StageRow, Store
+    from .versions import VRAMCAL_VERSION
+
+    device = "cpu" if result.series == "rss" else "cuda:0"
+    base = (result.stages.get("baseline") or {}).get("used_bytes") if result.series == "rss" else 0
+    model_b = sum(est.model_buffer_bytes.values())
+    context_b = model_b + sum(est.kv_buffer_bytes.values()) + sum(est.compute_buffer_bytes.values()) + \
+        est.output_buffer_bytes
+    predicted = {"baseline": base, "post_load": None if base is None else base + model_b}
+    for k in ("context", "first_token", "end"):
+        predicted[k] = None if base is None else base + context_b
+    quant = max(est.weight_types, key=est.weight_types.get) if est.weight_types else "gguf"
+    estimate = {"mode": "llama.cpp", "stages": predicted, "llama_cpp": est.to_dict(), "model": est.model}
+    context = RunContext(model=m.name, quant=quant, ctx=est.n_ctx, batch=est.n_seq_max, device=device,
+                         command=command, config_hash=None, quant_impl="llama.cpp", dtype=None,
+                         kv_dtype=None, attn="llama.cpp",
+                         estimate=estimate, estimator_model=est.estimator_model, vramcal_version=VRAMCAL_VERSION)
+    rows = [StageRow(name, predicted.get(name), r.get("peak_bytes"), r.get("used_bytes"))
+            for name, r in result.stages.items()]
+    outcome = Outcome(status=result.status, last_stage=result.last_stage, error=result.error, series=result.series,
+                      wall_s=result.wall_s, sampler_overhead=result.sampler_overhead, result=result.to_dict(),
+                      stages=rows, samples=result.sample_rows())
+    with Store(db) as store:
+        return store.record_run(machine_fingerprint(device), context, outcome)

@@ -1,0 +1,504 @@
+"""What llama.cpp allocates loading a GGUF, per buffer and device, for its flags (llama.cpp's source, the
+tree llama-cpp-python 0.3.36 vendors; docs/llamacpp.md has each rule with its file):
+
+- **n_ctx** (llama-context.cpp): ``-c`` (0: the model's ``context_length``) padded up to 256; without
+  ``--kv-unified`` each of the ``-np`` sequences gets ``pad(n_ctx / np, 256)`` cells and n_ctx becomes
+  that times np. ``n_batch = min(n_ctx, -b)``, ``n_ubatch = min(n_batch, -ub)``.
+- **model buffers** (llama-model.cpp ``load_tensors``, llama-model-loader.cpp ``create_tensor``): the
+  input layer (``token_embd``) always on the CPU; with ``-ngl N`` the last N of the ``n_layer + 1``
+  layers (the output layer counts as one) on the GPUs, split at ``-ts``'s cumulative shares
+  (``upper_bound``); ``-ot`` / ``--cpu-moe`` / ``--n-cpu-moe`` move matching tensors. A CPU buffer
+  with mmap is the file's range that holds its tensors (``CPU_Mapped``: first offset to last end,
+  gaps included); without mmap it is allocated (``CPU``, or ``CUDA_Host`` with a GPU), each tensor
+  aligned to 32 bytes; a GPU buffer aligns to 128 and pads quantized rows to 512 values (ggml-cuda
+  ``get_alloc_size``). A tied output (no ``output.weight``) is ``token_embd`` again in the output layer.
+- **KV buffers** (llama-kv-cache.cpp, llama-kv-cache-iswa.cpp): per attention layer a K tensor of
+  ``row(type_k, n_embd_k_gqa) x kv_size x n_stream`` and V alike, on the layer's device (``-nkvo``:
+  the CPU); ``n_stream`` is np without ``--kv-unified``. Sliding-window layers get
+  ``pad(min(kv_size, n_swa x (unified ? np : 1) + n_ubatch), 256)`` cells unless ``--swa-full``.
+- **output buffer** (llama-context.cpp ``output_reserve``): ``n_vocab x np`` floats of logits, in the
+  output device's host buffer (``CUDA_Host``) or the CPU.
+- **compute buffers**: :mod:`.compute` (the graph reservation).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ...errors import UserError
+from ...units import MIB
+from .gguf_file import GgufModel, GgufTensor
+
+MODEL_ID = "llamacpp-buffers/1"  # the arithmetic's id: runs record it, corrections are fitted per id
+CPU_ALIGN = 32  # ggml-impl.h TENSOR_ALIGNMENT: the CPU buffer type's alignment
+CUDA_ALIGN = 128  # ggml-cuda.cu: the CUDA buffer type's alignment
+MATRIX_ROW_PADDING = 512  # ggml-cuda/common.cuh: quantized rows padded to this many values on CUDA
+INPUT_TENSORS = ("token_embd.", "position_embd.", "token_types.", "per_layer_token_embd.")
+EXPS = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps")  # common.h LLM_FFN_EXPS_REGEX
+
+# ggml cache types llama.cpp accepts for -ctk / -ctv (common/arg.cpp kv_cache_types)
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+# architectures whose loader sets a sliding-window pattern (src/models/<arch>.cpp load_swa_pattern):
+# (n_pattern, dense_first, default n_swa when the GGUF has none)
+SWA_ARCHS = {"gemma2": (2, False, 4096), "gemma3": (6, False, 0), "gemma3n": (5, False, 0),
+             "cohere2": (4, False, 0), "llama4": (4, False, 0), "olmo2": (4, False, 0),
+             "gpt-oss": (2, False, 0), "exaone4": (4, False, 0), "smallthinker": (4, True, 0),
+             "afmoe": (4, False, 0), "plamo3": (8, False, 0)}
+RECURRENT_ARCHS = ("mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7")
+NOT_MODELLED_KV = ("deepseek2", "deepseek32", "glm-dsa", "minimax-m2", "qwen3next", "qwen35", "qwen35moe", "jamba",
+                   "falcon-h1", "granitehybrid", "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2moe", "plamo2")
+
+
+def type_info(name: str) -> tuple[int, int]:
+    """(values per block, bytes per block) of a ggml type by its name (F16, Q4_K, q8_0 ...)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        return GGML_QUANT_SIZES[GGMLQuantizationType[name.upper()]]
+    except KeyError:
+        raise UserError(f"unknown ggml type {name!r}: one of {', '.join(CACHE_TYPES)}") from None
+
+
+def row_size(type_name: str, n: int) -> int:
+    """``ggml_row_size``: bytes of ``n`` values of a type (n a multiple of its block)."""
+    block, size = type_info(type_name)
+    return n // block * size
+
+
+def pad(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """The flags of a llama-server / llama-cli command (llama.cpp's spellings; ``None``: its default)."""
+
+    ctx_size: int = 0  # -c; 0: the model's context_length
+    n_gpu_layers: int = -1  # -ngl; -1 auto, -2 all (treated as every layer: the --fit search is not modelled)
+    tensor_split: tuple[float, ...] | None = None  # -ts
+    split_mode: str = "layer"  # -sm none | layer | row
+    main_gpu: int = 0  # -mg
+    overrides: tuple[tuple[str, str], ...] = ()  # -ot pattern=buffer, in order (first match wins)
+    n_cpu_moe: int = 0  # --n-cpu-moe
+    cpu_moe: bool = False  # --cpu-moe
+    use_mmap: bool = True  # --no-mmap clears it
+    n_parallel: int = 1  # -np
+    kv_unified: bool = False  # -kvu
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    flash_attn: str = "auto"  # on | off | auto
+    n_batch: int = 2048  # -b
+    n_ubatch: int = 512  # -ub
+    swa_full: bool = False
+    offload_kqv: bool = True  # -nkvo clears it
+    n_gpus: int = 1  # GPUs llama.cpp sees (0: a CPU-only build)
+    gpu_backend: str = "CUDA"
+    # ggml types a CPU-only build repacks into CPU_REPACK (ggml-cpu/repack.cpp for x86 AVX2: Q4_0, Q4_K,
+    # IQ4_NL, MXFP4 with rows a multiple of 8; AVX-512 adds Q2_K); with a GPU, CPU weights go CUDA_Host -> CPU
+    cpu_repack: tuple[str, ...] = ("Q4_0", "Q4_K", "IQ4_NL", "MXFP4")
+
+    def validated(self) -> LlamaArgs:
+        for flag, v in (("-c/--ctx-size", self.ctx_size),):
+            if v < 0:
+                raise UserError(f"{flag} must be 0 (the model's) or more, got {v}")
+        for flag, v in (("-np/--parallel", self.n_parallel), ("-b/--batch-size", self.n_batch),
+                        ("-ub/--ubatch-size", self.n_ubatch)):
+            if v < 1:
+                raise UserError(f"{flag} must be 1 or more, got {v}")
+        if self.n_cpu_moe < 0:
+            raise UserError(f"--n-cpu-moe must be 0 or more, got {self.n_cpu_moe}")
+        for flag, t in (("-ctk/--cache-type-k", self.cache_type_k), ("-ctv/--cache-type-v", self.cache_type_v)):
+            if t.lower() not in CACHE_TYPES:
+                raise UserError(f"{flag} {t!r} is not a cache type llama.cpp accepts: {', '.join(CACHE_TYPES)}")
+        if self.flash_attn not in ("on", "off", "auto"):
+            raise UserError(f"-fa/--flash-attn {self.flash_attn!r}: on, off or auto")
+        if self.split_mode not in ("none", "layer", "row"):
+            raise UserError(f"-sm/--split-mode {self.split_mode!r}: none, layer or row")
+        if self.tensor_split is not None and (any(x < 0 for x in self.tensor_split) or not any(self.tensor_split)):
+            raise UserError("-ts/--tensor-split needs shares of 0 or more, not all 0, e.g. 3,1")
+        if self.n_gpus < 0:
+            raise UserError("--gpu-count must be 0 (a CPU-only llama.cpp) or more")
+        if self.split_mode == "none" and self.n_gpus and not 0 <= self.main_gpu < self.n_gpus:
+            raise UserError(f"-mg/--main-gpu {self.main_gpu}: there are {self.n_gpus} GPUs (0 to {self.n_gpus - 1})")
+        return self
+
+
+@dataclass(frozen=True)
+class Hparams:
+    arch: str
+    n_layer: int
+    n_ctx_train: int
+    n_embd: int
+    n_head: tuple[int, ...]
+    n_head_kv: tuple[int, ...]
+    n_embd_head_k: int
+    n_embd_head_v: int
+    n_vocab: int
+    n_expert: int
+    n_expert_used: int
+    n_ff: tuple[int, ...]
+    n_swa: int
+    is_swa: tuple[bool, ...]
+
+    def n_embd_k_gqa(self, il: int) -> int:
+        return self.n_embd_head_k * self.n_head_kv[il]
+
+    def n_embd_v_gqa(self, il: int) -> int:
+        return self.n_embd_head_v * self.n_head_kv[il]
+
+
+def _per_layer(value, n: int, what: str) -> tuple[int, ...]:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise UserError(f"the GGUF's {what} has {len(value)} entries for {n} layers")
+        return tuple(int(v) for v in value)
+    return (int(value),) * n
+
+
+def hparams_of(m: GgufModel) -> Hparams:
+    """llama.cpp's hyper-parameters from the header (llama-model.cpp ``load_hparams``)."""
+    n_layer = m.get(".block_count")
+    n_embd = m.get(".embedding_length")
+    if not isinstance(n_layer, int) or not isinstance(n_embd, int):
+        raise UserError(f"{m.path}: {m.arch}.block_count / embedding_length are missing: not a model llama.cpp loads")
+    head = m.get(".attention.head_count", 0)
+    n_head = _per_layer(head, n_layer, "head_count")
+    n_head_kv = _per_layer(m.get(".attention.head_count_kv", head), n_layer, "head_count_kv")
+    h0 = max(n_head) if n_head else 0
+    k_len = m.get(".attention.key_length", n_embd // h0 if h0 else 0)
+    v_len = m.get(".attention.value_length", k_len)
+    tokens = m.metadata.get("tokenizer.ggml.tokens")
+    n_vocab = tokens[1] if isinstance(tokens, tuple) else len(tokens) if isinstance(tokens, list) else None
+    if n_vocab is None:
+        emb = next((t for t in m.tensors if t.name == "token_embd.weight"), None)
+        n_vocab = emb.shape[1] if emb is not None else m.get(".vocab_size", 0)
+    ff = m.get(".feed_forward_length", 0)
+    n_swa = int(m.get(".attention.sliding_window", 0) or 0)
+    is_swa = (False,) * n_layer
+    if m.arch in SWA_ARCHS:
+        n_pattern, dense_first, default = SWA_ARCHS[m.arch]
+        n_swa = n_swa or default
+        given = m.get(".attention.sliding_window_pattern")
+        if isinstance(given, list):
+            is_swa = tuple(bool(x) for x in given)
+        elif n_swa > 0:
+            n_pattern = int(given) if isinstance(given, int) else n_pattern
+            is_swa = tuple((n_pattern == 0 or il % n_pattern != 0) if dense_first else
+                           (n_pattern == 0 or il % n_pattern < n_pattern - 1) for il in range(n_layer))
+    return Hparams(arch=m.arch, n_layer=n_layer, n_ctx_train=int(m.get(".context_length", 0) or 0), n_embd=n_embd,
+                   n_head=n_head, n_head_kv=n_head_kv, n_embd_head_k=int(k_len), n_embd_head_v=int(v_len),
+                   n_vocab=int(n_vocab), n_expert=int(m.get(".expert_count", 0) or 0),
+                   n_expert_used=int(m.get(".expert_used_count", 0) or 0),
+                   n_ff=_per_layer(ff if ff is not None else 0, n_layer, "feed_forward_length"),
+                   n_swa=n_swa, is_swa=is_swa if any(is_swa) else (False,) * n_layer)
+
+
+@dataclass(frozen=True)
+class Context:
+    n_ctx: int
+    n_ctx_seq: int
+    n_seq_max: int
+    n_stream: int
+    n_batch: int
+    n_ubatch: int
+    flash_attn: bool
+    notes: tuple[str, ...] = ()
+
+
+def context_of(h: Hparams, a: LlamaArgs) -> Context:
+    """n_ctx and the batches as llama-context.cpp sets them."""
+    notes = []
+    n_seq = max(1, a.n_parallel)
+    n_ctx = a.ctx_size or h.n_ctx_train
+    if not n_ctx:
+        raise UserError("the GGUF gives no context_length: give -c/--ctx-size")
+    n_ctx = pad(n_ctx, 256)
+    if a.kv_unified:
+        n_ctx_seq = n_ctx
+    else:
+        n_ctx_seq = pad(n_ctx // n_seq, 256)
+        if n_ctx != n_ctx_seq * n_seq:
+            notes.append(f"n_ctx is not divisible by n_seq_max: llama.cpp sets it to {n_ctx_seq * n_seq}")
+            n_ctx = n_ctx_seq * n_seq
+    n_batch = min(n_ctx, a.n_batch)
+    n_ubatch = min(n_batch, a.n_ubatch)
+    fa = a.flash_attn != "off"
+    if a.flash_attn == "auto":
+        notes.append("-fa auto: on (the CPU and CUDA backends both run FLASH_ATTN_EXT for these head sizes)")
+    quantized_v = a.cache_type_v.lower() not in ("f32", "f16", "bf16")
+    if quantized_v and not fa:
+        raise UserError(f"-ctv {a.cache_type_v} without flash attention: llama.cpp refuses it (\"quantized V cache "
+                        "was requested, but this requires Flash Attention\"); add -fa on, or keep -ctv f16")
+    return Context(n_ctx=n_ctx, n_ctx_seq=n_ctx_seq, n_seq_max=n_seq, n_stream=1 if a.kv_unified else n_seq,
+                   n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=fa, notes=tuple(notes))
+
+
+# ---------------------------------------------------------------------------------------------- placement
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each layer's weights live: ``None`` the CPU, else the GPU index."""
+
+    layers: tuple[int | None, ...]
+    output: int | None
+    gpus: tuple[int, ...]  # the devices llama.cpp uses (split mode none: the main GPU only)
+
+    def name(self, gpu: int | None, backend: str = "CUDA") -> str:
+        return "CPU" if gpu is None else f"{backend}{gpu}"
+
+
+def placement_of(h: Hparams, a: LlamaArgs) -> Placement:
+    """llama-model.cpp ``load_tensors``: the split points and each layer's device."""
+    gpus = tuple(range(a.n_gpus)) if a.split_mode != "none" else ((a.main_gpu,) if a.n_gpus else ())
+    n_all = h.n_layer
+    ngl = a.n_gpu_layers
+    if ngl < 0:
+        ngl = n_all + 1  # auto / all: every layer (llama.cpp's --fit may take fewer when memory is short)
+    if not gpus:
+        return Placement((None,) * n_all, None, ())
+    shares = list(a.tensor_split[:len(gpus)]) if a.tensor_split else [1.0] * len(gpus)
+    shares += [0.0] * (len(gpus) - len(shares))
+    total, acc, splits = sum(shares), 0.0, []
+    for s in shares:
+        acc += s
+        splits.append(acc / total)
+    i_gpu_start = max(n_all + 1 - ngl, 0)
+    act = min(ngl, n_all + 1)
+
+    def dev(il: int) -> int | None:
+        if il < i_gpu_start or il - i_gpu_start >= act:
+            return None
+        x = float(il - i_gpu_start) / act
+        k = next((i for i, s in enumerate(splits) if s > x), len(splits) - 1)  # std::upper_bound
+        return gpus[k]
+
+    return Placement(tuple(dev(il) for il in range(n_all)), dev(n_all), gpus)
+
+
+# ---------------------------------------------------------------------------------------------- estimate
+
+@dataclass
+class LlamaEstimate:
+    model: str
+    arch: str
+    files: list[str]
+    n_ctx: int
+    n_ctx_seq: int
+    n_seq_max: int
+    n_batch: int
+    n_ubatch: int
+    flash_attn: bool
+    n_gpu_layers: int  # layers on the GPUs, the output layer counted as one (llama.cpp's "offloaded N/M")
+    n_layer: int
+    model_buffer_bytes: dict[str, int]
+    kv_buffer_bytes: dict[str, int]
+    kv_caches: list[dict]  # per cache (a SWA model has two): cells, layers, buffer bytes
+    compute_buffer_bytes: dict[str, int]
+    output_buffer_bytes: int
+    output_buffer: str
+    compute_method: str
+    weights_bytes: int  # every tensor as stored in the file(s)
+    weight_types: dict[str, int]  # bytes per ggml type
+    notes: list[str] = field(default_factory=list)
+    estimator_model: str = MODEL_ID
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes per device (CUDA0 ..., "CPU" for host memory: CPU, CPU_Mapped, CUDA_Host, the output)."""
+        out: dict[str, int] = {}
+        for d in (self.model_buffer_bytes, self.kv_buffer_bytes, self.compute_buffer_bytes,
+                  {self.output_buffer: self.output_buffer_bytes}):
+            for name, b in d.items():
+                dev = name if re.fullmatch(r"[A-Za-z]+\d+", name) and not name.startswith("CPU") else "CPU"
+                out[dev] = out.get(dev, 0) + b
+        return out
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "arch": self.arch, "files": self.files, "n_ctx": self.n_ctx,
+                "n_ctx_seq": self.n_ctx_seq, "n_seq_max": self.n_seq_max, "n_batch": self.n_batch,
+                "n_ubatch": self.n_ubatch, "flash_attn": self.flash_attn, "n_gpu_layers": self.n_gpu_layers,
+                "n_layer": self.n_layer, "model_buffer_bytes": dict(self.model_buffer_bytes),
+                "kv_buffer_bytes": dict(self.kv_buffer_bytes), "kv_caches": list(self.kv_caches),
+                "compute_buffer_bytes": dict(self.compute_buffer_bytes),
+                "output_buffer_bytes": self.output_buffer_bytes, "output_buffer": self.output_buffer,
+                "compute_method": self.compute_method, "weights_bytes": self.weights_bytes,
+                "weight_types": dict(self.weight_types), "device_bytes": self.device_bytes(),
+                "notes": list(self.notes), "estimator_model": self.estimator_model}
+
+    def log_lines(self) -> list[str]:
+        """The buffer lines as llama.cpp prints them (MiB, two decimals)."""
+        lines = [f"load_tensors: {name:>12} model buffer size = {b / MIB:8.2f} MiB"
+                 for name, b in self.model_buffer_bytes.items()]
+        lines.append(f"llama_context: {self.output_buffer:>10}  output buffer size = "
+                     f"{self.output_buffer_bytes / MIB:8.2f} MiB")
+        for c in self.kv_caches:
+            for name, b in c["buffer_bytes"].items():
+                lines.append(f"llama_kv_cache: {name:>10} KV buffer size = {b / MIB:8.2f} MiB")
+        lines += [f"sched_reserve: {name:>10} compute buffer size = {b / MIB:8.2f} MiB"
+                  for name, b in self.compute_buffer_bytes.items()]
+        return lines
+
+
+def _overrides(a: LlamaArgs, h: Hparams) -> list[tuple[re.Pattern, str]]:
+    """-ot first, then --cpu-moe / --n-cpu-moe (common/arg.cpp appends them in the order given; -ot
+    patterns a user writes usually come first)."""
+    rules = [(re.compile(p), buf) for p, buf in a.overrides]
+    if a.cpu_moe:
+        rules.append((EXPS, "CPU"))
+    for i in range(min(a.n_cpu_moe, h.n_layer)):
+        rules.append((re.compile(rf"blk\.{i}{EXPS.pattern}"), "CPU"))
+    return rules
+
+
+def _cuda_alloc(t: GgufTensor) -> int:
+    """ggml-cuda ``get_alloc_size``: a quantized row padded to 512 values, then the 128-byte alignment."""
+    size = t.nbytes
+    block, _ = type_info(t.type_name)
+    if block > 1 and t.shape[0] % MATRIX_ROW_PADDING:
+        size += row_size(t.type_name, MATRIX_ROW_PADDING - t.shape[0] % MATRIX_ROW_PADDING)
+    return pad(size, CUDA_ALIGN)
+
+
+def _repacked(t: GgufTensor, a: LlamaArgs) -> bool:
+    """The CPU's extra buffer type takes a weight of a MUL_MAT (2-D) or MUL_MAT_ID (3-D experts) whose type
+    it repacks and whose rows come in eights (ggml-cpu/repack.cpp ``ggml_repack_get_optimal_repack_type``)."""
+    if t.type_name not in a.cpu_repack or len(t.shape) < 2:
+        return False
+    dims = len(t.shape) if t.shape[-1] != 1 else len(t.shape) - 1
+    experts = bool(EXPS.search(t.name))
+    return (dims == 3 if experts else dims == 2) and t.shape[1] % 8 == 0
+
+
+def model_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, p: Placement) -> tuple[dict[str, int], list[str]]:
+    """Each model buffer llama.cpp logs ("CPU_Mapped model buffer size = ..."), in bytes."""
+    notes: list[str] = []
+    rules = _overrides(a, h)
+    gpu_names = {f"{a.gpu_backend}{g}" for g in p.gpus}
+    for pattern, target in rules:  # common/arg.cpp refuses an unknown buffer type name when it parses -ot
+        if target.upper() != "CPU" and target not in gpu_names:
+            raise UserError(f"-ot {pattern.pattern}={target}: llama.cpp has no buffer type {target!r} here "
+                            f"(CPU{', ' + ', '.join(sorted(gpu_names)) if gpu_names else ''})")
+    host = "CPU" if not p.gpus else f"{a.gpu_backend}_Host"
+    placed: list[tuple[GgufTensor, str, bool]] = []  # (tensor, buffer, used by a MUL_MAT)
+    tensors = list(m.tensors)
+    names = {t.name for t in tensors}
+    tied = "output.weight" not in names and "token_embd.weight" in names
+    rope = [t for t in tensors if t.name.startswith("rope_freqs.")]
+    for t in tensors:
+        if t.name.startswith("rope_freqs."):
+            continue  # a repeating tensor without a layer number: one copy per layer, below
+        if t.name.startswith(INPUT_TENSORS):
+            gpu = None
+        elif t.layer is not None:
+            gpu = p.layers[t.layer] if t.layer < len(p.layers) else p.output
+        else:
+            gpu = p.output
+        buf = p.name(gpu, a.gpu_backend)
+        for pattern, target in rules:
+            if pattern.search(t.name):
+                buf = "CPU" if target.upper() == "CPU" else target
+                break
+        placed.append((t, buf, not t.name.startswith(INPUT_TENSORS)))
+    if tied:
+        emb = next(t for t in tensors if t.name == "token_embd.weight")
+        placed.append((emb, p.name(p.output, a.gpu_backend), True))  # TENSOR_DUPLICATED: the output's copy
+    for t in rope:
+        for il in range(h.n_layer):
+            placed.append((t, p.name(p.layers[il], a.gpu_backend), False))
+
+    out: dict[str, int] = {}
+    mapped: dict[int, list[GgufTensor]] = {}
+    seen: set[tuple[str, str]] = set()
+    for t, buf, matmul in placed:
+        if (t.name, buf) in seen and not t.name.startswith("rope_freqs."):
+            continue  # a duplicated tensor (a tied output) in the buffer that holds it already: one copy
+        seen.add((t.name, buf))
+        if buf == "CPU" and not p.gpus and matmul and _repacked(t, a):
+            out["CPU_REPACK"] = out.get("CPU_REPACK", 0) + pad(t.nbytes, CPU_ALIGN)
+        elif buf == "CPU":
+            if a.use_mmap:
+                mapped.setdefault(t.file_index, []).append(t)
+                continue
+            out[host] = out.get(host, 0) + pad(t.nbytes, CPU_ALIGN)
+        else:
+            out[buf] = out.get(buf, 0) + _cuda_alloc(t)
+    if mapped:
+        total = 0
+        for idx, ts in sorted(mapped.items()):
+            first = min(t.offset for t in ts)
+            last = max(t.offset + t.nbytes for t in ts)
+            total += last - first
+        out = {"CPU_Mapped": total, **out}
+    if a.split_mode == "row" and len(p.gpus) > 1:
+        notes.append("-sm row: the split buffers (CUDA_Split) are priced as -sm layer's; not modelled apart")
+    return out, notes
+
+
+def kv_buffers(h: Hparams, a: LlamaArgs, c: Context, p: Placement) -> tuple[dict[str, int], list[dict], list[str]]:
+    """Each KV cache's buffers (llama_kv_cache per cache, one buffer per device)."""
+    notes: list[str] = []
+    if h.arch in RECURRENT_ARCHS or h.arch in NOT_MODELLED_KV:
+        raise UserError(f"{h.arch}: its recurrent / latent-attention state is not modelled yet by vramcal's "
+                        "llama.cpp engine (docs/llamacpp.md says which architectures are)")
+    swa = any(h.is_swa)
+    caches = []
+    groups = [("base", [il for il in range(h.n_layer) if not h.is_swa[il]], c.n_ctx_seq)]
+    if swa:
+        size_swa = c.n_ctx_seq if a.swa_full else \
+            pad(min(c.n_ctx_seq, h.n_swa * (c.n_seq_max if a.kv_unified else 1) + c.n_ubatch), 256)
+        groups.append(("swa", [il for il in range(h.n_layer) if h.is_swa[il]], size_swa))
+    total: dict[str, int] = {}
+    for label, layers, cells in groups:
+        bufs: dict[str, int] = {}
+        n_layers = 0
+        k_bytes = v_bytes = 0
+        for il in layers:
+            if h.n_head_kv[il] == 0:
+                continue
+            n_layers += 1
+            gpu = p.layers[il] if a.offload_kqv else None
+            name = p.name(gpu, a.gpu_backend)
+            align = CPU_ALIGN if gpu is None else CUDA_ALIGN
+            k = row_size(a.cache_type_k, h.n_embd_k_gqa(il)) * cells * c.n_stream
+            v = row_size(a.cache_type_v, h.n_embd_v_gqa(il)) * cells * c.n_stream
+            k_bytes += k
+            v_bytes += v
+            bufs[name] = bufs.get(name, 0) + pad(k, align) + pad(v, align)
+        caches.append({"cache": label, "cells": cells, "layers": n_layers, "streams": c.n_stream,
+                       "k_bytes": k_bytes, "v_bytes": v_bytes, "buffer_bytes": bufs})
+        for name, b in bufs.items():
+            total[name] = total.get(name, 0) + b
+    return total, caches, notes
+
+
+def output_buffer(h: Hparams, a: LlamaArgs, c: Context, p: Placement) -> tuple[str, int]:
+    """``output_reserve(n_seq_max)`` at context creation: the logits of one output per sequence."""
+    name = "CPU" if p.output is None else f"{a.gpu_backend}_Host"
+    return name, h.n_vocab * c.n_seq_max * 4
+
+
+def estimate_llamacpp(spec: str | GgufModel, args: LlamaArgs | None = None) -> LlamaEstimate:
+    """Every buffer llama.cpp logs loading ``spec`` with ``args``."""
+    from .compute import compute_buffers
+    from .gguf_file import read_gguf
+
+    a = (args or LlamaArgs()).validated()
+    m = spec if isinstance(spec, GgufModel) else read_gguf(spec)
+    h = hparams_of(m)
+    c = context_of(h, a)
+    p = placement_of(h, a)
+    model, notes = model_buffers(m, h, a, p)
+    kv, caches, kv_notes = kv_buffers(h, a, c, p)
+    out_name, out_bytes = output_buffer(h, a, c, p)
+    compute, method, c_notes = compute_buffers(m, h, a, c, p)
+    types: dict[str, int] = {}
+    for t in m.tensors:
+        types[t.type_name] = types.get(t.type_name, 0) + t.nbytes
+    n_gpu = sum(1 for d in p.layers if d is not None) + (p.output is not None)
+    return LlamaEstimate(model=m.name, arch=m.arch, files=list(m.files), n_ctx=c.n_ctx, n_ctx_seq=c.n_ctx_seq,
+                         n_seq_max=c.n_seq_max, n_batch=c.n_batch, n_ubatch=c.n_ubatch, flash_attn=c.flash_attn,
+                         n_gpu_layers=n_gpu, n_layer=h.n_layer, model_buffer_bytes=model, kv_buffer_bytes=kv,
+                         kv_caches=caches, compute_buffer_bytes=compute, output_buffer_bytes=out_bytes,
+                         output_buffer=out_name, compute_method=method, weights_bytes=m.tensor_bytes,
+                         weight_types=types, notes=[*c.notes, *notes, *kv_notes, *c_notes])

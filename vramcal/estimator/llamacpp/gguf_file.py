@@ -1,0 +1,244 @@
+"""A GGUF file's header: the metadata and every tensor's name, type, shape, bytes as stored and offset in
+the file, by the layout and types of the ``gguf`` package (llama.cpp's own ``gguf-py``: ``GGUFValueType``,
+``GGMLQuantizationType``, ``GGML_QUANT_SIZES``). The tensor data are never read (the file is mapped; only
+the header pages are touched).
+
+Inputs: a ``.gguf`` file; the first (or any) part of a split GGUF, ``NAME-00001-of-0000N.gguf``, whose
+parts are read together as llama.cpp loads them (``split.count`` in the first); a Hugging Face cache id
+``owner/repo`` holding one GGUF, or ``owner/repo/FILE.gguf`` (the cache only, never the network).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...errors import UserError
+
+SPLIT = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    name: str
+    type_name: str  # ggml's name: F16, Q4_K, IQ4_XS ...
+    type_id: int
+    shape: tuple[int, ...]  # ggml order: ne0 (the row) first
+    nbytes: int  # as stored: rows x blocks x the type's block bytes
+    file_index: int  # which part of a split GGUF
+    offset: int  # from the start of that part's file
+
+    @property
+    def layer(self) -> int | None:
+        m = re.match(r"blk\.(\d+)\.", self.name)
+        return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class GgufModel:
+    path: str  # the first part
+    files: tuple[str, ...]
+    file_bytes: tuple[int, ...]
+    arch: str
+    metadata: dict = field(hash=False)  # scalar and short-array fields; tokenizer arrays by length only
+    tensors: tuple[GgufTensor, ...] = field(hash=False, default=())
+
+    def get(self, key: str, default=None):
+        """``{arch}.key`` for a key starting with ``.``, else the key itself."""
+        return self.metadata.get(f"{self.arch}{key}" if key.startswith(".") else key, default)
+
+    @property
+    def name(self) -> str:
+        return str(self.metadata.get("general.name") or Path(self.path).name)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def _parts(path: Path) -> list[Path]:
+    m = SPLIT.match(path.name)
+    if not m:
+        return [path]
+    count = int(m.group("count"))
+    parts = [path.with_name(f"{m.group('prefix')}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise UserError(f"{path.name} is part of a split GGUF of {count} files; {', '.join(missing[:3])} "
+                        f"{'is' if len(missing) == 1 else 'are'} not beside it: download every part")
+    return parts
+
+
+def locate(spec: str) -> Path:
+    """The GGUF file ``spec`` names: a path, or a Hub id in the local Hugging Face cache."""
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        ggufs = sorted(q for q in p.glob("*.gguf") if not SPLIT.match(q.name) or SPLIT.match(q.name)["no"] == "00001")
+        ggufs = [q for q in ggufs if "mmproj" not in q.name.lower()]
+        if len(ggufs) == 1:
+            return ggufs[0]
+        if not ggufs:
+            raise UserError(f"{spec} is a directory with no .gguf file: give the GGUF file itself")
+        raise UserError(f"{spec} is a directory with {len(ggufs)} GGUF files ({', '.join(q.name for q in ggufs[:4])}"
+                        f"{' ...' if len(ggufs) > 4 else ''}): give one of them")
+    if p.is_file():
+        return p
+    if spec.count("/") >= 1 and not spec.startswith((".", "/", "~")):
+        parts = spec.split("/")
+        snap = _cached_snapshot("/".join(parts[:2]))
+        if snap is not None:
+            return locate(str(snap / "/".join(parts[2:])) if len(parts) > 2 else str(snap))
+    raise UserError(f"no GGUF file {spec!r}: give a .gguf path, a split GGUF's first part, or a Hub id in the "
+                    "local Hugging Face cache (owner/repo or owner/repo/FILE.gguf)")
+
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    """The local snapshot of a Hub repository, from the Hugging Face cache only (huggingface_hub finds it;
+    a GGUF repository has no config.json, so :func:`..resolve.hf_snapshot` does not apply)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError, ValueError):
+        return None
+
+
+# GGUF value types (gguf.GGUFValueType): the struct format of each scalar
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+LONG_ARRAY = 4096  # arrays longer than this (a vocabulary, its merges) are kept as ("array", length)
+
+
+class _Header:
+    """The GGUF header as llama.cpp's ``gguf.c`` lays it out (version 2 and 3: little-endian, 64-bit counts),
+    read straight from the mapped file with ``struct``. ``gguf.GGUFReader`` parses every vocabulary and merge
+    string into numpy views (about 20 s of CPU for a 128k-token vocabulary with 280k merges); this walks past
+    the long arrays and keeps their length, which is all the buffers need. The layout and the value types
+    are the ``gguf`` package's (``GGUFValueType``, ``GGML_QUANT_SIZES``)."""
+
+    def __init__(self, buf) -> None:
+        import struct
+
+        self.buf, self.pos, self.struct = buf, 0, struct
+
+    def take(self, fmt: str):
+        v = self.struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += self.struct.calcsize("<" + fmt)
+        return v[0] if len(v) == 1 else v
+
+    def string(self) -> str:
+        n = self.take("Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError("a string runs past the end of the file")
+        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", "replace")
+        self.pos += n
+        return s
+
+    def value(self, kind: int):
+        if kind == 8:
+            return self.string()
+        if kind == 9:
+            sub, n = self.take("I"), self.take("Q")
+            if n > LONG_ARRAY:
+                self.skip(sub, n)
+                return ("array", n)
+            return [self.value(sub) for _ in range(n)]
+        if kind not in _SCALARS:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        return self.take(_SCALARS[kind])
+
+    def skip(self, kind: int, n: int) -> None:
+        if kind == 8:
+            unpack, buf = self.struct.unpack_from, self.buf
+            pos = self.pos
+            for _ in range(n):
+                pos += 8 + unpack("<Q", buf, pos)[0]
+            self.pos = pos
+        elif kind in _SCALARS:
+            self.pos += self.struct.calcsize("<" + _SCALARS[kind]) * n
+        else:
+            for _ in range(n):
+                self.value(kind)
+        if self.pos > len(self.buf):
+            raise ValueError("an array runs past the end of the file")
+
+
+def read_header(path: Path) -> tuple[dict, list[tuple[str, int, tuple[int, ...], int]]]:
+    """(metadata, [(tensor name, ggml type id, shape, offset from the file's start)]) of one GGUF file."""
+    import mmap
+
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        h = _Header(mm)
+        magic, version = h.take("4s"), h.take("I")
+        if magic != GGUF_MAGIC:
+            raise ValueError("no GGUF magic")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (llama.cpp reads 2 and 3)")
+        n_tensors, n_kv = h.take("Q"), h.take("Q")
+        meta: dict = {}
+        for _ in range(n_kv):
+            key = h.string()
+            meta[key] = h.value(h.take("I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = h.string()
+            dims = tuple(h.take("Q") for _ in range(h.take("I")))
+            infos.append((name, h.take("I"), dims, h.take("Q")))
+        align = meta.get("general.alignment", 32)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise ValueError(f"general.alignment {align!r} is not a power of two")
+        data = (h.pos + align - 1) // align * align
+    return meta, [(n, t, d, data + off) for n, t, d, off in infos]
+
+
+def read_gguf(spec: str) -> GgufModel:
+    """The header of the GGUF ``spec`` names (every part of a split one). Bad input is one line."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    first = locate(spec)
+    paths = _parts(first)
+    metadata: dict = {}
+    tensors: list[GgufTensor] = []
+    for idx, path in enumerate(paths):
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+        if magic != GGUF_MAGIC:
+            raise UserError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'): give a .gguf model "
+                            "file (a safetensors checkpoint goes without --engine llama.cpp)")
+        try:
+            meta, infos = read_header(path)
+        except (ValueError, OverflowError, MemoryError, IndexError) as exc:  # struct.error is a ValueError
+            raise UserError(f"{path} is truncated or damaged: its GGUF header does not read ({type(exc).__name__}: "
+                            f"{str(exc)[:160]}); download it again, or wait for the download to end") from None
+        for name, value in meta.items():
+            if idx == 0 or name.startswith("split."):
+                metadata.setdefault(name, value)
+        size = os.path.getsize(path)
+        for name, type_id, shape, offset in infos:
+            try:
+                qtype = GGMLQuantizationType(type_id)
+            except ValueError:
+                raise UserError(f"{path}: tensor {name} has ggml type {type_id}, which this gguf package does not "
+                                "know (a newer llama.cpp type): upgrade gguf") from None
+            block, type_bytes = GGML_QUANT_SIZES[qtype]
+            rows = 1
+            for d in shape[1:]:
+                rows *= d
+            nbytes = rows * (shape[0] // block) * type_bytes
+            if offset + nbytes > size:
+                raise UserError(f"{path} is truncated: tensor {name} ends at byte {offset + nbytes:,}, the file has "
+                                f"{size:,} (still downloading?)")
+            tensors.append(GgufTensor(name, qtype.name, type_id, shape, nbytes, idx, offset))
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise UserError(f"{first} has no general.architecture: not a llama.cpp model file")
+    count = metadata.get("split.count")
+    if isinstance(count, int) and count > 1 and len(paths) != count:
+        raise UserError(f"{first.name} says it is one of {count} parts (split.count) but is not named "
+                        "NAME-00001-of-0000N.gguf: keep llama-gguf-split's names")
+    return GgufModel(path=str(first), files=tuple(str(p) for p in paths),
+                     file_bytes=tuple(os.path.getsize(p) for p in paths), arch=arch, metadata=metadata,
+                     tensors=tuple(tensors))
