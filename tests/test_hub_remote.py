@@ -94,6 +94,12 @@ def repos(tmp_path_factory) -> dict[str, Path]:
         _gguf(root / "gguf-many" / f"tiny-{quant}.gguf", 100)
     (root / "gguf-many" / "README.md").write_text("two quants")
     out["org/gguf-many"] = root / "gguf-many"
+    from tiny_gguf import write_tiny
+
+    (root / "gguf-llama").mkdir()
+    for wt in ("F16", "Q8_0"):  # a real llama.cpp model in two quant files (the tensor data is most of each)
+        write_tiny(root / "gguf-llama" / f"tiny-{wt}.gguf", weight_type=wt, n_embd=512, n_ff=1536, n_layer=4)
+    out["org/gguf-llama"] = root / "gguf-llama"
     return out
 
 
@@ -408,3 +414,30 @@ def test_gguf_header_length_stops_only_at_the_end(repos):
     assert hub.gguf_header_length(data[:end]) == end
     with pytest.raises(UserError, match="not a GGUF file"):
         hub.gguf_header_length(b"PK\x03\x04" + bytes(40))
+
+
+def test_llamacpp_estimate_of_a_hub_gguf_reads_its_header_only(hubenv, repos, capsys):
+    """`estimate --engine llama.cpp owner/repo --file X.gguf`: the header by range reads, every buffer as the
+    same file on disk gives, the commit named, a small share of the file served; a second run asks nothing."""
+    local = repos["org/gguf-llama"] / "tiny-Q8_0.gguf"
+    rc, out, err = _cli(capsys, "estimate", "--engine", "llama.cpp", str(local), "-c", "4096", "-ngl", "99",
+                        "--gpu-count", "1", "--json")
+    assert rc == 0, err
+    want = json.loads(out)["llama_cpp"]
+    hubenv.reset()
+    rc, out, err = _cli(capsys, "estimate", "--engine", "llama.cpp", "org/gguf-llama", "--file", "tiny-Q8_0.gguf",
+                        "-c", "4096", "-ngl", "99", "--gpu-count", "1", "--json")
+    assert rc == 0, err
+    got = json.loads(out)["llama_cpp"]
+    for key in ("model_buffer_bytes", "kv_buffer_bytes", "compute_buffer_bytes", "output_buffer_bytes", "n_ctx"):
+        assert got[key] == want[key], key
+    assert got["revision"] == f"org/gguf-llama@{hubenv.commit('org/gguf-llama')}"
+    assert hubenv.bytes_served < 0.2 * local.stat().st_size
+    hubenv.reset()
+    assert _cli(capsys, "estimate", "--engine", "llama.cpp", "org/gguf-llama/tiny-Q8_0.gguf", "-c", "4096",
+                "--gpu-count", "1", "--json")[0] == 0
+    assert hubenv.bytes_served == 0  # cached under the commit
+    rc, out, err = _cli(capsys, "estimate", "--engine", "llama.cpp", "org/gguf-llama", "-c", "4096")
+    assert rc == 2 and "--file" in err and len(err.strip().splitlines()) == 1
+    rc, out, err = _cli(capsys, "estimate", "org/gguf-llama", "--file", "tiny-Q8_0.gguf")
+    assert rc == 2 and "--engine llama.cpp" in err

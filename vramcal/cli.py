@@ -164,6 +164,8 @@ def add_hub_args(p) -> None:
     g.add_argument("--offline", action="store_true", help="never fetch (as HF_HUB_OFFLINE=1): only local copies")
     g.add_argument("--refresh", action="store_true",
                    help="ask the Hub again where --revision points (else the commit fetched first is reused)")
+    g.add_argument("--file", default=None, metavar="NAME.gguf",
+                   help="--engine llama.cpp: which GGUF of a Hub repository holding several quant files")
 
 
 def hub_options(args, progress=None):
@@ -213,6 +215,8 @@ def cmd_estimate(args) -> int:
 def estimate_transformers(args, io) -> int:
     from . import present
 
+    if getattr(args, "file", None) is not None:
+        raise UserError("--file picks a GGUF file of a Hub repository: add --engine llama.cpp")
     quick = args.params_b is not None or args.bits is not None
     if args.model is None and not quick:
         raise UserError("give a MODEL (directory, config.json, cached Hub id or catalog name) "

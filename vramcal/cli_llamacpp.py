@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 from .errors import UserError
 
@@ -173,7 +174,10 @@ def cmd_estimate(args, io) -> int:
                         "-ngl 99`")
     _refuse_others(args, "estimate")
     a, note = llama_args(args)
-    e = estimate_llamacpp(args.model, a)
+    from .cli import hub_options
+    from .estimator.llamacpp.gguf_file import read_gguf
+
+    e = estimate_llamacpp(read_gguf(args.model, getattr(args, "file", None), hub_options(args, io.progress())), a)
     if note:
         e.notes.append(note)
     io.out(json.dumps(present.llamacpp_json(e)) if args.json else present.llamacpp_table(e))
@@ -221,6 +225,9 @@ def _probe(args, io, *, check: bool) -> int:
     if getattr(args, "synthetic", False):
         raise UserError("--synthetic belongs to transformers' probes: a llama.cpp probe loads the GGUF itself")
     m = read_gguf(args.model)
+    if m.revision is not None:  # only its header is here
+        raise UserError(f"{args.model} is on the Hub, not on this machine: a probe loads the file; "
+                        f"`hf download {m.revision.split('@')[0]} {Path(m.path).name}` first, then probe the file")
     est = estimate_llamacpp(m, a)
     if note:
         est.notes.append(note)

@@ -616,7 +616,9 @@ def llamacpp_table(e) -> str:
     head = (f"{e.model}  [{e.arch}]  n_ctx={e.n_ctx:,} (n_ctx_seq {e.n_ctx_seq:,} x {e.n_seq_max} seq)  "
             f"n_batch={e.n_batch} n_ubatch={e.n_ubatch}  flash_attn={'on' if e.flash_attn else 'off'}  "
             f"offloaded {e.n_gpu_layers}/{e.n_layer + 1} layers")
-    lines = [head, "", "what llama.cpp will print"] + ["  " + ln for ln in e.log_lines()]
+    rev = [f"revision {e.revision} (the Hub commit whose GGUF header was priced; no tensor data was read)"] \
+        if e.revision else []
+    lines = [head, *rev, "", "what llama.cpp will print"] + ["  " + ln for ln in e.log_lines()]
     if e.kv_caches:
         lines += [f"  llama_kv_cache: {c['cache']}: {c['cells']:,} cells, {c['layers']} layers, "
                   f"{c['streams']} stream(s), K {c['k_bytes'] / MIB:.2f} MiB, V {c['v_bytes'] / MIB:.2f} MiB"

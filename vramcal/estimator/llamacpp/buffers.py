@@ -303,6 +303,7 @@ class LlamaEstimate:
     weight_types: dict[str, int]  # bytes per ggml type
     notes: list[str] = field(default_factory=list)
     estimator_model: str = MODEL_ID
+    revision: str | None = None  # owner/repo@commit of a GGUF sized from its Hub header alone
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes per device (CUDA0 ..., "CPU" for host memory: CPU, CPU_Mapped, CUDA_Host, the output)."""
@@ -315,7 +316,8 @@ class LlamaEstimate:
         return out
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "arch": self.arch, "files": self.files, "n_ctx": self.n_ctx,
+        return {"model": self.model, "arch": self.arch, "files": self.files, "revision": self.revision,
+                "n_ctx": self.n_ctx,
                 "n_ctx_seq": self.n_ctx_seq, "n_seq_max": self.n_seq_max, "n_batch": self.n_batch,
                 "n_ubatch": self.n_ubatch, "flash_attn": self.flash_attn, "n_gpu_layers": self.n_gpu_layers,
                 "n_layer": self.n_layer, "model_buffer_bytes": dict(self.model_buffer_bytes),
@@ -501,4 +503,4 @@ def estimate_llamacpp(spec: str | GgufModel, args: LlamaArgs | None = None) -> L
                          n_gpu_layers=n_gpu, n_layer=h.n_layer, model_buffer_bytes=model, kv_buffer_bytes=kv,
                          kv_caches=caches, compute_buffer_bytes=compute, output_buffer_bytes=out_bytes,
                          output_buffer=out_name, compute_method=method, weights_bytes=m.tensor_bytes,
-                         weight_types=types, notes=[*c.notes, *notes, *kv_notes, *c_notes])
+                         weight_types=types, notes=[*c.notes, *notes, *kv_notes, *c_notes], revision=m.revision)

@@ -45,6 +45,7 @@ class GgufModel:
     arch: str
     metadata: dict = field(hash=False)  # scalar and short-array fields; tokenizer arrays by length only
     tensors: tuple[GgufTensor, ...] = field(hash=False, default=())
+    revision: str | None = None  # owner/repo@commit of a GGUF read from the Hub by its header alone
 
     def get(self, key: str, default=None):
         """``{arch}.key`` for a key starting with ``.``, else the key itself."""
@@ -194,15 +195,53 @@ def read_header(path: Path) -> tuple[dict, list[tuple[str, int, tuple[int, ...],
     return meta, [(n, t, d, data + off) for n, t, d, off in infos]
 
 
-def read_gguf(spec: str) -> GgufModel:
-    """The header of the GGUF ``spec`` names (every part of a split one). Bad input is one line."""
+def _looks_like_hub_id(spec: str) -> bool:
+    p = Path(spec).expanduser()
+    return spec.count("/") >= 1 and not spec.startswith((".", "/", "~")) and not p.exists()
+
+
+def _remote_parts(spec: str, file: str | None, hub) -> tuple[Path, list[tuple[Path, int]], str]:
+    """A GGUF of a Hub repository not on this machine: each part's header read by range reads
+    (:func:`vramcal.estimator.hub.gguf_header`, cached under the commit), with the remote file's size."""
+    from ..hub import HubOptions, gguf_header
+
+    parts = spec.split("/")
+    repo, name = "/".join(parts[:2]), ("/".join(parts[2:]) or file)
+    if file is not None and len(parts) > 2 and name != file:
+        raise UserError(f"{spec} names its file already; drop --file {file!r} (or give the repository alone)")
+    options = hub or HubOptions()
+    head = gguf_header(repo, name, options)
+    out = [(head.path, head.size_bytes)]
+    m = SPLIT.match(Path(head.filename).name)
+    if m:  # every part's tensor infos, each from its own header
+        count = int(m.group("count"))
+        folder = head.filename.rsplit("/", 1)[0] + "/" if "/" in head.filename else ""
+        for i in range(2, count + 1):
+            part = gguf_header(repo, f"{folder}{m.group('prefix')}-{i:05d}-of-{count:05d}.gguf", options)
+            out.append((part.path, part.size_bytes))
+    return Path(head.filename), out, f"{repo}@{head.commit}"
+
+
+def read_gguf(spec: str, file: str | None = None, hub=None) -> GgufModel:
+    """The header of the GGUF ``spec`` names (every part of a split one). Bad input is one line. A Hub id
+    not in the local cache (``owner/repo`` with ``file``, or ``owner/repo/FILE.gguf``) is read from the
+    Hub, headers only (``hub``: :class:`vramcal.estimator.hub.HubOptions`)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    first = locate(spec)
-    paths = _parts(first)
+    revision = None
+    if file is not None and not _looks_like_hub_id(spec):
+        raise UserError(f"--file picks one GGUF of a Hub repository; {spec} is not one: give the file itself")
+    try:
+        first = locate(spec)
+        sized = [(p, os.path.getsize(p)) for p in _parts(first)]
+    except UserError:
+        if not _looks_like_hub_id(spec):
+            raise
+        first, sized, revision = _remote_parts(spec, file, hub)
+    paths = [p for p, _ in sized]
     metadata: dict = {}
     tensors: list[GgufTensor] = []
-    for idx, path in enumerate(paths):
+    for idx, (path, size) in enumerate(sized):
         with open(path, "rb") as fh:
             magic = fh.read(4)
         if magic != GGUF_MAGIC:
@@ -216,7 +255,6 @@ def read_gguf(spec: str) -> GgufModel:
         for name, value in meta.items():
             if idx == 0 or name.startswith("split."):
                 metadata.setdefault(name, value)
-        size = os.path.getsize(path)
         for name, type_id, shape, offset in infos:
             try:
                 qtype = GGMLQuantizationType(type_id)
@@ -240,5 +278,5 @@ def read_gguf(spec: str) -> GgufModel:
         raise UserError(f"{first.name} says it is one of {count} parts (split.count) but is not named "
                         "NAME-00001-of-0000N.gguf: keep llama-gguf-split's names")
     return GgufModel(path=str(first), files=tuple(str(p) for p in paths),
-                     file_bytes=tuple(os.path.getsize(p) for p in paths), arch=arch, metadata=metadata,
-                     tensors=tuple(tensors))
+                     file_bytes=tuple(size for _, size in sized), arch=arch, metadata=metadata,
+                     tensors=tuple(tensors), revision=revision)
