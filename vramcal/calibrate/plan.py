@@ -39,6 +39,7 @@ from ..workload import GOALS, NEW_TOKENS, Configuration, Workload, choice
 from .search import Budget, Search, Split, context_limit, offloaded_layers
 
 OFFLOAD_CTX = 4096  # the context an offloaded plan is split for when none is asked
+SPLIT_FLOOR = 256  # the shortest power of two a split is sized for before the shortest context
 GRID = (16, 1024, 64)  # the largest context is found to 16 tokens below 1024, to 64 above (the exact trace decides)
 PRECISION = ("fp32", "bf16", "fp16", "int8", "nf4", "nf4-dq", "fp4", "fp4-dq")  # best first
 KV_ORDER = ("auto", "fp8")
@@ -187,6 +188,20 @@ class Planner:
             out.append(("disk", Budget(dict(self.usable), ram, hw.disk_bytes)))
         return out
 
+    def split_contexts(self) -> list[int]:
+        """The contexts a split is sized for, longest first: the one sought, then the powers of two below it
+        down to :data:`SPLIT_FLOOR`, then the shortest. The points are the same for every goal, so the search
+        of ``--goal context`` (sought: the model's limit) passes through each split ``--goal quality`` (sought:
+        :data:`OFFLOAD_CTX`) would take, and offers at least the context that one holds."""
+        floor = self.new_tokens + 1
+        out = [self.target]
+        c = 1 << max(self.target - 1, 1).bit_length()
+        while c // 2 >= max(SPLIT_FLOOR, floor):
+            c //= 2
+            if c < self.target:
+                out.append(c)
+        return out + ([floor] if floor < out[-1] else [])
+
     def work(self, ctx: int) -> Workload:
         return Workload(ctx - self.new_tokens, self.new_tokens, self.batch, self.images, self.image_size)
 
@@ -206,8 +221,9 @@ class Planner:
             # "auto" balances GPUs by transformers' own share, which can leave a GPU's budget unusable;
             # "sequential" fills them in order, to the budget the search gives each
             strategies = ("auto", "sequential") if len(budget.usable) > 1 else ("auto",)
-            # not at the context sought: at the shortest, then as long a context as that split holds
-            tries = [(ctx, s) for ctx in (self.target, self.new_tokens + 1) for s in strategies]
+            # not at the context sought: at the next shorter on the ladder, then as long a context as that
+            # split holds (the same ladder for every goal: a goal's search passes where the others stop)
+            tries = [(ctx, s) for ctx in self.split_contexts() for s in strategies]
             for ctx, strategy in tries:
                 split = search.split(est, self.work(ctx), budget, offload, strategy)
                 if split is not None:
