@@ -66,3 +66,50 @@ def test_a_stronger_goal_never_offers_less_than_a_weaker_one(mid):
             and p.ctx >= got["speed"].target_ctx]
     if fast:
         assert _first(got["speed"]).tokens_per_s >= max(fast)
+
+
+# ------------------------------------------------------------------------------- sizes within the device
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    from vramcal.cli import main
+
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_a_pinned_kv_cache_beyond_the_gpu_does_not_fit(capsys):
+    """vLLM skips its profiling check for --kv-cache-memory-bytes and runs out of memory allocating a cache
+    that does not fit beside the weights: priced as that failure, never as tokens."""
+    from vramcal.estimator.vllm.engine import VllmArgs, estimate_vllm
+
+    e = estimate_vllm("llama-3.1-8b", VllmArgs(gpu_memory_bytes=80 * GIB, kv_cache_memory_bytes=70 * GIB,
+                                                max_model_len=8192, vllm_version="0.19"))
+    assert not e.fits and e.kv_cache_tokens == 0 and "kv-cache-memory-bytes" in e.error
+    ok = estimate_vllm("llama-3.1-8b", VllmArgs(gpu_memory_bytes=80 * GIB, kv_cache_memory_bytes=40 * GIB,
+                                                 max_model_len=8192, vllm_version="0.19"))
+    assert ok.fits and ok.kv_cache_tokens > 0
+    rc, out, _ = _cli(capsys, "fit", "llama-3.1-8b", "--engine", "vllm", "--gpu-memory", "24GiB",
+                      "--kv-cache-memory-bytes", "100GiB", "--vllm-version", "0.19", "--no-correction", "--json")
+    fit = json.loads(out)
+    assert rc == 1 and not fit["fits"] and fit["max_model_len"] == 0 and fit["kv_cache_memory_bytes"] is None
+    assert "runs out of memory" in fit["note"]
+
+
+def test_a_suggested_size_never_exceeds_the_gpu(capsys):
+    """fit's utilization question offers a share in (0, 1] and a --kv-cache-memory-bytes that fits beside the
+    weights, or says nothing fits (no share above 1, no size above the GPU); an absurd concurrency is refused
+    in one line."""
+    flags = ["--engine", "vllm", "--gpu-memory", "24GiB", "--max-model-len", "8192", "--vllm-version", "0.19",
+             "--no-correction"]
+    rc, out, _ = _cli(capsys, "fit", "llama-3.1-8b", *flags, "--concurrency", "4", "--json")
+    fit = json.loads(out)
+    assert rc == 0 and fit["fits"] and 0 < fit["gpu_memory_utilization"] <= 1
+    assert fit["kv_cache_memory_bytes"] + fit["vllm"]["weights_bytes"] < 24 * GIB
+    rc, out, _ = _cli(capsys, "fit", "llama-3.1-8b", *flags, "--concurrency", "64", "--json")
+    fit = json.loads(out)
+    assert rc == 1 and not fit["fits"] and fit["gpu_memory_utilization"] is None and fit["kv_cache_memory_bytes"] is None
+    rc, out, _ = _cli(capsys, "fit", "llama-3.1-8b", *flags, "--concurrency", "64")
+    assert rc == 1 and "nothing fits" in out and "--gpu-memory-utilization" not in out and "--kv-cache" not in out
+    rc, _, err = _cli(capsys, "fit", "llama-3.1-8b", *flags, "--concurrency", "1e30")
+    assert rc == 2 and len(err.strip().splitlines()) == 1
