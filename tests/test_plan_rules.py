@@ -113,3 +113,49 @@ def test_a_suggested_size_never_exceeds_the_gpu(capsys):
     assert rc == 1 and "nothing fits" in out and "--gpu-memory-utilization" not in out and "--kv-cache" not in out
     rc, _, err = _cli(capsys, "fit", "llama-3.1-8b", *flags, "--concurrency", "1e30")
     assert rc == 2 and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------- plan --engine vllm
+
+def test_vllm_plan_reads_the_limit_transformers_fills_and_refuses_new_tokens(capsys):
+    """gemma-3-27b's text config names no max_position_embeddings (its model class says 131072): the plan
+    sought 0 and called no plan "reaches"; --new-tokens was taken and ignored."""
+    rc, out, _ = _cli(capsys, "plan", "gemma-3-27b", "--engine", "vllm", "--hardware", "cuda:0=80GiB",
+                      "--vllm-version", "0.19", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["max_model_len"] == 131072 and doc["plans"][0]["reaches"]
+    assert doc["plans"][0]["max_model_len"] == 131072
+    rc, _, err = _cli(capsys, "plan", "gemma-3-27b", "--engine", "vllm", "--hardware", "cuda:0=80GiB",
+                      "--new-tokens", "64")
+    assert rc == 2 and "--new-tokens" in err and len(err.strip().splitlines()) == 1
+
+
+def test_vllm_plan_on_mixed_gpus_runs_tp_1_on_the_largest_and_says_so(capsys):
+    """TP 1 runs on one GPU: the largest, priced at its size, selected in the printed command; a group of
+    two is priced at the smaller of the two."""
+    from vramcal.estimator.vllm.engine import VllmArgs, estimate_vllm
+
+    rc, out, _ = _cli(capsys, "plan", "llama-3.1-8b", "--engine", "vllm", "--hardware", "cuda:0=24GiB,cuda:1=80GiB",
+                      "--vllm-version", "0.19", "--json")
+    doc = json.loads(out)
+    one = [p for p in doc["plans"] if p["tensor_parallel_size"] == 1]
+    two = [p for p in doc["plans"] if p["tensor_parallel_size"] == 2]
+    assert one and two and rc == 0
+    assert all(p["gpus"] == ["cuda:1"] and p["gpu_memory_bytes"] == 80 * GIB for p in one)
+    assert all(p["serve"].startswith("CUDA_VISIBLE_DEVICES=1 vllm serve") for p in one)
+    assert all(p["gpu_memory_bytes"] == 24 * GIB and not p["serve"].startswith("CUDA") for p in two)
+    best = one[0]  # what vLLM logs on the 80 GiB card at that length
+    e = estimate_vllm("llama-3.1-8b", VllmArgs(gpu_memory_bytes=80 * GIB, max_model_len=best["max_model_len"],
+                                                vllm_version="0.19", quantization=best["quantization"],
+                                                kv_cache_dtype=best["kv_cache_dtype"]))
+    assert e.fits and e.kv_cache_tokens == best["kv_cache_tokens"]
+    assert any("tp 1: on cuda:1" in n for n in doc["notes"])
+
+
+@pytest.mark.parametrize("flag", ["--kv-cache-dtype=", "--vllm-version=", "--quantization="])
+def test_an_empty_vllm_flag_is_one_line_and_exit_2(flag, capsys):
+    rc, _, err = _cli(capsys, "estimate", "llama-3.1-8b", "--engine", "vllm", "--gpu-memory", "24GiB", flag)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    rc, _, err = _cli(capsys, "plan", "llama-3.1-8b", "--engine", "vllm", "--hardware", "cuda:0=24GiB", flag) \
+        if flag == "--vllm-version=" else (2, "", "x")
+    assert rc == 2 and len(err.strip().splitlines()) == 1

@@ -38,7 +38,7 @@ def add_plan(sub, func) -> None:
     w.add_argument("--ctx", type=int, default=None, help="whole context: prompt + new tokens (default: the largest "
                                                          "that fits, up to the model's limit)")
     w.add_argument("--prompt", type=int, default=None, help="prompt tokens, instead of --ctx")
-    w.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help=f"tokens generated (default {NEW_TOKENS})")
+    w.add_argument("--new-tokens", type=int, default=None, help=f"tokens generated (default {NEW_TOKENS})")
     w.add_argument("--batch", type=int, default=1)
     p.add_argument("--attn", default="auto", choices=ATTNS)
     p.add_argument("--buffer", default=None, help="headroom to keep free on each GPU (default 2GiB)")
@@ -71,15 +71,18 @@ def cmd_plan(args, out) -> int:
     if vllm:
         transformers_only = [f for f, given in (("--images", args.images), ("--image-size", args.image_size),
                                                 ("--prompt", args.prompt), ("--buffer", args.buffer),
+                                                ("--new-tokens", args.new_tokens is not None),
                                                 ("--batch", args.batch != 1), ("--attn", args.attn != "auto"),
                                                 ("--db", args.db)) if given]
         if transformers_only:
             raise UserError(f"{', '.join(transformers_only)} belong to transformers' plans, not to --engine vllm "
-                            "(vLLM takes --gpu-memory-utilization of each GPU and batches requests itself)")
+                            "(vLLM takes --gpu-memory-utilization of each GPU and batches requests itself; its "
+                            "--max-model-len, from --ctx, is prompt and generated tokens together)")
     elif args.gpu_memory_utilization is not None or args.vllm_version is not None:
         raise UserError("--gpu-memory-utilization and --vllm-version belong to --engine vllm")
     given = args.ctx is not None or args.prompt is not None
-    work = workload(args.ctx if given else None, args.batch, args.new_tokens, args.prompt, args.images,
+    new_tokens = NEW_TOKENS if args.new_tokens is None else args.new_tokens
+    work = workload(args.ctx if given else None, args.batch, new_tokens, args.prompt, args.images,
                     args.image_size)
     asked = work.ctx if given else None
     buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
