@@ -159,3 +159,12 @@ def test_an_empty_vllm_flag_is_one_line_and_exit_2(flag, capsys):
     rc, _, err = _cli(capsys, "plan", "llama-3.1-8b", "--engine", "vllm", "--hardware", "cuda:0=24GiB", flag) \
         if flag == "--vllm-version=" else (2, "", "x")
     assert rc == 2 and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------- images
+
+@pytest.mark.parametrize("command", [["fit", "--budget", "24GiB"], ["plan", "--hardware", "cuda:0=24GiB,cpu=64GiB"]])
+def test_images_beyond_the_models_positions_are_refused_not_a_context_of_17(command, capsys):
+    """llava-1.5-7b holds 4,096 positions; 8 images are 4,608 tokens. fit printed "max ctx 17" as fitting."""
+    rc, out, err = _cli(capsys, command[0], "llava-1.5-7b", "--images", "8", *command[1:])
+    assert rc == 2 and "positions" in err and len(err.strip().splitlines()) == 1 and not out

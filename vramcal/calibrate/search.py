@@ -268,7 +268,12 @@ def context_limit(est: Estimator, new_tokens: int = 1) -> int:
 
     image_tokens = est.images.tokens if est.images is not None else 0
     limit = int(size_field(est.text_config, "max_position_embeddings") or 131072)
-    return min(max(limit - image_tokens, new_tokens + 1), MAX_TOKENS)
+    if image_tokens and image_tokens + new_tokens + 1 > limit:  # the images alone fill the positions
+        n = est.images.count
+        raise UserError(f"{n} image(s) take {image_tokens:,} tokens of the model's {limit:,} positions: no text "
+                        f"fits beside them (one prompt token and {new_tokens} new ones); give fewer --images "
+                        "or a smaller --image-size")
+    return min(limit - image_tokens, MAX_TOKENS)
 
 
 def stored_corrections(db: str | None, fingerprint: dict, source, quants, device: str | None,
