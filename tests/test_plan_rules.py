@@ -168,3 +168,26 @@ def test_images_beyond_the_models_positions_are_refused_not_a_context_of_17(comm
     """llava-1.5-7b holds 4,096 positions; 8 images are 4,608 tokens. fit printed "max ctx 17" as fitting."""
     rc, out, err = _cli(capsys, command[0], "llava-1.5-7b", "--images", "8", *command[1:])
     assert rc == 2 and "positions" in err and len(err.strip().splitlines()) == 1 and not out
+
+
+# ------------------------------------------------------------------------------- decode bounds
+
+@pytest.mark.parametrize("text", ["cuda:0=1B", "cuda:0=1000TB", "pcie=1MB", "cuda:0=1000GB,pcie=100TB"])
+def test_a_bandwidth_no_machine_has_is_refused(text, capsys):
+    """1 B/s gave a bound of 1e-10 tokens/s, printed without a word."""
+    rc, _, err = _cli(capsys, "plan", "llama-3.1-8b", "--hardware", "cuda:0=80GiB", "--bandwidth", text)
+    assert rc == 2 and "--bandwidth" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bound_beyond_what_a_step_can_reach_is_flagged(tmp_path):
+    """A 1 MB model at 8 TB/s bounds decode at millions of tokens/s: a number, but no guide, and said so."""
+    from vramcal.estimator.speed import DecodeBound
+
+    tiny = config_dir(tmp_path, "tiny", {**MID, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+                                         "max_position_embeddings": 2048})
+    hw = described({"cuda:0": 8 * GIB}, bandwidths={"cuda:0": 8000 * 10**9})
+    r = plan_model(tiny, hw, buffer=256 * MIB)
+    assert r.plans[0].tokens_per_s > 1e5
+    assert any("no guide" in n for n in r.notes)
+    assert DecodeBound(50.0, 0.02).implausible is None and DecodeBound(1e-10, 1e10).implausible

@@ -328,6 +328,8 @@ class Planner:
             result.shortfall = self.shortfall(quants[-1])
         if "nf4" in quants:
             result.notes.append("fp4 is not listed: it holds the same bytes as nf4 at a worse precision")
+        odd = {p.speed.implausible for p in plans if p.speed.implausible}
+        result.notes += sorted(odd)
         if self.asked and self.target > self.limit:
             result.notes.append(f"ctx {self.target} is beyond the model's {self.limit} positions")
         return result

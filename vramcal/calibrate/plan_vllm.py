@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..errors import UserError
+from ..estimator.speed import DecodeBound
 from ..units import fmt_gib_gb
 from ..workload import GOALS, choice
 
@@ -145,6 +146,9 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
                 at = estimate_vllm(source, replace(args, max_model_len=length))
                 per_token = at.block_bytes / at.block_size if at.block_size else 0
                 speed = bandwidth / (at.weights_bytes + per_token * length) if bandwidth else None
+                odd = DecodeBound(speed, None).implausible
+                if odd and odd not in notes:
+                    notes.append(odd)
                 flags = ["--tensor-parallel-size", str(tp), "--max-model-len", str(length),
                          "--gpu-memory-utilization", f"{util:g}"]
                 flags += (["--quantization", q] if q else []) + (["--kv-cache-dtype", kv] if kv != "auto" else [])
