@@ -191,3 +191,35 @@ def test_a_bound_beyond_what_a_step_can_reach_is_flagged(tmp_path):
     assert r.plans[0].tokens_per_s > 1e5
     assert any("no guide" in n for n in r.notes)
     assert DecodeBound(50.0, 0.02).implausible is None and DecodeBound(1e-10, 1e10).implausible
+
+
+# ------------------------------------------------------------------------------- printed code runs
+
+def test_the_printed_code_of_an_fp8_kv_plan_runs_and_fills_an_fp8_cache(tmp_path):
+    """The plan assumed an fp8 KV cache; its from_pretrained code set none, so pasted it ran 16-bit. The code
+    is executed as printed (its GPU index made the CPU: this machine has none), then generate runs, and the
+    cache it filled is transformers' fp8 QuantizedCache."""
+    import torch
+    from conftest import TINY, save_tiny
+    from transformers import QuantizedCache
+    from transformers.cache_utils import Fp8QuantizedLayer
+
+    from vramcal.estimator.estimate import estimate
+
+    wide = save_tiny("wide", {**TINY["dense-gqa"], "num_hidden_layers": 8, "vocab_size": 256, "hidden_size": 512,
+                              "intermediate_size": 1536, "max_position_embeddings": 131072}, tmp_path)
+    # a GPU that holds bf16 at 8192 tokens with an fp8 cache, and not with a 16-bit one
+    gpu = estimate(wide, "bf16", ctx=8192, kv_dtype="fp8").peak + 64 * MIB + MIB
+    r = plan_model(wide, described({"cuda:0": gpu, "cpu": 8 * GIB}), buffer=64 * MIB, ctx=8192)
+    best = r.plans[0]
+    assert (best.quant, best.kv_dtype, best.layout) == ("bf16", "fp8", "gpu")
+    code = best.python()
+    assert 'device_map={"": 0}' in code
+    scope: dict = {}
+    exec(code.replace('device_map={"": 0}', 'device_map={"": "cpu"}'), scope)  # noqa: S102 -- the printed code
+    model = scope["model"]
+    out = model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert isinstance(cache, QuantizedCache) and all(isinstance(layer, Fp8QuantizedLayer) for layer in cache.layers)
+    auto = [p for p in r.plans if p.kv_dtype == "auto"]
+    assert auto and "cache_implementation" not in auto[0].python()

@@ -88,7 +88,7 @@ class Plan:
         return self.speed.tokens_per_s
 
     def python(self) -> str:
-        return python_code(self.model_ref, self.from_pretrained, self.auto_class)
+        return python_code(self.model_ref, self.from_pretrained, self.auto_class, self.kv_dtype)
 
     def to_dict(self) -> dict:
         return {"quant": self.quant, "kv_dtype": self.kv_dtype, "batch": self.batch, "ctx": self.ctx,
