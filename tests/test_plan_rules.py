@@ -223,3 +223,29 @@ def test_the_printed_code_of_an_fp8_kv_plan_runs_and_fills_an_fp8_cache(tmp_path
     assert isinstance(cache, QuantizedCache) and all(isinstance(layer, Fp8QuantizedLayer) for layer in cache.layers)
     auto = [p for p in r.plans if p.kv_dtype == "auto"]
     assert auto and "cache_implementation" not in auto[0].python()
+
+
+# ------------------------------------------------------------------------------- bounded in time
+
+MAMBA = {"model_type": "mamba", "architectures": ["MambaForCausalLM"], "hidden_size": 768, "num_hidden_layers": 24,
+         "vocab_size": 50280, "state_size": 16, "expand": 2, "conv_kernel": 4, "dtype": "bfloat16"}
+
+
+def test_a_mamba_plan_is_bounded_in_time_and_says_what_it_did(tmp_path, monkeypatch):
+    """A Mamba config's plan without --ctx traced the largest context through the reference selective scan
+    (a Python loop) for minutes, printing nothing. Now: progress on stderr, and the bound (shortened here to
+    5 s) stops even a trace under way."""
+    import time
+
+    import vramcal.calibrate.plan as plan
+
+    monkeypatch.setattr(plan, "SEARCH_SECONDS", 5.0)
+    monkeypatch.setenv("VRAMCAL_CACHE", str(tmp_path / "cache"))
+    mamba = config_dir(tmp_path, "mamba", MAMBA)
+    lines: list[str] = []
+    start = time.monotonic()
+    r = plan_model(mamba, described({"cuda:0": 24 * GIB}), buffer=GIB, progress=lines.append)
+    took = time.monotonic() - start
+    assert took < 5 + 60, took  # the bound, and what is priced after it (the model's inventory is built first)
+    assert any("plan: searching" in line for line in lines)
+    assert any("stopped after 5 s" in n for n in r.notes) or r.shortfall and "5 s" in r.shortfall

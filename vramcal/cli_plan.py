@@ -60,6 +60,7 @@ def cmd_plan(args, out) -> int:
     from .calibrate.check import DEFAULT_BUFFER
     from .calibrate.plan import plan_model
     from .probes.hardware import described, parse_bandwidth, parse_hardware, this_machine
+    from .cli import _progress
     from .units import size_option
     from .workload import choice, workload
 
@@ -112,7 +113,7 @@ def cmd_plan(args, out) -> int:
 
     result = plan_model(args.model, hardware, buffer=buffer, batch=work.batch, new_tokens=work.new_tokens,
                         ctx=asked, goal=args.goal, db=args.db, attn=args.attn, this_machine=args.hardware is None,
-                        images=work.images, image_size=work.image_size)
+                        images=work.images, image_size=work.image_size, progress=_progress(args))
     if args.json:
         doc = result.to_dict()
         doc["gpus"] = [{"device": g.device, "name": g.name, "memory_bytes": g.memory_bytes,

@@ -36,7 +36,7 @@ from ..estimator.quant import config_dtype
 from ..estimator.speed import DecodeBound, decode_bound, unread_embedding
 from ..units import fmt_gib_gb
 from ..workload import GOALS, NEW_TOKENS, Configuration, Workload, choice
-from .search import Budget, Search, Split, context_limit, offloaded_layers
+from .search import SEARCH_SECONDS, Budget, OutOfTime, Search, Split, context_limit, offloaded_layers
 
 OFFLOAD_CTX = 4096  # the context an offloaded plan is split for when none is asked
 SPLIT_FLOOR = 256  # the shortest power of two a split is sized for before the shortest context
@@ -151,6 +151,7 @@ class Planner:
         choice(goal, GOALS, "--goal")
         self.source, self.hw, self.buffer, self.batch, self.new_tokens = source, hardware, buffer, batch, new_tokens
         self.goal, self.attn, self.images, self.image_size = goal, attn, images, image_size
+        self.progress, self._found = progress, []
         usable = {g.device: g.memory_bytes - buffer for g in hardware.gpus}
         short = [d for d, u in usable.items() if u <= 0]
         if short:
@@ -316,16 +317,65 @@ class Planner:
                     hub_ref(self.source), off, e.auto_class)
 
     # ------------------------------------------------------------------ the search
-    def run(self) -> PlanResult:
+    def run(self, seconds: float | None = None) -> PlanResult:
+        """The search, bounded (default :data:`SEARCH_SECONDS`): once the time has passed no new fit is
+        asked, and in the main thread a timer stops a trace under way too (a Mamba model's reference selective
+        scan is a Python loop: minutes for one long trace); the plans found so far are the answer and a note
+        says what was not searched."""
+        import signal
+        import threading
+        import time
+
+        seconds = SEARCH_SECONDS if seconds is None else seconds
         quants = candidate_quants(self.source.config)
-        by_quant = {q: self._for_quant(q) for q in quants}
+        self.search.deadline = time.monotonic() + seconds
+        # the process's one real-time timer, only where no one else holds it
+        timer = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer") \
+            and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+        self._timer = timer
+        if timer:
+            def expire(signum, frame):
+                raise OutOfTime
+
+            before = signal.signal(signal.SIGALRM, expire)
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            return self._run(quants, seconds)
+        finally:
+            if timer:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, before)
+            self.search.deadline = None
+
+    def _run(self, quants: list[str], seconds: float) -> PlanResult:
+        by_quant: dict[str, list[Plan]] = {}
+        stopped: list[str] = []
+        for q in quants:
+            if self.progress:
+                self.progress(f"plan: searching {q} ({len(by_quant) + 1} of {len(quants)})")
+            try:
+                by_quant[q] = self._for_quant(q)
+            except OutOfTime:
+                by_quant[q] = list(self._found)
+                stopped = quants[quants.index(q):]
+                break
+        import signal
+
+        if self._timer:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # what follows prices only what was found
+        self.search.deadline = None
         plans = _distinct(sorted((p for found in by_quant.values() for p in found), key=_rank(self.goal)))
         result = PlanResult(self.source.name, self.hw, self.buffer, self.goal, self.target, self.asked, plans,
                             [], notes=[])
         if plans:
             result.why = self._why_not_better(plans[0], by_quant)
         else:
-            result.shortfall = self.shortfall(quants[-1])
+            result.shortfall = (f"no plan found within the search's {seconds:g} s" if stopped
+                                else self.shortfall(quants[-1]))
+        if stopped:
+            result.notes.append(f"the search stopped after {seconds:g} s (its bound), in {stopped[0]}: "
+                                f"{', '.join(stopped)} searched in part or not at all; give --ctx for a shorter "
+                                "search, or check a plan with `vramcal check`")
         if "nf4" in quants:
             result.notes.append("fp4 is not listed: it holds the same bytes as nf4 at a worse precision")
         odd = {p.speed.implausible for p in plans if p.speed.implausible}
@@ -338,6 +388,7 @@ class Planner:
         """This quantization's plans: per KV dtype, the layouts in order until one reaches the context on
         the GPUs alone (then no offload is tried) or with offload (then no further layout)."""
         out: list[Plan] = []
+        self._found = out  # what the search has so far, should its time run out
         for kv in KV_ORDER:
             for layout, budget in self.layouts():
                 if kv != "auto" and layout in ("offload", "disk"):

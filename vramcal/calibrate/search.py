@@ -33,6 +33,13 @@ from ..units import MIB
 from ..workload import MAX_TOKENS, STAGES, Workload, device_kind
 
 MAX_STEPS = 10
+SEARCH_SECONDS = 120.0  # a plan's or a fit's search stops asking new questions after this (docs/plan.md)
+
+
+class OutOfTime(BaseException):
+    """The search's time (:data:`SEARCH_SECONDS`) is spent: what was found so far is the answer. Not an
+    Exception, so that no ``except Exception`` on the way (a dry run's fallback to formulas) takes it for a
+    failure of the model."""
 MARGIN = 2 * MIB  # one allocator segment: what a budget is taken back by beyond the overshoot
 
 
@@ -81,6 +88,7 @@ class Search:
         self._estimators: dict[tuple[str, str], Estimator] = {}
         self._progress = progress
         self.notes: list[str] = []  # what the answers rest on beyond the dry run, said once
+        self.deadline: float | None = None  # time.monotonic() past which fits() raises OutOfTime
 
     # ------------------------------------------------------------------ building blocks
     def estimator(self, quant: str, kv_dtype: str = "auto") -> Estimator:
@@ -135,6 +143,11 @@ class Search:
 
     def fits(self, est: Estimator, work: Workload, budget: Budget, placement=None,
              exact: bool = False) -> tuple[bool, dict[str, int]]:
+        if self.deadline is not None:
+            import time
+
+            if time.monotonic() > self.deadline:
+                raise OutOfTime
         peaks = self.peaks(est, work, placement, exact)
         ok = all(p <= budget.usable.get(d, 0) for d, p in peaks.items())
         if placement is not None:
