@@ -249,3 +249,27 @@ def test_a_mamba_plan_is_bounded_in_time_and_says_what_it_did(tmp_path, monkeypa
     assert took < 5 + 60, took  # the bound, and what is priced after it (the model's inventory is built first)
     assert any("plan: searching" in line for line in lines)
     assert any("stopped after 5 s" in n for n in r.notes) or r.shortfall and "5 s" in r.shortfall
+
+
+# ------------------------------------------------------------------------------- fit and plan agree
+
+def test_fit_and_plan_agree_on_one_gpu(tmp_path, monkeypatch):
+    """The same model, GPU and buffer: plan's bf16 plan on the GPU is a context fit calls fitting, and fit's
+    longest is not past it by more than plan's verification grid (64 tokens above 1,024) plus the fit's own
+    step between traces (plan verifies with the exact trace; fit bisects the activation fit)."""
+    from vramcal.calibrate.fit import fit_contexts
+    from vramcal.calibrate.search import Budget, Search
+    from vramcal.estimator.resolve import resolve_model
+    from vramcal.workload import Workload
+
+    monkeypatch.setenv("VRAMCAL_DB", str(tmp_path / "runs.db"))  # no runs: no correction on either side
+    mid = config_dir(tmp_path, "mid", MID)
+    gpu, buffer = 8 * GIB, 256 * MIB
+    r = plan_model(mid, described({"cuda:0": gpu}), buffer=buffer)
+    p = next(p for p in r.plans if p.quant == "bf16" and p.kv_dtype == "auto" and p.layout == "gpu")
+    f = fit_contexts(mid, gpu, device="cuda:0", db=None, buffer=buffer, quants=["bf16"], batches=[1])
+    row = f.rows[0]
+    assert row.max_ctx is not None and p.ctx <= row.max_ctx <= p.ctx + p.ctx // 16 + 64, (p.ctx, row.max_ctx)
+    search = Search(resolve_model(mid), device="cuda:0")
+    est = search.estimator("bf16")
+    assert search.fits(est, Workload(p.ctx - 16, 16, 1), Budget({"cuda:0": gpu - buffer}))[0]
