@@ -33,7 +33,7 @@ from ..units import MIB
 from ..workload import MAX_TOKENS, STAGES, Workload, device_kind
 
 MAX_STEPS = 10
-SEARCH_SECONDS = 120.0  # a plan's or a fit's search stops asking new questions after this (docs/plan.md)
+SEARCH_SECONDS = 180.0  # plan's search stops asking new questions after this (docs/plan.md)
 
 
 class OutOfTime(BaseException):
