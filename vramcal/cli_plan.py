@@ -38,7 +38,7 @@ def add_plan(sub, func) -> None:
     w.add_argument("--ctx", type=int, default=None, help="whole context: prompt + new tokens (default: the largest "
                                                          "that fits, up to the model's limit)")
     w.add_argument("--prompt", type=int, default=None, help="prompt tokens, instead of --ctx")
-    w.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help=f"tokens generated (default {NEW_TOKENS})")
+    w.add_argument("--new-tokens", type=int, default=None, help=f"tokens generated (default {NEW_TOKENS})")
     w.add_argument("--batch", type=int, default=1)
     p.add_argument("--attn", default="auto", choices=ATTNS)
     p.add_argument("--buffer", default=None, help="headroom to keep free on each GPU (default 2GiB)")
@@ -65,11 +65,13 @@ def _inputs(args):
     """The workload, the buffer and the machine, each validated: nothing is searched for bad input."""
     from .calibrate.check import DEFAULT_BUFFER
     from .probes.hardware import described, parse_bandwidth, parse_hardware, this_machine
+    from .cli import _progress
     from .units import size_option
     from .workload import workload
 
     given = args.ctx is not None or args.prompt is not None
-    work = workload(args.ctx if given else None, args.batch, args.new_tokens, args.prompt, args.images,
+    new_tokens = NEW_TOKENS if args.new_tokens is None else args.new_tokens
+    work = workload(args.ctx if given else None, args.batch, new_tokens, args.prompt, args.images,
                     args.image_size)
     asked = work.ctx if given else None
     buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
@@ -96,11 +98,13 @@ def plan_vllm_cmd(args, io) -> int:
     choice(args.goal, GOALS, "--goal")
     transformers_only = [f for f, given in (("--images", args.images), ("--image-size", args.image_size),
                                             ("--prompt", args.prompt), ("--buffer", args.buffer),
+                                            ("--new-tokens", args.new_tokens is not None),
                                             ("--batch", args.batch != 1), ("--attn", args.attn != "auto"),
                                             ("--db", args.db)) if given]
     if transformers_only:
         raise UserError(f"{', '.join(transformers_only)} belong to transformers' plans, not to --engine vllm "
-                        "(vLLM takes --gpu-memory-utilization of each GPU and batches requests itself)")
+                        "(vLLM takes --gpu-memory-utilization of each GPU and batches requests itself; its "
+                        "--max-model-len, from --ctx, is prompt and generated tokens together)")
     _, _, _, hardware = _inputs(args)
     vres = plan_vllm(args.model, hardware, ctx=args.ctx, goal=args.goal,
                      utilization=args.gpu_memory_utilization, vllm_version=args.vllm_version)
@@ -124,7 +128,7 @@ def plan_transformers(args, io) -> int:
 
     result = plan_model(args.model, hardware, buffer=buffer, batch=work.batch, new_tokens=work.new_tokens,
                         ctx=asked, goal=args.goal, db=args.db, attn=args.attn, this_machine=args.hardware is None,
-                        images=work.images, image_size=work.image_size)
+                        images=work.images, image_size=work.image_size, progress=_progress(args))
     if args.json:
         doc = result.to_dict()
         doc["gpus"] = [{"device": g.device, "name": g.name, "memory_bytes": g.memory_bytes,

@@ -500,11 +500,13 @@ def vllm_fit_table(model: str, f) -> str:
                   f"  GPU KV cache size            {f.kv_cache_tokens:,} tokens ({gib(f.kv_cache_memory_bytes):.2f} GiB)",
                   f"  maximum concurrency          {f.max_concurrency:.2f}x at that length"]
         return "\n".join(lines)
-    lines = [f"{model}  vLLM {f.version}  gpu memory {gib(f.gpu_memory_bytes):.2f} GiB  --max-model-len {f.max_model_len:,}",
-             f"  --gpu-memory-utilization     {f.gpu_memory_utilization:.4f}"
-             + ("" if f.fits else "   (more than the GPU has)"),
-             f"  or --kv-cache-memory-bytes   {f.kv_cache_memory_bytes} ({gib(f.kv_cache_memory_bytes):.2f} GiB)",
-             f"  maximum concurrency          {f.max_concurrency:.2f}x, GPU KV cache size {f.kv_cache_tokens:,} tokens"]
+    lines = [f"{model}  vLLM {f.version}  gpu memory {gib(f.gpu_memory_bytes):.2f} GiB  --max-model-len {f.max_model_len:,}"]
+    if f.gpu_memory_utilization is None:
+        return "\n".join(lines + ["  nothing fits: " + f.note])
+    lines.append(f"  --gpu-memory-utilization     {f.gpu_memory_utilization:.4f}")
+    if f.kv_cache_memory_bytes is not None:
+        lines.append(f"  or --kv-cache-memory-bytes   {f.kv_cache_memory_bytes} ({gib(f.kv_cache_memory_bytes):.2f} GiB)")
+    lines.append(f"  maximum concurrency          {f.max_concurrency:.2f}x, GPU KV cache size {f.kv_cache_tokens:,} tokens")
     if f.note:
         lines.append("  " + f.note)
     return "\n".join(lines)

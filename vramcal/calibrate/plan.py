@@ -36,9 +36,10 @@ from ..estimator.quant import config_dtype
 from ..estimator.speed import DecodeBound, decode_bound, unread_embedding
 from ..units import fmt_gib_gb
 from ..workload import GOALS, NEW_TOKENS, Configuration, Workload, choice
-from .search import Budget, Search, Split, context_limit, offloaded_layers
+from .search import SEARCH_SECONDS, Budget, OutOfTime, Search, Split, context_limit, offloaded_layers
 
 OFFLOAD_CTX = 4096  # the context an offloaded plan is split for when none is asked
+SPLIT_FLOOR = 256  # the shortest power of two a split is sized for before the shortest context
 GRID = (16, 1024, 64)  # the largest context is found to 16 tokens below 1024, to 64 above (the exact trace decides)
 PRECISION = ("fp32", "bf16", "fp16", "int8", "nf4", "nf4-dq", "fp4", "fp4-dq")  # best first
 KV_ORDER = ("auto", "fp8")
@@ -87,7 +88,7 @@ class Plan:
         return self.speed.tokens_per_s
 
     def python(self) -> str:
-        return python_code(self.model_ref, self.from_pretrained, self.auto_class)
+        return python_code(self.model_ref, self.from_pretrained, self.auto_class, self.kv_dtype)
 
     def to_dict(self) -> dict:
         return {"quant": self.quant, "kv_dtype": self.kv_dtype, "batch": self.batch, "ctx": self.ctx,
@@ -159,6 +160,7 @@ class Planner:
         choice(goal, GOALS, "--goal")
         self.source, self.hw, self.buffer, self.batch, self.new_tokens = source, hardware, buffer, batch, new_tokens
         self.goal, self.attn, self.images, self.image_size = goal, attn, images, image_size
+        self.progress, self._found = progress, []
         usable = {g.device: g.memory_bytes - buffer for g in hardware.gpus}
         short = [d for d, u in usable.items() if u <= 0]
         if short:
@@ -196,6 +198,20 @@ class Planner:
             out.append(("disk", Budget(dict(self.usable), ram, hw.disk_bytes)))
         return out
 
+    def split_contexts(self) -> list[int]:
+        """The contexts a split is sized for, longest first: the one sought, then the powers of two below it
+        down to :data:`SPLIT_FLOOR`, then the shortest. The points are the same for every goal, so the search
+        of ``--goal context`` (sought: the model's limit) passes through each split ``--goal quality`` (sought:
+        :data:`OFFLOAD_CTX`) would take, and offers at least the context that one holds."""
+        floor = self.new_tokens + 1
+        out = [self.target]
+        c = 1 << max(self.target - 1, 1).bit_length()
+        while c // 2 >= max(SPLIT_FLOOR, floor):
+            c //= 2
+            if c < self.target:
+                out.append(c)
+        return out + ([floor] if floor < out[-1] else [])
+
     def work(self, ctx: int) -> Workload:
         return Workload(ctx - self.new_tokens, self.new_tokens, self.batch, self.images, self.image_size)
 
@@ -215,8 +231,9 @@ class Planner:
             # "auto" balances GPUs by transformers' own share, which can leave a GPU's budget unusable;
             # "sequential" fills them in order, to the budget the search gives each
             strategies = ("auto", "sequential") if len(budget.usable) > 1 else ("auto",)
-            # not at the context sought: at the shortest, then as long a context as that split holds
-            tries = [(ctx, s) for ctx in (self.target, self.new_tokens + 1) for s in strategies]
+            # not at the context sought: at the next shorter on the ladder, then as long a context as that
+            # split holds (the same ladder for every goal: a goal's search passes where the others stop)
+            tries = [(ctx, s) for ctx in self.split_contexts() for s in strategies]
             for ctx, strategy in tries:
                 split = search.split(est, self.work(ctx), budget, offload, strategy)
                 if split is not None:
@@ -309,18 +326,69 @@ class Planner:
                     hub_ref(self.source), off, e.auto_class)
 
     # ------------------------------------------------------------------ the search
-    def run(self) -> PlanResult:
+    def run(self, seconds: float | None = None) -> PlanResult:
+        """The search, bounded (default :data:`SEARCH_SECONDS`): once the time has passed no new fit is
+        asked, and in the main thread a timer stops a trace under way too (a Mamba model's reference selective
+        scan is a Python loop: minutes for one long trace); the plans found so far are the answer and a note
+        says what was not searched."""
+        import signal
+        import threading
+        import time
+
+        seconds = SEARCH_SECONDS if seconds is None else seconds
         quants = candidate_quants(self.source.config)
-        by_quant = {q: self._for_quant(q) for q in quants}
+        self.search.deadline = time.monotonic() + seconds
+        # the process's one real-time timer, only where no one else holds it
+        timer = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer") \
+            and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+        self._timer = timer
+        if timer:
+            def expire(signum, frame):
+                raise OutOfTime
+
+            before = signal.signal(signal.SIGALRM, expire)
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            return self._run(quants, seconds)
+        finally:
+            if timer:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, before)
+            self.search.deadline = None
+
+    def _run(self, quants: list[str], seconds: float) -> PlanResult:
+        by_quant: dict[str, list[Plan]] = {}
+        stopped: list[str] = []
+        for q in quants:
+            if self.progress:
+                self.progress(f"plan: searching {q} ({len(by_quant) + 1} of {len(quants)})")
+            try:
+                by_quant[q] = self._for_quant(q)
+            except OutOfTime:
+                by_quant[q] = list(self._found)
+                stopped = quants[quants.index(q):]
+                break
+        import signal
+
+        if self._timer:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # what follows prices only what was found
+        self.search.deadline = None
         plans = _distinct(sorted((p for found in by_quant.values() for p in found), key=_rank(self.goal)))
         result = PlanResult(self.source.name, self.hw, self.buffer, self.goal, self.target, self.asked, plans,
                             [], notes=[])
         if plans:
             result.why = self._why_not_better(plans[0], by_quant)
         else:
-            result.shortfall = self.shortfall(quants[-1])
+            result.shortfall = (f"no plan found within the search's {seconds:g} s" if stopped
+                                else self.shortfall(quants[-1]))
+        if stopped:
+            result.notes.append(f"the search stopped after {seconds:g} s (its bound), in {stopped[0]}: "
+                                f"{', '.join(stopped)} searched in part or not at all; give --ctx for a shorter "
+                                "search, or check a plan with `vramcal check`")
         if "nf4" in quants:
             result.notes.append("fp4 is not listed: it holds the same bytes as nf4 at a worse precision")
+        odd = {p.speed.implausible for p in plans if p.speed.implausible}
+        result.notes += sorted(odd)
         if self.asked and self.target > self.limit:
             result.notes.append(f"ctx {self.target} is beyond the model's {self.limit} positions")
         return result
@@ -329,6 +397,7 @@ class Planner:
         """This quantization's plans: per KV dtype, the layouts in order until one reaches the context on
         the GPUs alone (then no offload is tried) or with offload (then no further layout)."""
         out: list[Plan] = []
+        self._found = out  # what the search has so far, should its time run out
         for kv in KV_ORDER:
             for layout, budget in self.layouts():
                 if kv != "auto" and layout in ("offload", "disk"):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..errors import UserError
+from ..estimator.speed import DecodeBound
 from ..units import fmt_gib_gb
 from ..workload import GOALS, choice
 
@@ -37,8 +38,10 @@ class VllmPlan:
     weights_bytes: int  # the limiting rank's
     kv_cache_bytes: int
     tokens_per_s: float | None
-    serve: str  # the vllm serve command
+    serve: str  # the vllm serve command (with CUDA_VISIBLE_DEVICES where the group is not the first GPUs)
     command: str  # the vramcal estimate that shows its startup
+    gpus: list[str] = field(default_factory=list)  # the GPUs it runs on
+    gpu_memory_bytes: int = 0  # each GPU's total it is priced at: the smallest of ``gpus``
 
     def to_dict(self) -> dict:
         return dict(vars(self))
@@ -73,35 +76,62 @@ def _tp_sizes(gpus: int, heads: int) -> list[int]:
     return out
 
 
+def _group(gpus: list, tp: int) -> list:
+    """The ``tp`` GPUs a tensor-parallel group runs on: the largest (vLLM takes the same share of each, so
+    the smallest of the group limits it), in device order. One GPU: the largest there is."""
+    ranked = sorted(range(len(gpus)), key=lambda i: (-(gpus[i].total_bytes or gpus[i].memory_bytes), i))
+    return [gpus[i] for i in sorted(ranked[:tp])]
+
+
+def _visible(group: list, gpus: list) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES=...`` where the group is not the first GPUs vLLM would take by itself."""
+    if [g.device for g in group] == [g.device for g in gpus[:len(group)]]:
+        return []
+    return ["CUDA_VISIBLE_DEVICES=" + ",".join(g.device.split(":")[1] for g in group)]
+
+
 def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "quality", utilization: float | None = None,
               vllm_version: str | None = None) -> VllmPlanResult:
-    """The plans of the module's doc for ``hardware`` (:mod:`vramcal.probes.hardware`)."""
+    """The plans of the module's doc for ``hardware`` (:mod:`vramcal.probes.hardware`). Each tensor-parallel
+    size runs on the largest GPUs there are (:func:`_group`), priced on the smallest of them."""
     import shlex
 
-    from ..estimator.resolve import resolve_model, size_field, text_config
+    from ..estimator.resolve import resolve_model
+    from ..estimator.vllm.arch import arch_of
     from ..estimator.vllm.engine import DEFAULT_UTILIZATION, VllmArgs, estimate_vllm
     from ..estimator.vllm.fit import longest
+    from ..estimator.vllm.shapes import cached_params
 
     choice(goal, GOALS, "--goal")
     source = resolve_model(model)
-    tc = text_config(source.config)
-    heads = int(size_field(tc, "num_attention_heads") or 1)
-    limit = int(size_field(tc, "max_position_embeddings") or 0)
     util = DEFAULT_UTILIZATION if utilization is None else utilization
     gpus = hardware.gpus
-    memory = min(g.total_bytes or g.memory_bytes for g in gpus)  # vLLM asks the same share of every GPU
-    bandwidth = min((g.memory_bandwidth.bytes_per_s for g in gpus if g.memory_bandwidth), default=None) \
-        if all(g.memory_bandwidth for g in gpus) else None
-    base = VllmArgs(gpu_memory_utilization=util, gpu_memory_bytes=memory, vllm_version=vllm_version).validated()
+    size = lambda g: g.total_bytes or g.memory_bytes  # noqa: E731 -- vLLM's "total"
+    base = VllmArgs(gpu_memory_utilization=util, gpu_memory_bytes=max(size(g) for g in gpus),
+                    vllm_version=vllm_version).validated()
+    # the model's limit and heads as vLLM derives them: the config with transformers' defaults filled in
+    # (Gemma 3's text config names no max_position_embeddings; its model class says 131072)
+    first = estimate_vllm(source, base)
+    arch = arch_of(source.config, cached_params(source, first.dtype)[1])
+    limit, heads = first.max_model_len, arch.heads
     quants: list[str | None] = [None] if source.config.get("quantization_config") else [None, "fp8"]
     target = ctx if ctx is not None else limit
-    notes = [] if len({g.total_bytes or g.memory_bytes for g in gpus}) == 1 else [
-        f"the GPUs differ: vLLM takes {util:g} of each, planned for the smallest ({fmt_gib_gb(memory)})"]
-    plans, why_not, version = [], [], ""
+    notes: list[str] = []
+    plans, why_not, version = [], [], first.version
     for tp in _tp_sizes(len(gpus), heads):
+        group = _group(gpus, tp)
+        memory = min(size(g) for g in group)
+        bandwidth = min(g.memory_bandwidth.bytes_per_s for g in group) \
+            if all(g.memory_bandwidth.bytes_per_s for g in group) else None
+        env = _visible(group, gpus)
+        if len({size(g) for g in gpus}) > 1:
+            notes.append(f"tp {tp}: on {', '.join(g.device for g in group)}, priced at "
+                         f"{fmt_gib_gb(memory)} each (vLLM takes {util:g} of every GPU of the group"
+                         + (f"; the command sets {env[0]})" if env else ")"))
         for q in quants:
             for kv in KV_CHOICES:
-                args = replace(base, tensor_parallel_size=tp, quantization=q, kv_cache_dtype=kv)
+                args = replace(base, tensor_parallel_size=tp, quantization=q, kv_cache_dtype=kv,
+                               gpu_memory_bytes=memory)
                 label = f"tp {tp}, weights {q or 'as stored'}, KV {kv}"
                 try:
                     fit, est = longest(source, args)
@@ -112,26 +142,29 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
                 if not fit.fits or fit.max_model_len <= 0:
                     why_not.append(f"{label}: {fit.note or 'vLLM would not start: no memory is left for the KV cache'}")
                     continue
-                length = min(fit.max_model_len, target) if target else fit.max_model_len
+                length = min(fit.max_model_len, target)
                 at = estimate_vllm(source, replace(args, max_model_len=length))
                 per_token = at.block_bytes / at.block_size if at.block_size else 0
                 speed = bandwidth / (at.weights_bytes + per_token * length) if bandwidth else None
+                odd = DecodeBound(speed, None).implausible
+                if odd and odd not in notes:
+                    notes.append(odd)
                 flags = ["--tensor-parallel-size", str(tp), "--max-model-len", str(length),
                          "--gpu-memory-utilization", f"{util:g}"]
                 flags += (["--quantization", q] if q else []) + (["--kv-cache-dtype", kv] if kv != "auto" else [])
                 hub = (source.config.get("_vramcal_catalog") or {}).get("hub_id") or source.ref
-                serve = shlex.join(["vllm", "serve", hub, *flags])
+                serve = " ".join(env + [shlex.join(["vllm", "serve", hub, *flags])])
                 verify = shlex.join(["vramcal", "estimate", source.ref, "--engine", "vllm", *flags,
                                      "--gpu-memory", str(memory), "--vllm-version", est.version])
-                plans.append(VllmPlan(tp, q, kv, length, bool(target) and fit.max_model_len >= target,
+                plans.append(VllmPlan(tp, q, kv, length, fit.max_model_len >= target,
                                       at.kv_cache_tokens, at.max_concurrency, at.weights_bytes, at.kv_cache_bytes,
-                                      speed, serve, verify))
+                                      speed, serve, verify, [g.device for g in group], memory))
     rank = {"quality": lambda p: (not p.reaches, p.quantization is not None, KV_CHOICES.index(p.kv_cache_dtype),
                                   p.tensor_parallel_size, -p.max_model_len),
             "context": lambda p: (-p.max_model_len, p.quantization is not None, KV_CHOICES.index(p.kv_cache_dtype),
                                   p.tensor_parallel_size),
             "speed": lambda p: (not p.reaches, -(p.tokens_per_s or 0.0), p.quantization is not None)}[goal]
     plans.sort(key=rank)
-    if bandwidth is None:
+    if not all(g.memory_bandwidth.bytes_per_s for g in gpus):
         notes.append("no memory bandwidth for these GPUs (give --gpu or --bandwidth): the decode bound is unknown")
     return VllmPlanResult(source.name, hardware, version, util, target, ctx is not None, goal, plans, why_not, notes)

@@ -33,6 +33,13 @@ from ..units import MIB
 from ..workload import MAX_TOKENS, STAGES, Workload, device_kind
 
 MAX_STEPS = 10
+SEARCH_SECONDS = 180.0  # plan's search stops asking new questions after this (docs/plan.md)
+
+
+class OutOfTime(BaseException):
+    """The search's time (:data:`SEARCH_SECONDS`) is spent: what was found so far is the answer. Not an
+    Exception, so that no ``except Exception`` on the way (a dry run's fallback to formulas) takes it for a
+    failure of the model."""
 MARGIN = 2 * MIB  # one allocator segment: what a budget is taken back by beyond the overshoot
 
 
@@ -82,6 +89,7 @@ class Search:
         self._estimators: dict[tuple[str, str], Estimator] = {}
         self._progress = progress
         self.notes: list[str] = []  # what the answers rest on beyond the dry run, said once
+        self.deadline: float | None = None  # time.monotonic() past which fits() raises OutOfTime
 
     # ------------------------------------------------------------------ building blocks
     def estimator(self, quant: str, kv_dtype: str = "auto") -> Estimator:
@@ -136,6 +144,11 @@ class Search:
 
     def fits(self, est: Estimator, work: Workload, budget: Budget, placement=None,
              exact: bool = False) -> tuple[bool, dict[str, int]]:
+        if self.deadline is not None:
+            import time
+
+            if time.monotonic() > self.deadline:
+                raise OutOfTime
         peaks = self.peaks(est, work, placement, exact)
         ok = all(p <= budget.usable.get(d, 0) for d, p in peaks.items())
         if placement is not None:
@@ -269,7 +282,12 @@ def context_limit(est: Estimator, new_tokens: int = 1) -> int:
 
     image_tokens = est.images.tokens if est.images is not None else 0
     limit = int(size_field(est.text_config, "max_position_embeddings") or 131072)
-    return min(max(limit - image_tokens, new_tokens + 1), MAX_TOKENS)
+    if image_tokens and image_tokens + new_tokens + 1 > limit:  # the images alone fill the positions
+        n = est.images.count
+        raise UserError(f"{n} image(s) take {image_tokens:,} tokens of the model's {limit:,} positions: no text "
+                        f"fits beside them (one prompt token and {new_tokens} new ones); give fewer --images "
+                        "or a smaller --image-size")
+    return min(limit - image_tokens, MAX_TOKENS)
 
 
 def stored_corrections(db: str | None, fingerprint: dict, source, quants, device: str | None,

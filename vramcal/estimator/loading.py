@@ -119,8 +119,10 @@ def _literal(value) -> str:
     return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
-def python_code(model: str, kwargs: dict, auto_class: str = "AutoModelForCausalLM") -> str:
-    """The load as Python a user can paste."""
+def python_code(model: str, kwargs: dict, auto_class: str = "AutoModelForCausalLM", kv_dtype: str = "auto") -> str:
+    """The load as Python a user can paste. ``kv_dtype`` "fp8": the KV cache ``generate`` fills is
+    transformers' fp8 ``QuantizedCache``, set on the model's generation config (from_pretrained takes no
+    cache argument), as the probe's child builds it."""
     lines = ["import torch"]
     bnb = kwargs.get("quantization_config")
     config_class = (bnb or {}).get("config_class", "BitsAndBytesConfig")
@@ -139,4 +141,7 @@ def python_code(model: str, kwargs: dict, auto_class: str = "AutoModelForCausalL
             text = _literal(value)
         lines.append(f"    {key}={text},")
     lines.append(")")
+    if kv_dtype == "fp8":  # every generate() then fills the fp8 cache the estimate priced
+        lines += ["model.generation_config.cache_implementation = \"quantized\"",
+                  "model.generation_config.cache_config = {\"backend\": \"fp8\"}"]
     return "\n".join(lines)

@@ -23,6 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MOST_TOKENS_PER_S = 100_000.0  # per batch of steps: beyond what launch latency lets any decode step reach
+FEWEST_TOKENS_PER_S = 1e-3  # under a token in 1,000 s
+
+
 @dataclass(frozen=True)
 class DecodeBound:
     tokens_per_s: float | None  # None: a bandwidth it needs is unknown (``why_none`` says which)
@@ -30,6 +34,21 @@ class DecodeBound:
     terms: dict[str, float] = field(default_factory=dict)  # seconds per step: what each device or link takes
     bandwidths: dict[str, str] = field(default_factory=dict)  # which bandwidth was used where, and its source
     why_none: str | None = None
+
+    @property
+    def implausible(self) -> str | None:
+        """Why a bound is no guide, or None: above :data:`MOST_TOKENS_PER_S` a step is shorter than the
+        kernel launches it leaves out (microseconds per layer); below :data:`FEWEST_TOKENS_PER_S` the sizes
+        or bandwidths behind it are not a real machine's."""
+        t = self.tokens_per_s
+        if t is None:
+            return None
+        if t > MOST_TOKENS_PER_S:
+            return (f"a decode bound of {t:,.3g} tokens/s is no guide: a step that short is bounded by kernel "
+                    "launches (microseconds per layer), which the bound leaves out")
+        if t < FEWEST_TOKENS_PER_S:
+            return f"a decode bound of {t:.3g} tokens/s: check the bandwidths and sizes it rests on"
+        return None
 
 
 def unread_embedding(estimate, tied: bool) -> int:

@@ -205,6 +205,13 @@ def parse_hardware(text: str) -> dict[str, int]:
     return sizes
 
 
+# what a bandwidth may be, in bytes per second: a GPU's memory (an RTX 3050 ~ 224 GB/s, a B200 8 TB/s) and
+# a host link (PCIe 1.0 x1 ~ 0.25 GB/s, NVLink-C2C 900 GB/s), each with room; outside is a unit mistake,
+# and gives decode bounds of 1e-10 or 1e11 tokens/s
+MEMORY_RANGE = (GB, 100_000 * GB)
+LINK_RANGE = (GB // 10, 10_000 * GB)
+
+
 def parse_bandwidth(text: str | None) -> dict[str, int]:
     """``--bandwidth cuda:0=1008GB,pcie=25GB``: bytes per second per GPU's memory, and the host link."""
     out: dict[str, int] = {}
@@ -225,6 +232,11 @@ def parse_bandwidth(text: str | None) -> dict[str, int]:
             raise UserError(f"--bandwidth {key}: {exc}") from None
         if n <= 0:
             raise UserError(f"--bandwidth {key}: a bandwidth must be above zero")
+        lo, hi = LINK_RANGE if key == "pcie" else MEMORY_RANGE
+        if not lo <= n <= hi:
+            what = "a host link" if key == "pcie" else "a GPU's memory"
+            raise UserError(f"--bandwidth {key}={value.strip()}: {n / GB:,.3g} GB/s is outside what {what} moves "
+                            f"({lo / GB:g} to {hi / GB:,.0f} GB/s): check the unit (GB is GB per second)")
         out[key] = n
     return out
 

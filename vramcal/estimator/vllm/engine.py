@@ -182,12 +182,17 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
         r.kv_cache_bytes = num_blocks * K.grouping(mine).bytes_per_block
     g = K.grouping(rank_specs[limiting.rank])
     upper = max(max_len, arch.derived_max_len)
-    fit_len = min(K.largest_length(s, r.available_bytes, upper, block, mnbt) if r.available_bytes > 0 else 0
-                  for r, s in zip(ranks, rank_specs))
-    error = None
+    startup_used = CONTEXT_BYTES + (NCCL_INIT_BYTES if tp * pp > 1 else 0)
+    # a pinned KV size skips vLLM's profiling check: what the rank holds is its context, weights, activation
+    # peak, non-torch memory, graphs and the pinned cache, and vLLM runs out of memory where that is more
+    # than the GPU (it does not fall back on the utilization)
+    over = pinned_over(ranks, total, startup_used) if args.kv_cache_memory_bytes is not None else None
+    fit_len = 0 if over else min(K.largest_length(s, r.available_bytes, upper, block, mnbt)
+                                 if r.available_bytes > 0 else 0 for r, s in zip(ranks, rank_specs))
+    error = over
     failing = [(r, s) for r, s in zip(ranks, rank_specs)
                if r.available_bytes <= 0 or K.needed_bytes(s, max_len, block, mnbt) > r.available_bytes]
-    if failing:
+    if failing and error is None:
         r, s = failing[0]
         if r.available_bytes <= 0:
             error = M.no_memory_error(v)
@@ -206,7 +211,6 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
                      "pass --block-size 64 for it")
     if source.config.get("vision_config") is not None:
         notes.append("the multimodal encoder's profiling run is not modelled: the activation term is the text model's")
-    startup_used = CONTEXT_BYTES + (NCCL_INIT_BYTES if tp * pp > 1 else 0)
     if requested > total - startup_used and args.kv_cache_memory_bytes is None:
         notes.append(f"gpu_memory_utilization {args.gpu_memory_utilization} asks for {requested / GIB:.2f} GiB of "
                      f"{total / GIB:.2f} GiB: about {startup_used / GIB:.2f} GiB is in use before vLLM starts, so its "
@@ -235,6 +239,21 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
         kv_cache_dtype=str(args.kv_cache_dtype).lower(), quantization=quant.label, enforce_eager=args.enforce_eager,
         page_bytes=g.page_bytes, block_bytes=g.bytes_per_block, hybrid_groups=g.num_groups, limiting_rank=limiting.rank, error=error,
         log_lines=lines, methods=methods, notes=notes, ranks=ranks if len(ranks) > 1 else None)
+
+
+def pinned_over(ranks: list[VllmRank], total: int, startup_used: int) -> str | None:
+    """With ``--kv-cache-memory-bytes``: why the first rank whose whole holding (the CUDA context, weights,
+    activation peak, non-torch memory, CUDA graphs and the pinned cache) is more than the GPU's total
+    cannot start, or None when every rank's holding fits."""
+    for r in ranks:
+        held = startup_used + r.weights_bytes + r.activation_bytes + r.non_torch_bytes + r.cuda_graph_bytes
+        if held + r.available_bytes > total:
+            return (f"--kv-cache-memory-bytes {r.available_bytes / GIB:.2f} GiB does not fit beside the rest: the "
+                    f"weights ({r.weights_bytes / GIB:.2f} GiB), the activation peak, CUDA graphs, non-torch memory "
+                    f"and the CUDA context take {held / GIB:.2f} GiB of the GPU's {total / GIB:.2f} GiB, so at most "
+                    f"{max(total - held, 0) / GIB:.2f} GiB is left for the cache; vLLM skips its profiling check "
+                    "for this flag and runs out of memory allocating it")
+    return None
 
 
 def _log_lines(v, r: VllmRank, tokens: int, max_len: int, conc: float, fits: bool, error: str | None,

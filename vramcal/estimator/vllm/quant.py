@@ -126,7 +126,7 @@ def resolve(config: dict, quantization: str | None) -> VllmQuant:
     """vLLM's quantization for this checkpoint and ``--quantization`` (config/model.py: a checkpoint's
     own method wins; asking for another is refused, as vLLM does)."""
     own = checkpoint_method(config)
-    asked = quantization.lower() if quantization else None
+    asked = quantization.lower() if quantization is not None else None  # "" is refused below, not "none"
     if asked is not None and asked not in QUANT_CHOICES:
         raise UserError(f"unknown --quantization {quantization!r}: vramcal models {', '.join(QUANT_CHOICES)} "
                         "(or leave it out for the checkpoint's own)")

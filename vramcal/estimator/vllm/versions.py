@@ -55,7 +55,7 @@ def installed_version() -> str | None:
 
 def resolve_version(text: str | None) -> tuple[Version, str]:
     """The version asked for, else the installed vLLM's, else the newest modelled; and where it came from."""
-    if text:
+    if text is not None:  # an empty one is bad input, not "the default"
         return parse_version(text), "--vllm-version"
     found = installed_version()
     if found:
