@@ -196,6 +196,10 @@ def preflight(source: ModelSource, spec, device: str, synthetic: bool, interval_
     if not source.weight_files and not synthetic:
         raise UserError(f"{source.name} has no *.safetensors weights here: add --synthetic to probe random "
                         "weights at its real widths")
+    if synthetic:
+        from .synthetic import check_room
+
+        check_room(source, spec)
     return series, notes, placed
 
 
