@@ -38,6 +38,7 @@ DEFAULT_TIMEOUT_S = 60.0
 URL_PREFIXES = ("postgresql://", "postgres://")
 HISTORY_TABLES = ("machines", "runs", "results", "stages", "samples", "memos", "corrections")
 DEVICE_TABLES = ("device_stages",)  # schema 4: readings per device of a split run
+WITHDRAWAL_TABLES = ("withdrawals",)  # schema 6: runs withdrawn from corrections (``records withdraw``)
 
 
 class NoRecords(UserError):
