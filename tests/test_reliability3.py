@@ -465,3 +465,24 @@ def test_an_older_memo_gets_its_pretrained_id_when_shown(tmp_path):
 
     memo = {"model": "qwen2.5-0.5b", "command": "vramcal check qwen2.5-0.5b --quant nf4 --ctx 4096 --device cuda:0"}
     assert with_pretrained_id(memo)["pretrained_id"] == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_recheck_says_when_the_config_the_software_or_the_machine_changed(tmp_path):
+    from vramcal import present
+    from vramcal.calibrate.memo import changes_since
+    from vramcal.versions import VRAMCAL_VERSION
+
+    fp = _fp("a")
+    with Store(tmp_path / "r.db") as s:
+        rid = s.record_run(fp, _context(vramcal_version=VRAMCAL_VERSION), outcome("ok", _stages(1024, 0)))
+        old = s.run(rid)
+    assert changes_since(old, "cfg-m", fp) == []
+    moved = {**fp, "transformers": "5.99.0", "hostname": "b", "gpu_uuid": "GPU-b"}
+    notes = changes_since(old, "cfg-other", moved)
+    assert notes[0].startswith("the config changed since the memo (hash cfg-m -> cfg-other)") and "another model" in notes[0]
+    assert notes[1] == "the software changed since the memo: transformers 5.24.0 -> 5.99.0"
+    assert notes[2].startswith("the machine changed since the memo: hostname a -> b")
+    line = present.recheck_line({"memo_run": 1, "recheck_run": 2, "old_peak_bytes": 1 << 30, "new_peak_bytes": 1 << 30,
+                                 "tolerance_bytes": 1 << 26, "consistent": False, "other_model": True,
+                                 "changes": notes})
+    assert "ANOTHER MODEL" in line and "CONSISTENT" not in line and line.count("note:") == 3
