@@ -486,3 +486,95 @@ def test_recheck_says_when_the_config_the_software_or_the_machine_changed(tmp_pa
                                  "tolerance_bytes": 1 << 26, "consistent": False, "other_model": True,
                                  "changes": notes})
     assert "ANOTHER MODEL" in line and "CONSISTENT" not in line and line.count("note:") == 3
+
+
+# -------------------------------------------------------------------------- images: monotone, bounded
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl", "llava", "idefics3", "mllama"])
+def test_more_images_tokens_or_batch_never_lower_a_peak(tiny_vlms, family):
+    """Over the families of tests/vlm_models.py: every estimate with images is traced (never the formula
+    that leaves the vision encoder out), and more images, more text or a larger batch never lower a peak."""
+    from vramcal.estimator.estimate import estimate
+
+    def peak(images, prompt=20, batch=1):
+        e = estimate(tiny_vlms[family], "auto", prompt=prompt, new_tokens=4, batch=batch, images=images,
+                     image_size="100x80", device="cuda")
+        if images:
+            assert "dry run" in e.methods["activations"], e.methods["activations"]
+            assert e.vision_peak is not None and e.vision_peak > 0
+        return e.peak
+
+    by_images = [peak(n) for n in (0, 1, 2, 3)]
+    assert by_images == sorted(by_images) and by_images[0] < by_images[-1], by_images
+    assert peak(2, prompt=20) <= peak(2, prompt=60) and peak(2, batch=1) <= peak(2, batch=2)
+
+
+@pytest.mark.slow  # the real SmolVLM-256M on meta tensors at 1, 2 and 3 images of its default 2048x2048
+def test_smolvlm_at_its_real_size_stays_traced_and_monotone():
+    """Before: from 2 images the dry run failed (``torch.nonzero`` on meta tensors: the padding-image
+    filter of Idefics3 read pixels held without values above the shadow cap) and the formula dropped the
+    vision encoder, so 2 images estimated below 1."""
+    from vramcal.estimator.estimate import estimate
+
+    peaks = []
+    for n in (1, 2, 3):
+        e = estimate("smolvlm-256m", "auto", ctx=4096, images=n, device="cuda", use_cache=False)
+        assert "dry run" in e.methods["activations"] and e.vision_peak, (n, e.methods, e.notes)
+        peaks.append(e.peak)
+    assert peaks == sorted(peaks) and len(set(peaks)) == 3, peaks
+
+
+def test_dry_run_pixels_take_no_memory_in_proportion_to_the_images():
+    """The pixel tensors an estimate makes are one stored element each, however many images: 7 images of
+    Qwen2.5-VL-7B at its processor's largest size would be 3.1 GB of float32 pixels."""
+    from vramcal.estimator.inventory import built_config_dict
+    from vramcal.estimator.meta import build_config
+    from vramcal.estimator.resolve import resolve_model
+    from vramcal.estimator.vision import pixel_inputs, plan_images
+
+    for name, count in (("qwen2.5-vl-7b", 7), ("smolvlm-256m", 7), ("llava-1.5-7b", 7), ("gemma-3-4b", 40)):
+        source = resolve_model(name)
+        cfg = built_config_dict(build_config(source))
+        imgs = plan_images(cfg, source.processor, count, None, name, source_config=source.config)
+        import torch
+
+        tensors = pixel_inputs(imgs, 2, torch.float32)
+        logical = sum(t.numel() * t.element_size() for t in tensors.values())
+        stored = sum(t.untyped_storage().nbytes() for t in tensors.values())
+        assert logical > 10 * 1024**2 and stored < 64 * 1024, (name, logical, stored)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["qwen2.5-vl-7b", "--images", "40"], "more than the 128,000 positions"),
+    (["qwen2.5-vl-7b", "--images", "256", "--image-size", "1024x1024"], "give at most 93 image(s)"),
+    (["smolvlm-256m", "--images", "8"], "positions of smolvlm-256m"),
+])
+def test_images_beyond_the_models_positions_are_refused(args, needle):
+    one_line(run("estimate", *args, "--no-correction", timeout=300), needle)
+
+
+def test_a_qwen_vl_folder_without_its_processor_file_says_so(tmp_path):
+    """transformers' class default (max_pixels 1,003,520: 1,225 tokens for 1024x1024) silently replaced
+    the published processor's (12,845,056: 1,369 tokens). A folder that is the catalog's model takes the
+    catalog's processor files, with a note; an unknown one keeps the class defaults, with a note."""
+    import json
+
+    from vramcal.estimator.resolve import catalog_entry
+    from vramcal.estimator.vision import plan_images
+
+    published = {k: v for k, v in catalog_entry("qwen2.5-vl-7b").items() if k != "_vramcal_catalog"}
+    known = plan_images(published, {}, 1, (1024, 1024), "folder", source_config=published)
+    assert known.plan.tokens == 1369 + 2 and "catalog's qwen2.5-vl-7b" in known.notes[0]
+    changed = {**published, "vision_config": {**published["vision_config"], "depth": 2}}
+    unknown = plan_images(changed, {}, 1, (1024, 1024), "folder", source_config=changed)
+    assert unknown.plan.tokens == 1225 + 2 and "class defaults" in unknown.notes[0]
+    own = plan_images(published, {"preprocessor_config.json": {"max_pixels": 1003520}}, 1, (1024, 1024), "folder")
+    assert own.notes == () and own.plan.tokens == 1225 + 2
+    d = tmp_path / "qwen-vl"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(published))
+    r = run("estimate", str(d), "--images", "1", "--image-size", "1024x1024", "--ctx", "2048", "--no-correction",
+            "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["image_tokens"] == 1371 and any("catalog's qwen2.5-vl-7b" in n for n in out["notes"])
