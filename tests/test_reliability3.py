@@ -580,3 +580,14 @@ def test_a_qwen_vl_folder_without_its_processor_file_says_so(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["image_tokens"] == 1371 and any("catalog's qwen2.5-vl-7b" in n for n in out["notes"])
+
+
+def test_a_fifo_among_the_journals_is_not_read(tmp_path):
+    from vramcal.calibrate.runs import journal_dir, recover_journals
+
+    db = tmp_path / "r.db"
+    with Store(db) as s:
+        d = journal_dir(s)
+        d.mkdir(parents=True)
+        os.mkfifo(d / "1.999999.0.jsonl")
+        assert recover_journals(s) == []  # returns at once, nothing recorded
