@@ -136,7 +136,8 @@ def _regular_or_absent(p: Path) -> None:
         if not stat.S_ISREG(mode):
             kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
                     "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
-            what = "the records database" if candidate is p else f"the records database's {candidate.name[len(p.name):]} file"
+            suffix = candidate.name[len(p.name):]
+            what = "the records database" if candidate is p else f"the records database's {suffix} file"
             raise UserError(f"{candidate} is {kind}, not a file: {what} must be a regular file; it was left "
                             "untouched: pass another --db or set VRAMCAL_DB")
 

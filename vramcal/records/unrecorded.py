@@ -92,7 +92,8 @@ def load_saved(path: str | os.PathLike) -> SavedRun:
     if not isinstance(uuid, str) or not 1 <= len(uuid) <= 64 or not uuid.isprintable() or " " in uuid:
         raise InvalidRecord(f"{where}: uuid = {uuid!r:.60} is not a run id; nothing of it was recorded")
     outcome = payload.get("outcome")
-    saved = SavedRun(uuid, valid_fingerprint(payload.get("fingerprint"), where), valid_context(payload.get("run"), where),
+    saved = SavedRun(uuid, valid_fingerprint(payload.get("fingerprint"), where),
+                     valid_context(payload.get("run"), where),
                      None if outcome is None else valid_outcome(outcome, where))
     valid_physics(saved.fingerprint, saved.context, saved.outcome, where)
     return saved
