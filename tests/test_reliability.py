@@ -385,19 +385,17 @@ def test_a_hub_snapshot_file_that_leads_outside_the_cache_is_refused(tmp_path):
 
 # ------------------------------------------------------------------ a probe that fails after it was recorded
 
-def test_a_check_that_fails_after_its_run_was_recorded_says_so(tmp_path):
-    """Weights that cannot be written (2 TB of synthetic weights): the run is in the records as an
-    error, so the check exits 1 like any run that did not finish, in one line that says which run."""
+def test_a_check_whose_synthetic_weights_cannot_be_written_records_nothing(tmp_path):
+    """Weights that cannot be written (2 TB of synthetic weights): found before the run is recorded
+    (round three: the room for the checkpoint is validated first), so one line, exit 2, no database."""
     d = tmp_path / "huge"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({**BASE, "hidden_size": 1 << 19, "vocab_size": 1 << 21,
                                                 "num_hidden_layers": 1, "torch_dtype": "bfloat16"}))
     db = str(tmp_path / "r.db")
     r = run("check", str(d), "--synthetic", "--device", "cpu", "--ctx", "64", "--db", db)
-    one_line(r, "recorded as run 1 (error)", code=1)
-    assert len(r.stderr) < 700
-    with Store(db, create=False, readonly=True) as s:
-        assert s.run(1).status == "error"
+    one_line(r, "nothing was run or recorded")
+    assert not os.path.exists(db)
 
 
 # ------------------------------------------------------------------ interrupted commands say so

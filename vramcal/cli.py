@@ -399,6 +399,9 @@ def cmd_memo(args) -> int:
         memo = chosen[-1]["memo"]
     else:
         memo = memos[-1]["memo"]
+    from .calibrate.memo import with_pretrained_id
+
+    memo = with_pretrained_id(memo)
     if args.recheck:
         from .calibrate.memo import recheck
 
@@ -493,7 +496,7 @@ def cmd_plan(args) -> int:
     return plan(args, _out)
 
 
-RECORDS_ACTIONS = ("list", "show", "export", "summary", "push", "pull", "import", "init-fleet")
+RECORDS_ACTIONS = ("list", "show", "export", "summary", "push", "pull", "import", "init-fleet", "withdraw")
 RUN_STATUSES = ("ok", "oom", "crashed", "error", "killed", "interrupted")
 
 
@@ -508,8 +511,12 @@ def cmd_records(args) -> int:
         raise UserError("--all-machines, --model, --quant, --gpu, --status and --host filter `vramcal records list`")
     if action not in ("push", "pull") and (args.to or args.source):
         raise UserError("--to belongs to `vramcal records push`, --from to `vramcal records pull`")
-    if action not in ("show", "import") and args.target:
+    if action not in ("show", "import", "withdraw") and args.target:
         raise UserError(f"`vramcal records {action}` takes no positional argument ({args.target[0]!r})")
+    if action != "withdraw" and args.why is not None:
+        raise UserError("--why belongs to `vramcal records withdraw RUN --why \"...\"`")
+    if action == "withdraw":
+        return _records_withdraw(args, present)
     if action in ("push", "pull", "import", "init-fleet"):
         return _records_copy(args, present)
 
@@ -527,9 +534,7 @@ def cmd_records(args) -> int:
             _out(json.dumps(runs, default=str) if args.json else
                  present.fleet_runs_table(runs) if many else present.runs_table(runs))
         elif action == "show":
-            if len(args.target) != 1 or not args.target[0].isdigit() or int(args.target[0]) >= 1 << 63:
-                raise UserError("records show needs one run id: `vramcal records show 3`")
-            run = store.run(int(args.target[0]))
+            run = store.run(_run_id(args.target, "show"))
             if run is None:
                 raise UserError(f"no run {args.target[0]}: `vramcal records list` shows the runs")
             _out(json.dumps(run.to_dict(), default=str, indent=1) if args.json else present.run_table(run))
@@ -542,6 +547,30 @@ def cmd_records(args) -> int:
             text = export(store, args.format, args.out)
             if text is not None:
                 _out(text.rstrip("\n"))
+    return 0
+
+
+def _run_id(target: list[str], action: str) -> int:
+    if len(target) != 1 or not target[0].isdigit() or int(target[0]) >= 1 << 63:
+        raise UserError(f"records {action} needs one run id: `vramcal records {action} 3`")
+    return int(target[0])
+
+
+def _records_withdraw(args, present) -> int:
+    """``records withdraw RUN --why TEXT``: append a withdrawal; the run stays, corrections leave it out."""
+    import socket
+
+    from .calibrate.corrections import valid_why, withdraw
+    from .records.store import Store
+
+    run_id = _run_id(args.target, "withdraw")
+    why = valid_why(args.why)  # all input checked before the store is opened for writing
+    with Store(args.db, create=False, readonly=True) as store:
+        if store.run(run_id) is None:
+            raise UserError(f"no run {run_id} in {store.label}: `vramcal records list` shows the runs")
+    with Store(args.db, create=False) as store:
+        done = withdraw(store, run_id, why, socket.gethostname())
+    _out(json.dumps(done.to_dict()) if args.json else present.withdrawn_line(done))
     return 0
 
 
@@ -704,9 +733,12 @@ def _add_calibration(sub) -> None:
                                    "  pull        copy the records of another store (--from) into --db\n"
                                    "  import F..  record runs saved while the database could not be written\n"
                                    "  init-fleet  create the schema, an owner and a writer role (--db as an admin;\n"
-                                   "              the writer's password from $VRAMCAL_WRITER_PASSWORD)")
+                                   "              the writer's password from $VRAMCAL_WRITER_PASSWORD)\n"
+                                   "  withdraw ID --why TEXT\n"
+                                   "              take a run out of every correction (it stays recorded, marked)")
     r.add_argument("action", choices=RECORDS_ACTIONS)
-    r.add_argument("target", nargs="*", help="a run id (show), saved run files (import)")
+    r.add_argument("target", nargs="*", help="a run id (show, withdraw), saved run files (import)")
+    r.add_argument("--why", help="withdraw: why the run is withdrawn (recorded with it)")
     r.add_argument("--format", default="csv", help="csv | json | parquet (export)")
     r.add_argument("--out", help="file to write (export); never the records database itself")
     r.add_argument("--to", help="the store to copy into (push): a postgresql:// URL or a path")

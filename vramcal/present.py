@@ -285,7 +285,7 @@ def runs_table(runs: list[dict]) -> str:
     for r in runs:
         device = ",".join(r["split_devices"]) if r.get("split_devices") else r["device"]
         lines.append(f"{r['id']:>4} {str(r['model'])[-30:]:<30} {r['quant']:<8} {r['ctx']:>7} {r['batch']:>5} "
-                     f"{device:<8} {r['status'] or 'interrupted'}")
+                     f"{device:<8} {r['status'] or 'interrupted'}" + _withdrawn_mark(r))
     return _rows(lines)
 
 
@@ -294,8 +294,13 @@ def fleet_runs_table(runs: list[dict]) -> str:
     for r in runs:
         gpu = r.get("gpu_name") or r["device"]
         lines.append(f"{r['id']:>6} {str(r.get('hostname'))[:14]:<14} {str(gpu)[:24]:<24} {str(r['model'])[-28:]:<28} "
-                     f"{r['quant']:<8} {r['ctx']:>7} {r['batch']:>5} {r['status'] or 'interrupted'}")
+                     f"{r['quant']:<8} {r['ctx']:>7} {r['batch']:>5} {r['status'] or 'interrupted'}"
+                     + _withdrawn_mark(r))
     return _rows(lines)
+
+
+def _withdrawn_mark(r: dict) -> str:
+    return " (withdrawn)" if r.get("withdrawn") else ""
 
 
 def class_summary_table(rows) -> str:
@@ -324,7 +329,18 @@ def copy_report_line(r) -> str:
     return (f"copied {r.source} -> {r.destination}: {r.runs_added} runs, {r.outcomes_added} outcomes, "
             f"{r.machines_added} machines, {r.memos_added} memos, {r.corrections_added} corrections"
             + (f", {r.device_stages_added} per-device stage rows" if r.device_stages_added else "")
+            + (f", {r.withdrawals_added} withdrawals" if r.withdrawals_added else "")
             + f" ({r.runs_in_source} runs in the source)" + skipped)
+
+
+def withdrawn_line(w) -> str:
+    if w.withdrawal_id is None:
+        first = w.earlier[0]
+        return f"run {w.run_id} was withdrawn already ({first['why']}): nothing added"
+    refit = (f"; its scope refitted without it ({len(w.refitted)} stage{'s' * (len(w.refitted) != 1)})"
+             if w.refitted else "; no other run of its scope remains to fit a correction from")
+    return (f"run {w.run_id} withdrawn: it stays in the records, marked, and no correction uses it any more"
+            + refit + " (push it to carry the withdrawal to a fleet)")
 
 
 def fleet_init_lines(f) -> str:
@@ -337,10 +353,11 @@ def fleet_init_lines(f) -> str:
 
 
 def recheck_line(out: dict) -> str:
-    return (f"run {out['memo_run']} rechecked as run {out['recheck_run']}: "
-            + ("CONSISTENT" if out["consistent"] else "CHANGED")
+    verdict = ("ANOTHER MODEL" if out.get("other_model") else "CONSISTENT" if out["consistent"] else "CHANGED")
+    return (f"run {out['memo_run']} rechecked as run {out['recheck_run']}: " + verdict
             + f"  old peak {fmt_gib_gb(out['old_peak_bytes'])}, new {fmt_gib_gb(out['new_peak_bytes'])}, "
-            f"tolerance {fmt_gib_gb(out['tolerance_bytes'])}")
+            f"tolerance {fmt_gib_gb(out['tolerance_bytes'])}"
+            + "".join(f"\n  note: {c}" for c in out.get("changes") or ()))
 
 
 def memo_markdown(m: dict) -> str:
@@ -361,7 +378,8 @@ def memo_markdown(m: dict) -> str:
         f"- **Command**: `{m['command']}`",
         f"- Recorded {m['recorded_at']} on {m['host']}, run {m['run_id']}",
         *(["", "Load it in Python with the same arguments:", "", "```python",
-           python_code(m["model"], m["from_pretrained"], m.get("auto_class") or "AutoModelForCausalLM"), "```"]
+           python_code(m.get("pretrained_id") or m["model"], m["from_pretrained"],
+                       m.get("auto_class") or "AutoModelForCausalLM"), "```"]
           if m.get("from_pretrained") else []),
         "",
         "Recheck after a change: `vramcal memo --recheck` re-runs the command and compares the peak.",
@@ -382,7 +400,10 @@ def run_table(run) -> str:
     est = c.estimate or {}
     lines = [f"run {run.id}  {run.status.upper()}" + (f" after {run.outcome.last_stage}" if run.outcome and
                                                        run.outcome.last_stage and run.status != "ok" else "")
-             + f"  recorded {when}",
+             + f"  recorded {when}" + ("  WITHDRAWN" if run.withdrawn else ""),
+             *(f"  withdrawn   {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(w['created_at']))}"
+               f"{' on ' + w['hostname'] if w.get('hostname') else ''}: {w['why']} (no correction uses this run)"
+               for w in run.withdrawals),
              f"  model       {c.model}" + (f"  (config {c.config_hash})" if c.config_hash else ""),
              f"  quant       {c.quant}" + (f" ({c.quant_impl})" if c.quant_impl else "") + f"  dtype {c.dtype}",
              f"  workload    ctx {c.ctx}" + (f" (prompt {est['prompt']} + {est['new_tokens']} new)"

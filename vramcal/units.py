@@ -13,13 +13,14 @@ MIB = 1024**2
 GIB = 1024**3
 GB = 1000**3
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGTP]?I?B?)?\s*$", re.IGNORECASE)
 _FACTORS = {
     "": 1, "B": 1,
     "K": KIB, "KIB": KIB, "KB": 1000,
     "M": MIB, "MIB": MIB, "MB": 1000**2,
     "G": GIB, "GIB": GIB, "GB": GB,
     "T": 1024**4, "TIB": 1024**4, "TB": 1000**4,
+    "P": 1024**5, "PIB": 1024**5, "PB": 1000**5,
 }
 
 
@@ -47,14 +48,14 @@ def parse_size(text: str) -> int:
     if not m:
         raise ValueError(f"cannot read size {text!r}: write it like 24GiB, 24GB or 25769803776")
     raw_unit = m.group(2) or ""
-    if raw_unit.endswith("b") and len(raw_unit) == 2 and raw_unit[0].upper() in "KMGT":
+    if raw_unit.endswith("b") and len(raw_unit) == 2 and raw_unit[0].upper() in "KMGTP":
         # accelerate (and so transformers' max_memory) reads 24Gb as gigabits, 3 GB: never guess which
         raise ValueError(f"{text.strip()!r}: a lowercase b means bits to accelerate ({text.strip()} = "
                          f"{m.group(1)}/8 {raw_unit[0].upper()}B); write {m.group(1)}{raw_unit[0].upper()}B for "
                          f"bytes or {m.group(1)}{raw_unit[0].upper()}iB")
     unit = raw_unit.upper()
     if unit not in _FACTORS:
-        raise ValueError(f"unknown unit in {text!r}: use B, KiB, MiB, GiB, TiB or KB, MB, GB, TB")
+        raise ValueError(f"unknown unit in {text!r}: use B, KiB, MiB, GiB, TiB, PiB or KB, MB, GB, TB, PB")
     return int(float(m.group(1)) * _FACTORS[unit])
 
 

@@ -26,6 +26,12 @@ models; within one scope this machine's own wins.
 
 **Splits.** A run split across devices feeds a correction per device position (``cuda:1`` of a split is
 not ``cuda:0`` of it), kept on the machine that measured it.
+
+**Withdrawn runs.** A run named by a withdrawal (:func:`withdraw`, ``vramcal records withdraw``) feeds
+no fit (the store's stage rows leave it out), and a correction fitted from it before the withdrawal --
+here or on a host it was copied from -- is never applied (:meth:`~vramcal.records.store.Store.latest_corrections`).
+Withdrawing refits the run's scopes on its machine at once, so the next estimate has a correction
+fitted from what remains.
 """
 
 from __future__ import annotations
@@ -390,3 +396,58 @@ def with_machine_corrections(e, db: str | None, device: str):
             out.notes.append(why)
         return out
     return e.corrected(machine_correction(device, e.quant, e.config_hash, db))
+
+
+# ------------------------------------------------------------------------------------ withdrawals
+
+MAX_WHY = 4096
+
+
+@dataclass
+class Withdrawn:
+    run_id: int
+    withdrawal_id: int | None  # None: it was withdrawn already and nothing was added
+    why: str
+    earlier: list[dict] = field(default_factory=list)  # withdrawals recorded before this one
+    refitted: dict[str, dict] = field(default_factory=dict)  # the run's scope refitted without it, per stage
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def valid_why(why) -> str:
+    """``--why``: the reason, one line of text, not empty."""
+    text = " ".join(str(why or "").split())
+    if not text:
+        raise UserError('records withdraw needs a reason: --why "imported by mistake: impossible peaks"')
+    if len(text) > MAX_WHY or not text.isprintable():
+        raise UserError(f"--why must be printable text of at most {MAX_WHY} characters")
+    return text
+
+
+def withdraw(store: Store, run_id: int, why: str, hostname: str | None = None) -> Withdrawn:
+    """Append a withdrawal of ``run_id`` (the run stays; the store is append-only), then refit its
+    scopes on its machine without it. A run withdrawn already gets no second row."""
+    why = valid_why(why)
+    run = store.run(run_id)
+    if run is None:
+        raise UserError(f"no run {run_id} in {store.label}: `vramcal records list` shows the runs")
+    if run.withdrawals:
+        return Withdrawn(run_id, None, why, run.withdrawals)
+    wid = store.withdraw(run_id, why, hostname)
+    out = Withdrawn(run_id, wid, why)
+    c, m = run.context, run.machine
+    if c.estimator_model and c.estimator_model.startswith("vllm"):
+        return out  # vLLM terms are learned from the runs at each lookup, which leaves withdrawn ones out
+    from ..probes.machine import stack_key
+
+    stack = stack_key(m)
+    if c.split_devices:
+        per = refit_devices(store, m["machine_id"], stack, c.quant, c.config_hash,
+                            [d for d in c.split_devices if d.startswith("cuda")])
+        out.refitted = {f"{d} {k}": asdict(v) for d, cs in per.items() for k, v in cs.stages.items()}
+    else:
+        kind = device_kind(c.device)
+        out.refitted = {k: asdict(v) for k, v in refit(store, m["machine_id"], stack, c.quant, c.config_hash,
+                                                        kind).stages.items()}
+    return out

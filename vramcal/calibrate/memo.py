@@ -15,6 +15,33 @@ RECHECK_TOLERANCE = 0.05
 RECHECK_FLOOR = 64 * 1024**2
 
 
+# What a recheck compares besides the peak: the fields of a machine's fingerprint that name its
+# software, and those that name the machine itself (vramcal.probes.machine.machine_fingerprint)
+SOFTWARE_FIELDS = ("torch", "transformers", "bitsandbytes", "accelerate", "driver", "cuda_runtime")
+MACHINE_FIELDS = ("hostname", "kind", "gpu_name", "gpu_uuid", "total_bytes", "cpu_model")
+
+
+def pretrained_id(command: str, model: str) -> str:
+    """What ``from_pretrained`` takes for the model of a recorded ``command``
+    (:func:`~vramcal.estimator.loading.hub_ref`: the Hub id of a catalog entry, a folder's absolute
+    path), so the memo's Python runs from any directory; ``model`` as recorded when the command's model
+    no longer resolves here."""
+    import shlex
+
+    from ..estimator.loading import hub_ref
+    from ..estimator.resolve import resolve_model
+
+    try:
+        words = shlex.split(command.split("  #", 1)[0])
+        ref = words[2] if len(words) > 2 and words[0] == "vramcal" else model
+    except ValueError:
+        ref = model
+    try:
+        return hub_ref(resolve_model(ref))
+    except UserError:
+        return ref
+
+
 def memo_for(run: RunRecord) -> dict:
     """The known-good memo of one recorded run (:meth:`Store.run`)."""
     ctx = run.context
@@ -45,7 +72,40 @@ def memo_for(run: RunRecord) -> dict:
         # recorded without an estimate
         "from_pretrained": (ctx.estimate or {}).get("from_pretrained"),
         "auto_class": (ctx.estimate or {}).get("auto_class") or "AutoModelForCausalLM",
+        "pretrained_id": pretrained_id(ctx.command, ctx.model),
+        # what a recheck compares against: the architecture, the software, the machine
+        "config_hash": ctx.config_hash, "vramcal_version": ctx.vramcal_version,
+        "software": {k: run.machine.get(k) for k in SOFTWARE_FIELDS},
+        "machine": {k: run.machine.get(k) for k in MACHINE_FIELDS},
     }
+
+
+def with_pretrained_id(memo: dict) -> dict:
+    """A memo recorded before memos named what ``from_pretrained`` takes, completed."""
+    if not memo.get("pretrained_id") and memo.get("command"):
+        memo = {**memo, "pretrained_id": pretrained_id(memo["command"], memo.get("model") or "")}
+    return memo
+
+
+def changes_since(old_run: RunRecord, config_hash: str | None, fingerprint: dict) -> list[str]:
+    """What differs between the memo's run and a recheck of it besides the peak, each in a few words:
+    the model's architecture (config hash), the software (versions), the machine."""
+    out = []
+    was = old_run.context.config_hash
+    if was and config_hash and was != config_hash:
+        out.append(f"the config changed since the memo (hash {was} -> {config_hash}): this is another model")
+    from ..versions import VRAMCAL_VERSION
+
+    m = old_run.machine
+    soft = [f"{k} {m.get(k)} -> {fingerprint.get(k)}" for k in SOFTWARE_FIELDS if m.get(k) != fingerprint.get(k)]
+    if old_run.context.vramcal_version and old_run.context.vramcal_version != VRAMCAL_VERSION:
+        soft.append(f"vramcal {old_run.context.vramcal_version} -> {VRAMCAL_VERSION}")
+    if soft:
+        out.append("the software changed since the memo: " + ", ".join(soft))
+    mach = [f"{k} {m.get(k)} -> {fingerprint.get(k)}" for k in MACHINE_FIELDS if m.get(k) != fingerprint.get(k)]
+    if mach:
+        out.append("the machine changed since the memo: " + ", ".join(mach))
+    return out
 
 
 def recheck(memo: dict, config: Configuration, db: str | None, interval_ms: float = 5.0) -> dict:
@@ -61,7 +121,8 @@ def recheck(memo: dict, config: Configuration, db: str | None, interval_ms: floa
     from .runs import measured_peak, probe_and_record
 
     with Store(db, create=False, readonly=True) as store:
-        if store.run(memo["run_id"]) is None:
+        old_run = store.run(memo["run_id"])
+        if old_run is None:
             raise UserError(f"run {memo['run_id']} of this memo is not in the database")
     source = resolve_model(config.model)
     spec = resolve_quant(config.quant, source, config.dtype)
@@ -73,14 +134,19 @@ def recheck(memo: dict, config: Configuration, db: str | None, interval_ms: floa
                    device=device_kind(config.device), max_memory=config.max_memory, device_map=config.device_map,
                    images=work.images, image_size=work.image_size)
     device = est.main_device if est.devices else config.device
+    fingerprint = machine_fingerprint(device)
     with Store(db) as store:
-        new_id, _, result = probe_and_record(store, machine_fingerprint(device), config, source, spec, est,
+        new_id, _, result = probe_and_record(store, fingerprint, config, source, spec, est,
                                              command=config.command("check") + "  # recheck",
                                              interval_ms=interval_ms)
     peak, _ = measured_peak(result)
     old = memo["peak_bytes"]
     tol = max(RECHECK_TOLERANCE * (old or 0), RECHECK_FLOOR)
-    same = result.status == "ok" and peak is not None and old is not None and abs(peak - old) <= tol
+    same_peak = result.status == "ok" and peak is not None and old is not None and abs(peak - old) <= tol
+    changes = changes_since(old_run, source.config_hash, fingerprint)
+    other_model = bool(old_run.context.config_hash) and old_run.context.config_hash != source.config_hash
     return {"memo_run": memo["run_id"], "recheck_run": new_id, "status": result.status, "old_peak_bytes": old,
             "new_peak_bytes": peak, "difference_bytes": None if peak is None or old is None else peak - old,
-            "tolerance_bytes": int(tol), "consistent": same}
+            "tolerance_bytes": int(tol), "peak_consistent": same_peak,
+            # a peak that matches another model's says nothing about the memo's
+            "consistent": same_peak and not other_model, "other_model": other_model, "changes": changes}

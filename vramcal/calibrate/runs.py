@@ -210,6 +210,8 @@ def recover_journals(store: Store) -> list[int]:
         return []
     done = []
     for path in sorted(d.glob("*.jsonl")):
+        if not path.is_file() or path.is_symlink():  # a FIFO would block the read below; vramcal writes files
+            continue
         parts = path.name.split(".")
         try:
             run_id, pid = int(parts[0]), int(parts[1])

@@ -14,6 +14,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
+from ..records.store import NOT_WITHDRAWN
+
 TERMS = ("activation_bytes", "non_torch_bytes")
 
 
@@ -53,7 +55,8 @@ def apply_terms(est, terms: dict[str, int], source_runs: list[int], scope: str, 
 
 
 VLLM_RUNS = ("SELECT r.id AS run_id, r.estimate_json, s.result_json FROM runs r JOIN results s ON s.run_id = r.id "
-             "JOIN machines m ON m.id = r.machine_id WHERE r.estimator_model LIKE 'vllm%' AND s.status = 'ok' AND ")
+             "JOIN machines m ON m.id = r.machine_id WHERE r.estimator_model LIKE 'vllm%' AND s.status = 'ok' AND "
+             + NOT_WITHDRAWN + " AND ")
 
 
 def runs_of(rows: list[dict]) -> list[dict]:

@@ -267,17 +267,58 @@ class ShadowValues:
     def attach(self, meta, values) -> None:
         self.values[meta] = values
 
-    def _cpu(self, x):
+    def _cpu(self, x, shrink: bool = False):
+        """``x`` with meta tensors replaced by their values (``shrink``: a value that is one element
+        repeated by one element, of the same number of dimensions, for an op computed elementwise)."""
         torch = self._torch
-        if isinstance(x, torch.Tensor) and x.device.type == "meta":
-            return self.values[x]
+        if isinstance(x, torch.Tensor):
+            v = self.values[x] if x.device.type == "meta" else x
+            if shrink and v.dim() and _one_value(v):
+                return v.as_strided([1] * v.dim(), [1] * v.dim())
+            return v
         if isinstance(x, torch.device) and x.type == "meta":
             return torch.device("cpu")
         if isinstance(x, (list, tuple)):
-            return type(x)(self._cpu(y) for y in x)
+            return type(x)(self._cpu(y, shrink) for y in x)
         if isinstance(x, dict):
-            return {k: self._cpu(v) for k, v in x.items()}
+            return {k: self._cpu(v, shrink) for k, v in x.items()}
         return x
+
+    # ops that copy their input elementwise (a dtype or device change, a clone): on a repeated value,
+    # computed on one element like the pointwise ops
+    @property
+    def _copies(self):
+        aten = self._torch.ops.aten
+        return (aten._to_copy.default, aten.clone.default, aten.lift_fresh_copy.default)
+
+    def _all_constant(self, args, kwargs) -> bool:
+        """Whether every tensor input has a value that is one element repeated (and there is one)."""
+        tensors = list(_tensors((args, kwargs)))
+        return bool(tensors) and all(_one_value(self.values[t] if t.device.type == "meta" else t) for t in tensors) \
+            and any(t.numel() > 1 for t in tensors)
+
+    def _shape_of(self, x):
+        return tuple(x.shape)
+
+    def _constant_index(self, args):
+        """``x[mask]`` (``aten.index.Tensor``) of a repeated value: the indexed dimensions are gathered on
+        the CPU with every dimension after them cut to one element, then expanded back -- the dry run's
+        padding-image filter (Idefics3 / SmolVLM) at any number of images without their pixels in memory."""
+        torch = self._torch
+        x, indices = args[0], list(args[1])
+        v = self.values[x] if x.device.type == "meta" else x
+        last = 0
+        for i, ix in enumerate(indices):
+            if ix is not None:
+                last = i + (ix.dim() if ix.dtype == torch.bool else 1)
+        cut = v[(slice(None),) * last + (slice(0, 1),) * (v.dim() - last)]
+        small = torch.ops.aten.index.Tensor(cut, self._cpu(indices))
+        shape = tuple(small.shape[:small.dim() - (v.dim() - last)]) + tuple(v.shape[last:])
+        m = torch.empty(shape, dtype=v.dtype, device="meta")
+        if small.numel() and bool((small == small.flatten()[0]).all()):  # still one value: keep it as one element
+            small = small.flatten()[:1].clone().reshape([1] * small.dim())
+        self.values[m] = small.expand(shape)
+        return m
 
     def _dispatch(self, func, args, kwargs):
         torch = self._torch
@@ -289,16 +330,37 @@ class ShadowValues:
                 for t in metas:
                     self.values.pop(t, None)
             return out
+        constant = self._all_constant(args, kwargs)
+        if constant and func._schema.is_mutable:  # written in place: the one shared element must not change
+            out = func(*args, **kwargs)
+            for t in metas:
+                self.values.pop(t, None)
+            return out
+        device = kwargs.get("device")
+        to_host = device is not None and torch.device(device).type != "meta"
+        if constant and (torch.Tag.pointwise in func.tags or func in self._copies):
+            # every input is one value repeated (the pixels of the dry run): so is the result, computed
+            # on one element and expanded -- no memory in proportion to the images
+            small = func(*self._cpu(args, shrink=True), **self._cpu(kwargs, shrink=True))
+            if to_host:  # a copy to the CPU (.cpu()): the values themselves, still one element expanded
+                return small.expand(self._shape_of(args[0]))
+            out = func(*args, **kwargs)
+            for m, c in zip(_tensors(out), _tensors(small)):
+                if m.device.type == "meta":
+                    self.values[m] = c.expand(m.shape)
+            return out
         try:
             out = func(*args, **kwargs)
         except (RuntimeError, NotImplementedError):  # a kernel that needs data: the CPU values decide
+            if func is torch.ops.aten.index.Tensor and self._all_constant((args[0],), {}):
+                return self._constant_index(args)  # a repeated value gathered by real indices
             cpu = func(*self._cpu(args), **self._cpu(kwargs))
-            device = kwargs.get("device")
-            if device is not None and torch.device(device).type != "meta":
+            if to_host:
                 return cpu  # a copy to the CPU (tolist, .cpu()): the values themselves
             return self._to_meta(cpu)
         results = [t for t in _tensors(out) if t.device.type == "meta"]
-        if not results or any(t.untyped_storage().nbytes() > SHADOW_CAP for t in results):
+        view_of_constant = constant and func.is_view  # a view of one repeated value costs nothing on the CPU
+        if not results or (not view_of_constant and any(t.untyped_storage().nbytes() > SHADOW_CAP for t in results)):
             return out
         cpu = func(*self._cpu(args), **self._cpu(kwargs))
         for m, c in zip(_tensors(out), _tensors(cpu)):
@@ -311,7 +373,10 @@ class ShadowValues:
         if isinstance(cpu, torch.Tensor):
             if cpu.device.type != "cpu":
                 return cpu
-            m = torch.empty_strided(cpu.shape, cpu.stride(), dtype=cpu.dtype, device="meta")
+            if _one_value(cpu):  # the device would hold every element: a dense tensor, this value repeated
+                m = torch.empty(cpu.shape, dtype=cpu.dtype, device="meta")
+            else:
+                m = torch.empty_strided(cpu.shape, cpu.stride(), dtype=cpu.dtype, device="meta")
             self.values[m] = cpu
             return m
         if isinstance(cpu, (list, tuple)):
@@ -340,6 +405,12 @@ class ShadowValues:
             return self.mode.__exit__(*exc)
         finally:
             self._torch.tensor = self._real_tensor
+
+
+def _one_value(t) -> bool:
+    """A CPU tensor that stores one element for all of its (more than one) elements: an expand of a
+    scalar, as the dry run's pixels are made (:func:`vramcal.estimator.vision.pixel_inputs`)."""
+    return t.device.type == "cpu" and t.numel() > 1 and t.untyped_storage().nbytes() <= t.element_size()
 
 
 class VisionWindow:

@@ -106,7 +106,8 @@ class Estimator:
         # the config as transformers filled it: what the formulas, the warnings and the image rules read
         self.config = self.inv.config or source.config
         self.text_config = text_config(self.config)
-        self.images: Images | None = plan_images(self.config, source.processor, images, image_size, source.name)
+        self.images: Images | None = plan_images(self.config, source.processor, images, image_size, source.name,
+                                                 source_config=source.config)
         self.device = device_kind(device)
         self._act_key = _act_cache_key(quant, attn, cache, kv_dtype, self.device, self.images)
         self._runner = None
@@ -348,6 +349,7 @@ class Estimator:
         vision_peak = None
         if self.images is not None:
             methods["images"] = self._images_method()
+            notes += self.images.notes
             if self._act is not None and methods["activations"] != "formula (dry run unavailable)":
                 vision_peak = self._act.vision_extra(work.batch, work.prompt)
             else:

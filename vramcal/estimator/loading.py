@@ -108,8 +108,13 @@ def materialize(kwargs: dict) -> dict:
 
 
 def hub_ref(source) -> str:
-    """What ``from_pretrained`` is given for a model: the Hub id of a catalog entry, else vramcal's ref."""
+    """What ``from_pretrained`` is given for a model: the Hub id of a catalog entry, the folder (as an
+    absolute path) of a directory or of a config.json, else vramcal's ref (a cached Hub id)."""
+    import os
+
     hub = (source.config.get("_vramcal_catalog") or {}).get("hub_id") if source.origin == "catalog" else None
+    if source.origin == "config" and source.directory:
+        return os.path.abspath(source.directory)
     return hub or source.ref
 
 

@@ -380,6 +380,8 @@ class Images:
     count: int
     plan: ImagePlan
     size_given: bool  # --image-size was given (else the processor's default size)
+    # where the processor settings came from when the checkpoint has no preprocessor_config.json
+    notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def tokens(self) -> int:
@@ -404,19 +406,66 @@ def check_images(config: dict, count: int, where: str = "the model") -> None:
     raise UserError(f"{where} is a text-only model ({config.get('model_type')}): it takes no images; drop --images")
 
 
+def catalog_processor(config: dict) -> tuple[str, str | None, dict] | None:
+    """The built-in catalog's entry a config is (every architecture field the entry transcribes, equal
+    in ``config``) with processor files: (catalog name, Hub id, its processor), else None."""
+    from .resolve import catalog_entry, catalog_names
+
+    for name in catalog_names():
+        entry = catalog_entry(name)
+        meta = entry.get("_vramcal_catalog") or {}
+        if not meta.get("processor") or entry.get("model_type") != config.get("model_type"):
+            continue
+        fields = {k: v for k, v in entry.items() if k not in ("_vramcal_catalog", "transformers_version",
+                                                                 "_name_or_path", "architectures_note")}
+        if all(config.get(k) == v for k, v in fields.items()):
+            return name, meta.get("hub_id"), meta["processor"]
+    return None
+
+
+def processor_or_catalog(config: dict, processor: dict | None) -> tuple[dict | None, list[str]]:
+    """The processor settings a model's images follow, and a note where they are not the checkpoint's
+    own: a folder without preprocessor_config.json takes the catalog's files when it is a known catalog
+    model, else transformers' class defaults -- which can differ from the published processor (Qwen2.5-VL:
+    max_pixels 1,003,520 against the published 12,845,056, 1,225 tokens against 1,369 for 1024x1024)."""
+    pre, _ = _files(processor)
+    if pre:
+        return processor, []
+    known = catalog_processor(config)
+    if known is not None:
+        name, hub, files = known
+        return {**(processor or {}), **files}, [
+            f"no {PREPROCESSOR} beside the model: it is the catalog's {name} ({hub or 'no Hub id'}), so that "
+            "processor's settings are used"]
+    return processor, [f"no {PREPROCESSOR} beside the model: the image rule uses transformers' class defaults "
+                       "(settings below), which may differ from the checkpoint's processor; copy its "
+                       f"{PREPROCESSOR} beside config.json for the real figures"]
+
+
 def plan_images(config: dict, processor: dict | None, count: int, size: tuple[int, int] | None,
-                where: str = "the model") -> Images | None:
-    """The images of a workload, or None for none (``config`` as transformers filled it). A text model
-    with images, or a family whose rule vramcal does not know, is refused in one line."""
+                where: str = "the model", source_config: dict | None = None) -> Images | None:
+    """The images of a workload, or None for none (``config`` as transformers filled it; ``source_config``
+    as given, to know a catalog model by). A text model with images, a family whose rule vramcal does not
+    know, or images whose tokens do not fit the model's positions, are refused in one line."""
+    from .resolve import size_field, text_config
+
     if not count:
         return None
     check_images(config, count, where)
+    processor, notes = processor_or_catalog(source_config or config, processor)
     fam = family(config)
     if size is None:
         w, h = default_size(config, processor)
     else:
         w, h = size
-    return Images(count, RULES[fam](config, processor, w, h), size is not None)
+    images = Images(count, RULES[fam](config, processor, w, h), size is not None, tuple(notes))
+    limit = size_field(text_config(config), "max_position_embeddings")
+    if isinstance(limit, int) and not isinstance(limit, bool) and images.tokens >= limit:
+        most = (limit - 1) // images.plan.tokens
+        raise UserError(f"--images {count}: {count} image(s) of {w}x{h} are {images.tokens:,} tokens, more than the "
+                        f"{limit:,} positions of {where} (with the prompt's text): give at most {most} image(s) "
+                        "of that size, or a smaller --image-size")
+    return images
 
 
 # ------------------------------------------------------------------------ the tensors of a prompt
@@ -516,9 +565,15 @@ def text_side_inputs(cfg, images: Images, ids) -> dict:
 
 
 def pixel_inputs(images: Images, batch: int, dtype) -> dict:
-    """Pixel tensors of the shapes the family's image processor returns for ``batch`` prompts (CPU; ones,
-    so no image looks like padding), for the dry run. The probe takes them from the real image processor."""
+    """Pixel tensors of the shapes the family's image processor returns for ``batch`` prompts, for the
+    dry run: ones (so no image looks like padding), each pixel tensor and mask one stored element
+    expanded to its shape -- CPU memory of a few bytes whatever the images' number and size (the dry run
+    moves them to the meta device, which counts what the device would hold). The grids and ratios are
+    real: the forward reads them. The probe takes its pixels from the real image processor."""
     import torch
+
+    def ones(*shape, dtype=dtype):
+        return torch.ones((), dtype=dtype).expand(*shape)
 
     p = images.plan
     n = batch * images.count
@@ -526,21 +581,21 @@ def pixel_inputs(images: Images, batch: int, dtype) -> dict:
     fam = p.family
     if fam in ("qwen2_vl", "qwen2_5_vl"):
         t, gh, gw = p.grid
-        return {"pixel_values": torch.ones(n * t * gh * gw, p.patch_values, dtype=dtype),
+        return {"pixel_values": ones(n * t * gh * gw, p.patch_values),
                 "image_grid_thw": torch.tensor([list(p.grid)] * n, dtype=torch.long)}
     if fam == "idefics3":
         tiles = images.count * p.encoder_images
-        return {"pixel_values": torch.ones(batch, tiles, 3, h, w, dtype=dtype),
-                "pixel_attention_mask": torch.ones(batch, tiles, h, w, dtype=torch.long)}
+        return {"pixel_values": ones(batch, tiles, 3, h, w),
+                "pixel_attention_mask": ones(batch, tiles, h, w, dtype=torch.long)}
     if fam == "mllama":
         a, b = p.tiles
         ratio = mllama_arrangements(p.encoder_images).index((a, b)) + 1
         mask = torch.zeros(batch, images.count, p.encoder_images, dtype=torch.long)
         mask[..., :a * b] = 1
-        return {"pixel_values": torch.ones(batch, images.count, p.encoder_images, 3, h, w, dtype=dtype),
+        return {"pixel_values": ones(batch, images.count, p.encoder_images, 3, h, w),
                 "aspect_ratio_ids": torch.full((batch, images.count), ratio, dtype=torch.long),
                 "aspect_ratio_mask": mask}
-    return {"pixel_values": torch.ones(n * p.encoder_images, 3, h, w, dtype=dtype)}
+    return {"pixel_values": ones(n * p.encoder_images, 3, h, w)}
 
 
 def decode_inputs(images: Images, prefill: dict) -> dict:

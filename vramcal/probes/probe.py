@@ -201,6 +201,10 @@ def preflight(source: ModelSource, spec, device: str, synthetic: bool, interval_
                         + (f"only its metadata was read from the Hub; `hf download {source.name} --revision "
                            f"{source.revision}` puts the weights in the local cache, or " if source.origin == "hub" else "")
                         + "add --synthetic to probe random weights at its real widths")
+    if synthetic:
+        from .synthetic import check_room
+
+        check_room(source, spec)
     return series, notes, placed
 
 

@@ -13,6 +13,44 @@ import json
 import sys
 
 
+def checkpoint_bytes(source, spec) -> int:
+    """Bytes of the checkpoint :func:`write_checkpoint` writes for ``source``: every parameter once, at
+    the config's dtype (the inventory's count, made on the meta device and cached for the estimate)."""
+    from ..estimator.inventory import inventory
+    from ..estimator.meta import clean_config
+    from ..estimator.quant import DTYPE_BYTES, config_dtype
+
+    return inventory(source, spec).params * DTYPE_BYTES[config_dtype(clean_config(source.config))]
+
+
+def check_room(source, spec, folder: str | None = None) -> int:
+    """Refuse, before a run is recorded, random weights that cannot be written: the checkpoint is held
+    whole in memory and then saved under the temporary folder, so it needs that much available RAM and
+    that much free disk there. Returns the checkpoint's bytes; a one-line UserError otherwise."""
+    import shutil
+    import tempfile
+
+    import psutil
+
+    from ..errors import UserError
+    from ..units import fmt_gib_gb
+
+    need = checkpoint_bytes(source, spec)
+    folder = folder or tempfile.gettempdir()
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError as exc:
+        raise UserError(f"--synthetic: cannot use the temporary folder {folder} ({exc.strerror or exc}): "
+                        "set TMPDIR to a writable folder") from None
+    ram = psutil.virtual_memory().available
+    for what, room, fix in ((f"free in {folder}", free, "free space there or set TMPDIR to a larger disk"),
+                            ("of available RAM (it is made in memory first)", ram, "probe a smaller model")):
+        if need > room:
+            raise UserError(f"--synthetic: the random checkpoint of {source.name} is {fmt_gib_gb(need)}, more than "
+                            f"the {fmt_gib_gb(room)} {what}; nothing was run or recorded: {fix}")
+    return need
+
+
 def write_checkpoint(config: dict, out_dir: str, seed: int = 0) -> str:
     import torch
     from transformers import AutoConfig

@@ -38,6 +38,7 @@ DEFAULT_TIMEOUT_S = 60.0
 URL_PREFIXES = ("postgresql://", "postgres://")
 HISTORY_TABLES = ("machines", "runs", "results", "stages", "samples", "memos", "corrections")
 DEVICE_TABLES = ("device_stages",)  # schema 4: readings per device of a split run
+WITHDRAWAL_TABLES = ("withdrawals",)  # schema 6: runs withdrawn from corrections (``records withdraw``)
 
 
 class NoRecords(UserError):
@@ -119,6 +120,28 @@ class Engine:
 _SQLITE_HEADER = b"SQLite format 3\x00"
 
 
+def _regular_or_absent(p: Path) -> None:
+    """Refuse a records database (or its ``-wal``/``-shm``/``-journal``) that is a FIFO, a socket or a
+    device, before anything opens it: open() of a FIFO blocks until a writer comes, a device is never an
+    SQLite file (/dev/null reads as empty and SQLite's later writes fail as "disk I/O error")."""
+    import stat
+
+    for candidate in (p, Path(f"{p}-wal"), Path(f"{p}-shm"), Path(f"{p}-journal")):
+        try:
+            mode = candidate.stat().st_mode
+        except (OSError, ValueError):
+            continue  # absent (or unreadable: opening it says so)
+        if candidate is p and stat.S_ISDIR(mode):
+            continue  # said below, with the file name to use instead
+        if not stat.S_ISREG(mode):
+            kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                    "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+            suffix = candidate.name[len(p.name):]
+            what = "the records database" if candidate is p else f"the records database's {suffix} file"
+            raise UserError(f"{candidate} is {kind}, not a file: {what} must be a regular file; it was left "
+                            "untouched: pass another --db or set VRAMCAL_DB")
+
+
 class SqliteEngine(Engine):
     """One SQLite file in WAL mode. Writers take the file's write lock with ``BEGIN IMMEDIATE`` and wait
     for it at most ``timeout_s``; readers opened with ``readonly=True`` never take it."""
@@ -157,6 +180,7 @@ class SqliteEngine(Engine):
         if p.is_dir():
             raise UserError(f"{p} is a directory, not a records database: pass a file path to --db "
                             f"(e.g. {p / 'vramcal.db'})")
+        _regular_or_absent(p)
         if not p.exists():
             if not create:
                 raise NoRecords(f"no records database at {p}: `vramcal check MODEL ...` records the first run "

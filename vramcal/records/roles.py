@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..errors import UserError
-from .engines import DEVICE_TABLES, HISTORY_TABLES, PG_SCHEMA, _one_line, _psycopg, is_url, redact
+from .engines import DEVICE_TABLES, HISTORY_TABLES, PG_SCHEMA, WITHDRAWAL_TABLES, _one_line, _psycopg, is_url, redact
 from .schema import SCHEMA_VERSION
 from .store import Store
 
@@ -112,7 +112,8 @@ def _grant(tx, owner: str, writer: str) -> None:
     from psycopg import sql
 
     w, o, s = sql.Identifier(writer), sql.Identifier(owner), sql.Identifier(PG_SCHEMA)
-    tables = sql.SQL(", ").join(sql.Identifier(PG_SCHEMA, t) for t in HISTORY_TABLES + DEVICE_TABLES)
+    tables = sql.SQL(", ").join(sql.Identifier(PG_SCHEMA, t) for t in HISTORY_TABLES + DEVICE_TABLES
+                            + WITHDRAWAL_TABLES)
     conn = tx.conn
     conn.execute(sql.SQL("REVOKE ALL ON SCHEMA {} FROM PUBLIC").format(s))
     conn.execute(sql.SQL("REVOKE ALL ON ALL TABLES IN SCHEMA {} FROM PUBLIC").format(s))

@@ -14,6 +14,8 @@ version     what it added
 5           what derived each run and correction: ``vramcal_version`` and ``estimator_model`` on runs,
             ``estimator_model`` on corrections, and a split run's devices as ``split_devices`` (a
             list), its main device in ``device``
+6           ``withdrawals``: a run taken out of every correction (``vramcal records withdraw RUN --why``),
+            append-only like the rest; the run itself stays
 ==========  ===================================================================================
 """
 
@@ -26,7 +28,7 @@ from typing import Callable
 from .engines import Engine
 from .machines import class_key
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # The estimator models of runs recorded before schema 5 (vramcal.estimator.stages.MODEL_IDS then):
 # GPU stages; the CPU resident-set model (its methods name "resident set"); CPU tensors before it.
@@ -119,6 +121,25 @@ def _v5(tx, engine: Engine) -> None:
     tx.execute("CREATE INDEX runs_estimator ON runs(machine_id, estimator_model)")
 
 
+def _v6(tx, engine: Engine) -> None:
+    """5 -> 6: withdrawals. A run recorded by mistake (a poisoned import, a probe of the wrong thing)
+    cannot be deleted from an append-only store; a withdrawal row, appended, takes it out of every
+    correction fitted or applied after it, on this machine and across a fleet. ``uuid`` makes copying it
+    (push, pull) idempotent; ``hostname`` says who withdrew it."""
+    tx.execute(engine.ddl("""
+    CREATE TABLE withdrawals (
+        id INTEGER PRIMARY KEY,
+        uuid TEXT NOT NULL UNIQUE,
+        run_id INTEGER NOT NULL REFERENCES runs(id),
+        created_at REAL NOT NULL,
+        why TEXT NOT NULL,
+        hostname TEXT
+    )"""))
+    tx.execute("CREATE INDEX withdrawals_run ON withdrawals(run_id)")
+    for statement in engine.append_only_ddl(("withdrawals",)):
+        tx.execute(statement)
+
+
 # Each entry upgrades the schema from version i to i + 1 (index i): SQL in SQLite's words (the
 # PostgreSQL engine translates the types, ``Engine.ddl``) or a function of (transaction, engine).
 # Never edit a shipped migration.
@@ -195,5 +216,7 @@ MIGRATIONS: list[str | Callable] = [
     _v4,
     # 4 -> 5
     _v5,
+    # 5 -> 6
+    _v6,
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION

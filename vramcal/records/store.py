@@ -151,6 +151,11 @@ class RunRecord:
     outcome: Outcome | None
     sample_count: int
     corrections: list[dict] = field(default_factory=list)
+    withdrawals: list[dict] = field(default_factory=list)  # why and when it was withdrawn, oldest first
+
+    @property
+    def withdrawn(self) -> bool:
+        return bool(self.withdrawals)
 
     @property
     def status(self) -> str:
@@ -165,7 +170,8 @@ class RunRecord:
         return {"id": self.id, "uuid": self.uuid, "created_at": self.created_at, "status": self.status,
                 "context": self.context.to_dict(), "machine": dict(self.machine),
                 "outcome": None if self.outcome is None else self.outcome.to_dict(),
-                "sample_count": self.sample_count, "corrections": self.corrections}
+                "sample_count": self.sample_count, "corrections": self.corrections,
+                "withdrawals": self.withdrawals}
 
 
 def default_path() -> Path:
@@ -354,6 +360,20 @@ class Store:
         memo_uuid = uuid or new_uuid()
         return self._write(lambda tx: _insert_memo(tx, run_id, json.dumps(memo), memo_uuid, time.time()))
 
+    def withdraw(self, run_id: int, why: str, hostname: str | None = None, uuid: str | None = None) -> int:
+        """Append a withdrawal of run ``run_id`` (which stays, as everything recorded does): from now on no
+        correction is fitted from it, and no correction fitted from it is applied. Returns the
+        withdrawal's id; the same ``uuid`` twice records it once."""
+        w_uuid = uuid or new_uuid()
+        return self._write(lambda tx: _insert_withdrawal(tx, run_id, why, hostname, w_uuid, time.time())[0])
+
+    def withdrawals(self, run_id: int | None = None) -> list[dict]:
+        q = "SELECT * FROM withdrawals" + (" WHERE run_id = ?" if run_id is not None else "") + " ORDER BY id"
+        return self.query(q, (run_id,) if run_id is not None else ())
+
+    def withdrawn_runs(self) -> set[int]:
+        return {r["run_id"] for r in self.query("SELECT DISTINCT run_id FROM withdrawals")}
+
     def add_corrections(self, machine_id: int, stack: str, rows: list[dict], estimator_model: str | None) -> None:
         """``rows`` carry their ``uuid`` (made before the transaction: a retried one adds nothing twice)."""
         stamp = time.time()
@@ -388,7 +408,8 @@ class Store:
         q = ("SELECT r.id, r.uuid, r.created_at, r.machine_id, r.model, r.config_hash, r.quant, r.quant_impl, "
              "r.dtype, r.ctx, r.batch, r.kv_dtype, r.attn, r.device, r.split_devices, r.command, "
              "r.vramcal_version, r.estimator_model, s.status, s.last_stage, s.error, s.finished_at, m.hostname, "
-             "m.gpu_name, m.class_key FROM runs r JOIN machines m ON m.id = r.machine_id "
+             "m.gpu_name, m.class_key, (SELECT count(*) FROM withdrawals w WHERE w.run_id = r.id) AS withdrawn "
+             "FROM runs r JOIN machines m ON m.id = r.machine_id "
              "LEFT JOIN results s ON s.run_id = r.id WHERE 1=1")
         args: list = []
         for column, value in (("r.machine_id", machine_id), ("r.model", model), ("r.quant", quant),
@@ -411,6 +432,7 @@ class Store:
         out = self.query(q, args)
         for r in out:
             r["split_devices"] = json.loads(r["split_devices"]) if r.get("split_devices") else None
+            r["withdrawn"] = bool(r["withdrawn"])
         return out
 
     def run(self, run_id: int) -> RunRecord | None:
@@ -432,7 +454,8 @@ class Store:
                                              "WHERE run_id = ? ORDER BY device, stage", (run_id,)))
         n = int(self.query("SELECT count(*) AS n FROM samples WHERE run_id = ?", (run_id,))[0]["n"])
         fed = [c for c in self.corrections(row["machine_id"]) if run_id in c["source_runs"]]
-        return RunRecord(row["id"], row["uuid"], row["created_at"], context, machine, outcome, n, fed)
+        return RunRecord(row["id"], row["uuid"], row["created_at"], context, machine, outcome, n, fed,
+                         self.withdrawals(run_id))
 
     def run_id_of(self, uuid: str) -> int | None:
         row = self.engine.query_one("SELECT id FROM runs WHERE uuid = ?", (uuid,))
@@ -451,15 +474,19 @@ class Store:
         return self.query(
             "SELECT st.*, r.ctx, r.batch, r.model, r.config_hash, r.quant, r.estimator_model, s.status, "
             "st.run_id AS run_id FROM device_stages st JOIN runs r ON r.id = st.run_id "
-            "JOIN results s ON s.run_id = r.id WHERE r.machine_id = ? ORDER BY st.run_id", (machine_id,))
+            "JOIN results s ON s.run_id = r.id WHERE r.machine_id = ? AND " + NOT_WITHDRAWN + " ORDER BY st.run_id",
+            (machine_id,))
 
     def latest_corrections(self, machine_id: int, stack: str, estimator_model: str | None) -> dict[str, dict]:
-        """The newest correction per stage of one scope, fitted from runs of ``estimator_model``."""
+        """The newest correction per stage of one scope, fitted from runs of ``estimator_model``, none of
+        them withdrawn (a correction fitted before a withdrawal reached this store is left out)."""
         out = {}
+        withdrawn = self.withdrawn_runs()
         for d in self.query("SELECT * FROM corrections WHERE machine_id = ? AND stack = ? AND estimator_model = ? "
                             "ORDER BY id", (machine_id, stack, estimator_model)):
             d["source_runs"] = json.loads(d.pop("source_runs_json"))
-            out[d["stage"]] = d
+            if not withdrawn.intersection(d["source_runs"]):
+                out[d["stage"]] = d
         return out
 
     def corrections(self, machine_id: int | None = None) -> list[dict]:
@@ -491,12 +518,15 @@ class Store:
             "GROUP BY m.class_key ORDER BY m.class_key")
 
 
-# Stage rows of finished single-device runs, with what a correction needs: the workload, the scope's
-# fields and the estimator model the run was compared with
+# A run ``r`` that no withdrawal names: what every correction is fitted from
+NOT_WITHDRAWN = "NOT EXISTS (SELECT 1 FROM withdrawals w WHERE w.run_id = r.id)"
+
+# Stage rows of finished single-device runs not withdrawn, with what a correction needs: the workload, the
+# scope's fields and the estimator model the run was compared with
 _STAGE_ROWS = ("SELECT st.*, r.ctx, r.batch, r.model, r.config_hash, r.quant, r.device, r.machine_id, "
                "r.estimator_model, s.status, m.hostname FROM stages st JOIN runs r ON r.id = st.run_id "
                "JOIN results s ON s.run_id = r.id JOIN machines m ON m.id = r.machine_id "
-               "WHERE r.split_devices IS NULL")  # a split run's corrections are per device (device_stages)
+               "WHERE r.split_devices IS NULL AND " + NOT_WITHDRAWN)  # a split run's: per device (device_stages)
 
 
 def _context_of(row: dict) -> RunContext:
@@ -581,6 +611,16 @@ def _insert_memo(tx, run_id: int, memo_json: str, memo_uuid: str, created_at: fl
     if rows:
         return rows[0]["id"]
     return tx.execute("SELECT id FROM memos WHERE uuid = ?", (memo_uuid,))[0]["id"]
+
+
+def _insert_withdrawal(tx, run_id: int, why: str, hostname: str | None, w_uuid: str, created_at: float
+                       ) -> tuple[int, bool]:
+    """(id, whether it was new)."""
+    rows = tx.execute("INSERT INTO withdrawals (uuid, run_id, created_at, why, hostname) VALUES (?,?,?,?,?) "
+                      "ON CONFLICT (uuid) DO NOTHING RETURNING id", (w_uuid, run_id, created_at, why, hostname))
+    if rows:
+        return rows[0]["id"], True
+    return tx.execute("SELECT id FROM withdrawals WHERE uuid = ?", (w_uuid,))[0]["id"], False
 
 
 def _insert_corrections(tx, machine_id: int, stack: str, rows: list[dict], created_at: float,

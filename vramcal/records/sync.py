@@ -18,7 +18,7 @@ from ..errors import UserError
 
 from .store import (DEVICE_STAGE_FIELDS, STAGE_FIELDS, DeviceStageRow, Outcome, Store, _context_of,
                     _insert_corrections, _insert_device_stages, _insert_machine, _insert_memo, _insert_outcome,
-                    _insert_run, _outcome_of)
+                    _insert_run, _insert_withdrawal, _outcome_of)
 
 CHUNK = 500
 
@@ -35,6 +35,7 @@ class CopyReport:
     skipped: list[str] = field(default_factory=list)  # records that are not what vramcal writes, and why
     memos_added: int = 0
     corrections_added: int = 0
+    withdrawals_added: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -42,7 +43,7 @@ class CopyReport:
     @property
     def nothing_new(self) -> bool:
         return not (self.machines_added or self.runs_added or self.outcomes_added or self.memos_added
-                    or self.corrections_added or self.device_stages_added)
+                    or self.corrections_added or self.device_stages_added or self.withdrawals_added)
 
 
 def _chunks(items: list, n: int = CHUNK):
@@ -84,10 +85,11 @@ def copy_records(src: Store, dst: Store) -> CopyReport:
 
 
 def _copy(src: Store, dst: Store, report: CopyReport) -> None:
-    from .validate import InvalidRecord, valid_context, valid_fingerprint, valid_outcome
+    from .validate import InvalidRecord, valid_context, valid_fingerprint, valid_outcome, valid_physics
 
     # machines, by fingerprint
     machine_map: dict[int, int] = {}
+    fingerprints: dict[int, dict] = {}
     for m in src.machines():
         try:
             fp = valid_fingerprint(json.loads(m["fingerprint"]), f"machine {m['id']} of {src.label}")
@@ -99,6 +101,7 @@ def _copy(src: Store, dst: Store, report: CopyReport) -> None:
             known = dst._write(lambda tx, fp=fp, at=m["created_at"]: _insert_machine(tx, fp, at))
             report.machines_added += 1
         machine_map[m["id"]] = known
+        fingerprints[m["id"]] = fp
 
     # runs, by uuid; an outcome where the destination has none; per-device rows where it lacks them
     runs = src.query("SELECT r.*, s.run_id AS has_outcome, (SELECT count(*) FROM device_stages d "
@@ -108,6 +111,10 @@ def _copy(src: Store, dst: Store, report: CopyReport) -> None:
                      ", s.run_id AS has_outcome, (SELECT count(*) FROM device_stages d WHERE d.run_id = t.id) "
                      "AS device_rows")
     run_map: dict[int, int] = {}
+    withdrawals = [w for w in src.withdrawals() if isinstance(w["why"], str) and w["why"].strip()]
+    withdrawals_of: dict[int, list[dict]] = {}
+    for w in withdrawals:
+        withdrawals_of.setdefault(w["run_id"], []).append(w)
     for run in runs:
         have = there.get(run["uuid"])
         if have is not None:
@@ -128,6 +135,7 @@ def _copy(src: Store, dst: Store, report: CopyReport) -> None:
             outcome = _read_outcome(src, run) if run["has_outcome"] is not None else None
             context = valid_context(_context_of(run).to_dict(), where)
             outcome = None if outcome is None else valid_outcome(outcome.to_dict(), where)
+            valid_physics(fingerprints[run["machine_id"]], context, outcome, where)
         except InvalidRecord as exc:
             report.skipped.append(str(exc))
             continue
@@ -140,12 +148,26 @@ def _copy(src: Store, dst: Store, report: CopyReport) -> None:
             added = False
             if outcome is not None:
                 added = _insert_outcome(tx, run_id, outcome)
-            return run_id, new, added
+            # its withdrawals in the same transaction: a withdrawn run is never, even for a moment, a
+            # run the destination's corrections could be fitted from
+            withdrawn = sum(_insert_withdrawal(tx, run_id, w["why"], w["hostname"], w["uuid"], w["created_at"])[1]
+                            for w in withdrawals_of.get(run["id"], ()))
+            return run_id, new, added, withdrawn
 
-        run_id, new, added = dst._write(fn)
+        run_id, new, added, withdrawn = dst._write(fn)
         run_map[run["id"]] = run_id
         report.runs_added += new
         report.outcomes_added += added
+        report.withdrawals_added += withdrawn
+
+    # withdrawals, by uuid, of runs the destination held before: a withdrawn run stays withdrawn wherever
+    # it goes (those of runs copied now went in with them)
+    known_w = _by_uuid(dst, "withdrawals", [w["uuid"] for w in withdrawals])
+    for w in withdrawals:
+        if w["uuid"] in known_w or w["run_id"] not in run_map:
+            continue
+        report.withdrawals_added += dst._write(lambda tx, w=w: _insert_withdrawal(
+            tx, run_map[w["run_id"]], w["why"], w["hostname"], w["uuid"], w["created_at"])[1])
 
     # memos: their JSON names the run by its id, which is the destination's now
     memos = src.query("SELECT * FROM memos ORDER BY id")
@@ -191,7 +213,8 @@ def _read_device_stages(src: Store, run_id: int) -> list[DeviceStageRow]:
 def _readable(src: Store) -> Store:
     """Read the whole source once before the destination is opened (or created): a source damaged
     inside says so in one line and nothing is written anywhere."""
-    for table in ("machines", "runs", "results", "stages", "device_stages", "samples", "memos", "corrections"):
+    for table in ("machines", "runs", "results", "stages", "device_stages", "samples", "memos", "corrections",
+                  "withdrawals"):
         src.count(table)
     src.machines()
     return src

@@ -76,7 +76,7 @@ class SavedRun:
 def load_saved(path: str | os.PathLike) -> SavedRun:
     """A saved run, checked field by field (:mod:`vramcal.records.validate`) before anything records
     it; a file of the first format (vramcal before records schema 5) is read too."""
-    from .validate import InvalidRecord, valid_context, valid_fingerprint, valid_outcome
+    from .validate import InvalidRecord, valid_context, valid_fingerprint, valid_outcome, valid_physics
 
     raw = read_regular(path, MAX_SAVED_BYTES, "saved run")
     try:
@@ -92,9 +92,11 @@ def load_saved(path: str | os.PathLike) -> SavedRun:
     if not isinstance(uuid, str) or not 1 <= len(uuid) <= 64 or not uuid.isprintable() or " " in uuid:
         raise InvalidRecord(f"{where}: uuid = {uuid!r:.60} is not a run id; nothing of it was recorded")
     outcome = payload.get("outcome")
-    return SavedRun(uuid, valid_fingerprint(payload.get("fingerprint"), where),
-                    valid_context(payload.get("run"), where),
-                    None if outcome is None else valid_outcome(outcome, where))
+    saved = SavedRun(uuid, valid_fingerprint(payload.get("fingerprint"), where),
+                     valid_context(payload.get("run"), where),
+                     None if outcome is None else valid_outcome(outcome, where))
+    valid_physics(saved.fingerprint, saved.context, saved.outcome, where)
+    return saved
 
 
 def _from_format_1(p: dict) -> dict:

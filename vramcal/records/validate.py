@@ -1,7 +1,10 @@
 """The one gate a record passes before it touches a store from outside: an imported file, a run pulled
-or pushed from another database. Every field is checked against the schema's types and ranges; what
-fails is refused in one line that names the field, never stored (the store is append-only: nonsense
-recorded once would stay forever and break every reader after it).
+or pushed from another database. Every field is checked against the schema's types and ranges, and the
+whole run against physics (:func:`valid_physics`: no negative or impossible bytes, none above the
+device's total where the machine says it, stages in the order a probe passes them, samples inside the
+run's time); what fails is refused in one line that names the field, never stored (the store is
+append-only: nonsense recorded once would stay forever and break every reader after it; a run that got
+in before these checks is withdrawn with ``vramcal records withdraw``).
 
 :func:`valid_context`, :func:`valid_outcome` and :func:`valid_fingerprint` take the plain JSON of a
 record and return the typed :class:`~vramcal.records.store.RunContext` / :class:`~vramcal.records.store.Outcome`
@@ -20,7 +23,11 @@ from .store import DeviceStageRow, Outcome, RunContext, StageRow
 STATUSES = ("ok", "oom", "error", "crashed", "interrupted", "killed")
 KINDS = ("cpu", "cuda")
 MAX_TEXT = 64 * 1024  # a command, an error message: never near this
-MAX_BYTES = 1 << 60  # one exbibyte: no device or host holds more
+MAX_BYTES = 1 << 50  # one pebibyte: no device or host holds a hundredth of it
+# How far below the child's baseline a CPU reading (its resident set minus the baseline's) can fall: at
+# most the baseline itself -- imports of torch and transformers, a few GiB -- so never more than this
+MAX_BELOW_BASELINE = 64 << 30
+SAMPLE_SLACK_S = 1.0  # samples are stamped on the parent's clock, a little before the child or after its end
 _DEVICE = re.compile(r"cpu|disk|cuda(:(0|[1-9][0-9]{0,2}))?")
 _SERIES = re.compile(r"rss|gpu(0|[1-9][0-9]{0,2})(_proc)?")
 
@@ -180,3 +187,62 @@ def valid_outcome(outcome, where: str = "record") -> Outcome:
         result=_mapping(where, "outcome.result", o.get("result")) or {},
         stages=rows, devices=device_rows, samples=clean,
         finished_at=_number(where, "outcome.finished_at", o.get("finished_at")))
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):,.2f} GiB"
+
+
+def valid_physics(fingerprint: dict, context: RunContext, outcome: Outcome | None, where: str = "record") -> None:
+    """What the types cannot say, checked on a typed run: every byte count a device could hold.
+
+    - A GPU run's readings are as read (NVML): from 0 to the device's total (the fingerprint's
+      ``total_bytes``, else :data:`MAX_BYTES`); a CPU run's are the child's resident set above its
+      baseline: from minus the baseline (at most :data:`MAX_BELOW_BASELINE`) to the host's RAM.
+    - torch's counters and the main series' samples: from 0 to the device's total.
+    - Stages in the order a probe passes them (``baseline``, ``context``, ``load_peak``, ...).
+    - Samples inside the run: from 0 to its wall time (with :data:`SAMPLE_SLACK_S`), and a result that
+      ends after the run began."""
+    if outcome is None:
+        return
+    total = fingerprint.get("total_bytes") or MAX_BYTES
+    on_gpu = str(context.device).startswith("cuda") and fingerprint.get("kind") == "cuda"
+    cap = f"the device's total ({_gib(total)})" if fingerprint.get("total_bytes") else "one PiB"
+    baseline = next((r for r in outcome.stages if r.stage == "baseline"), None)
+    floor = MAX_BELOW_BASELINE
+    if not on_gpu:
+        for v in (baseline and (baseline.measured_used_bytes or baseline.measured_peak_bytes), total):
+            floor = min(floor, v) if v is not None else floor
+
+    def bound(field, value, lo, hi, why_hi=cap):
+        if value is None:
+            return
+        if value < lo:
+            _fail(where, field, value, "possible: a reading cannot be negative" if lo == 0 else
+                  f"possible: a CPU reading falls at most its baseline ({_gib(-lo)}) below it")
+        if value > hi:
+            _fail(where, field, value, f"possible: above {why_hi}")
+
+    order = []
+    for r in outcome.stages:
+        lo = 0 if on_gpu or r.stage == "baseline" else -floor
+        for name in ("measured_peak_bytes", "measured_used_bytes"):
+            bound(f"stage {r.stage}'s {name}", getattr(r, name), lo, total)
+        for name in ("torch_max_allocated", "torch_max_reserved"):
+            bound(f"stage {r.stage}'s {name}", getattr(r, name), 0, total)
+        order.append(PROBE_STAGES.index(r.stage))
+    if order != sorted(order):
+        _fail(where, "outcome.stages", [r.stage for r in outcome.stages],
+              "in the order a probe passes them (" + ", ".join(PROBE_STAGES) + ")")
+    for d in outcome.devices:
+        lo = 0 if d.device.startswith("cuda") else -MAX_BELOW_BASELINE
+        for name in ("measured_peak_bytes", "measured_used_bytes"):
+            bound(f"{d.device} {d.stage}'s {name}", getattr(d, name), lo, MAX_BYTES, "one PiB")
+    end = None if outcome.wall_s is None else outcome.wall_s + SAMPLE_SLACK_S
+    for t, series, b in outcome.samples:
+        if t < -SAMPLE_SLACK_S or (end is not None and t > end):
+            _fail(where, "a sample's time", t, f"inside the run (0 to its {outcome.wall_s or 0:g} s)")
+        bound(f"a {series} sample's bytes", b, 0, total if series == outcome.series else MAX_BYTES)
+    if outcome.finished_at is not None and context.created_at is not None \
+            and outcome.finished_at < context.created_at - SAMPLE_SLACK_S:
+        _fail(where, "outcome.finished_at", outcome.finished_at, "after the run began (run.created_at)")
