@@ -115,6 +115,7 @@ def plan_vllm_cmd(args, io) -> int:
 def plan_transformers(args, io) -> int:
     from . import present
     from .calibrate.plan import plan_model
+    from .cli import _progress
     from .estimator.resolve import resolve_model
     from .estimator.vision import check_images
     from .workload import choice
