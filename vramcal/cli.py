@@ -62,6 +62,13 @@ def _add_image_args(g) -> None:
                         "size: 896x896 for Gemma 3, 336x336 for LLaVA-1.5 ...)")
 
 
+def _add_alloc_conf(p) -> None:
+    p.add_argument("--alloc-conf", default=None, metavar="SETTINGS",
+                   help="the caching allocator's settings the run will have, as PYTORCH_ALLOC_CONF takes them "
+                        "(e.g. expandable_segments:True); default: PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF "
+                        "here, else torch's defaults")
+
+
 def _add_placement_args(p) -> None:
     """``--max-memory`` and ``--device-map``, as ``from_pretrained`` means them (docs/placement.md)."""
     g = p.add_argument_group("placement: split across GPUs, offload to CPU or disk (docs/placement.md)")
@@ -114,6 +121,7 @@ def _add_estimate(sub) -> None:
     _add_model_args(p, ctx_help="whole context: prompt + new tokens (default 4096)")
     p.add_argument("--device", default=None, help="cuda (NVML view, the default) or cpu (process memory)")
     p.add_argument("--fast", action="store_true", help="use the fitted activation model instead of tracing this point")
+    _add_alloc_conf(p)
     p.add_argument("--no-disk-cache", action="store_true", help="recompute the inventory instead of reading the cache")
     p.add_argument("--json", action="store_true", help="one JSON object, integer bytes")
     p.add_argument("--db", help="records database (default $VRAMCAL_DB or ~/.local/share/vramcal/vramcal.db)")
@@ -184,7 +192,8 @@ def cmd_estimate(args) -> int:
     e = estimate(args.model, args.quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
                  dtype=parse_dtype(args.dtype), kv_dtype=args.kv_dtype, attn=args.attn, cache=args.cache,
                  device=args.device, use_cache=not args.no_disk_cache, exact=not args.fast, progress=_progress(args),
-                 max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size)
+                 max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size,
+                 alloc_conf=args.alloc_conf)
     if not args.no_correction:
         from .calibrate.corrections import with_machine_corrections
 

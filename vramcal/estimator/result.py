@@ -29,6 +29,7 @@ class DeviceEstimate:
     allocated: dict[str, int]
     components: dict[str, int]
     breakdown: dict[str, int] = field(default_factory=dict)
+    reserved: dict[str, int] = field(default_factory=dict)  # what the caching allocator holds (no context)
 
     @property
     def peak(self) -> int:
@@ -137,6 +138,10 @@ class Estimate:
     image_size: tuple[int, int] | None = None
     image_tokens: int = 0
     vision_peak: int | None = None
+    # what the caching allocator holds at each stage (stages = this + what is not torch's; placed: GPU
+    # sums), and the allocator settings it was replayed with (PYTORCH_ALLOC_CONF text; "" the defaults)
+    reserved: dict[str, int] = field(default_factory=dict)
+    alloc_conf: str = ""
 
     # ------------------------------------------------------------------ views
     @property

@@ -1,0 +1,119 @@
+"""The dry run's allocations in order, and the caching allocator replayed over them in the estimate.
+
+The order is checked twice: the meta-device dry run against the same forward on real CPU tensors (the same
+tracker), and that forward's tracker against torch.profiler's record of the CPU allocator itself (an
+independent witness; the kernels' own scratch buffers are the only extra allocations it sees). A model
+traced as one pair of layers gives the whole model's events: the same sequence as tracing every layer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vramcal.estimator.allocator import ALLOC, MARK, replay
+from vramcal.estimator.dryrun import DryRunner, trace_model
+from vramcal.estimator.quant import resolve_quant
+from vramcal.estimator.resolve import resolve_model
+
+
+def signed(events, floor=0):
+    """+bytes for each allocation, -bytes for each free, up to the decode step's mark."""
+    sizes, out = {}, []
+    for op, key, size in events:
+        if op == MARK:
+            if key == "decode":
+                break
+            continue
+        if op == ALLOC:
+            sizes[key] = size
+            if size >= floor:
+                out.append(size)
+        elif key in sizes:
+            size = sizes.pop(key)
+            if size >= floor:
+                out.append(-size)
+    return out
+
+
+@pytest.fixture(scope="module")
+def five_layers(tmp_path_factory):
+    from conftest import TINY, save_tiny
+
+    root = tmp_path_factory.mktemp("five")
+    return {name: save_tiny(name, {**TINY[name], "num_hidden_layers": 5}, root) for name in ("dense-gqa", "moe")}
+
+
+@pytest.mark.parametrize("arch,quant", [("dense-gqa", "bf16"), ("dense-gqa", "nf4"), ("moe", "bf16")])
+def test_a_pairs_events_give_the_whole_models(five_layers, arch, quant):
+    s = resolve_model(five_layers[arch])
+    r = DryRunner(s, resolve_quant(quant, s.config))
+    assert r.kinds() == [4]
+    batch, seq = 2, 300
+    whole = trace_model(r.model, r.quant.method, r.dtype, batch, seq, lambda: r._new_cache(seq + 16))
+    pair = r.trace(batch, seq)
+    assert pair.events is not None
+    assert signed(pair.events) == signed(whole.events)
+    a, b = replay(whole.events), replay(pair.events)
+    assert a.marks["prefill"] == b.marks["prefill"] and a.marks["decode"] == b.marks["decode"]
+
+
+def test_the_dry_runs_order_is_the_cpu_forwards_and_the_cpu_allocators(tiny_models):
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    path = tiny_models["dense-gqa"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        real = trace_model(model, "none", torch.bfloat16, 2, 96, lambda: DynamicCache(config=model.config),
+                           device="cpu", target="cpu")
+    s = resolve_model(path)
+    r = DryRunner(s, resolve_quant("bf16", s.config), attn="eager", target="cpu")
+    meta = trace_model(r.model, "none", r.dtype, 2, 96, lambda: r._new_cache(112), target="cpu")
+    assert signed(meta.events) == signed(real.events)  # op for op, in the same order
+    # torch's CPU allocator, as the profiler saw it: every tracked block of 4 KiB or more, allocated and
+    # freed in this order (the profiler also sees kernels' scratch buffers the tracker does not)
+    seen = [e.nbytes() for e in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+            if e.name() == "[memory]" and abs(e.nbytes()) >= 4096]
+    ours = signed(real.events, floor=4096)
+    it = iter(seen)
+    assert len(ours) > 100 and all(x in it for x in ours)
+
+
+def test_the_estimate_replays_the_allocator(tiny_models):
+    from vramcal.estimator.estimate import estimate
+    from vramcal.estimator.stages import STAGES
+
+    e = estimate(tiny_models["dense-gqa"], "auto", ctx=2048, use_cache=False)
+    assert e.methods["reserved"].startswith("the caching allocator replayed")
+    ctx = e.stages["load_peak"] - e.reserved["load_peak"]
+    for k in STAGES:
+        assert e.reserved[k] >= e.allocated[k]
+        assert e.stages[k] == ctx + e.reserved[k]
+        assert e.reserved[k] % (2 * 1024**2) == 0
+    x = estimate(tiny_models["dense-gqa"], "auto", ctx=2048, use_cache=False, alloc_conf="expandable_segments:True")
+    assert x.alloc_conf == "expandable_segments:True" and x.allocated == e.allocated
+    assert x.reserved != e.reserved
+
+
+def test_alloc_conf_bad_input_is_one_line_exit_2(tiny_models):
+    for bad, says in (("expandable_segments:yes", "True or False"), ("nope:1", "unknown allocator setting")):
+        r = subprocess.run([sys.executable, "-m", "vramcal", "estimate", tiny_models["dense-gqa"], "--alloc-conf", bad,
+                            "--json", "--quiet"], capture_output=True, text=True)
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.stdout == ""
+    env = {**__import__("os").environ, "PYTORCH_ALLOC_CONF": "max_split_size_mb:1"}
+    r = subprocess.run([sys.executable, "-m", "vramcal", "estimate", tiny_models["dense-gqa"], "--json", "--quiet"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "PYTORCH_ALLOC_CONF" in r.stderr
+
+
+def test_estimate_json_has_reserved_beside_allocated(tiny_models):
+    r = subprocess.run([sys.executable, "-m", "vramcal", "estimate", tiny_models["dense-gqa"], "--json", "--quiet",
+                        "--alloc-conf", "expandable_segments:True", "--no-correction"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert set(d["reserved"]) == set(d["allocated"]) and d["alloc_conf"] == "expandable_segments:True"
