@@ -50,7 +50,27 @@ def _add_model_args(p, *, ctx_help: str) -> None:
                                                                         "(transformers' QuantizedCache)")
     p.add_argument("--attn", default="auto", choices=ATTNS)
     p.add_argument("--cache", default="dynamic", choices=CACHES, help="dynamic | static (pre-allocated to --ctx)")
+    _add_gpu_arg(p)
     _add_placement_args(p)
+
+
+def _add_gpu_arg(p) -> None:
+    p.add_argument("--gpu", default=None, metavar="NAME",
+                   help="the GPU it is for, e.g. \"RTX 3090\", H200 (default: this machine's, through NVML): a "
+                        "pre-quantized checkpoint is priced on the path that GPU takes (fp8 kept from compute "
+                        "capability 8.9, dequantized to bf16 below)")
+
+
+def _gpu(args):
+    """``--gpu NAME`` as the estimator's target; else this machine's GPU of ``--device``; else None."""
+    from .probes.hardware import gpu_target, machine_gpu_target
+
+    if getattr(args, "gpu", None) is not None:
+        return gpu_target(args.gpu)
+    device = str(getattr(args, "device", "") or "")
+    if device.startswith("cpu"):
+        return None
+    return machine_gpu_target(device if ":" in device else "cuda:0")
 
 
 def _add_image_args(g) -> None:
@@ -173,7 +193,7 @@ def cmd_estimate(args) -> int:
                                            ("--cache", args.cache != "dynamic"), ("--fast", args.fast),
                                            ("--max-memory", getattr(args, "max_memory", None) is not None),
                                            ("--device-map", getattr(args, "device_map", None) is not None),
-                                           ("--images", bool(work.images)),
+                                           ("--images", bool(work.images)), ("--gpu", args.gpu is not None),
                                            ("--device cpu", str(args.device).startswith("cpu"))) if used]
         if ignored:
             raise UserError(f"quick mode (--params-b, --bits) does not use {', '.join(ignored)}: say the weights "
@@ -193,7 +213,7 @@ def cmd_estimate(args) -> int:
                  dtype=parse_dtype(args.dtype), kv_dtype=args.kv_dtype, attn=args.attn, cache=args.cache,
                  device=args.device, use_cache=not args.no_disk_cache, exact=not args.fast, progress=_progress(args),
                  max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size,
-                 alloc_conf=args.alloc_conf)
+                 alloc_conf=args.alloc_conf, gpu=_gpu(args))
     if not args.no_correction:
         from .calibrate.corrections import with_machine_corrections
 
@@ -258,7 +278,8 @@ def cmd_probe(args) -> int:
         r = run_probe(args.model, args.quant, work.ctx, work.batch, device=args.device, synthetic=args.synthetic,
                       interval_ms=args.interval_ms, dtype=config.dtype, attn=args.attn, new_tokens=work.new_tokens,
                       kv_dtype=args.kv_dtype, cache=args.cache, command=config.command("probe", _probe_extra(args)),
-                      max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size)
+                      max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size,
+                      gpu=_gpu(args))
     except ProbeInterrupted as exc:  # show what was measured before the signal, then exit 130 / 143
         _show_probe(exc.result, args)
         raise
@@ -322,7 +343,8 @@ def cmd_check(args) -> int:
     r = check(args.model, args.quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
               device=args.device, db=args.db, budget=budget, buffer=buffer, prefer=args.prefer,
               synthetic=args.synthetic, attn=args.attn, dtype=args.dtype, kv_dtype=args.kv_dtype, cache=args.cache,
-              max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size)
+              max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size,
+              gpu=_gpu(args))
     _out(json.dumps(r.to_dict()) if args.json else present.check_table(r))
     return 0 if r.verdict.fits else 1
 
@@ -423,7 +445,8 @@ def cmd_fit(args) -> int:
     if buffer >= smallest:
         raise UserError(f"--buffer ({buffer:,} B) must be below --budget ({smallest:,} B)")
     fit = fit_contexts(args.model, budget, device=device, db=args.db, buffer=buffer, new_tokens=new_tokens,
-                       max_memory=max_memory, device_map=device_map, images=images, image_size=image_size)
+                       max_memory=max_memory, device_map=device_map, images=images, image_size=image_size,
+                       gpu=_gpu(args))
     _out(json.dumps({"budget_bytes": budget, "buffer_bytes": buffer, "new_tokens": new_tokens, "free": others,
                      "rows": [r.to_dict() for r in fit.rows], "notes": fit.notes})
          if args.json else present.fit_table(args.model, budget, buffer, fit.rows, others, fit.notes))
@@ -623,6 +646,7 @@ def _add_calibration(sub) -> None:
                    help=f"tokens each answer generates (default {NEW_TOKENS}); max ctx includes them")
     f.add_argument("--device", default=None, help="cuda:N or cpu (default cuda:0)")
     _add_image_args(f.add_argument_group("images"))
+    _add_gpu_arg(f)
     _add_placement_args(f)
     from .cli_vllm import add_engine_arg, add_vllm_args
 

@@ -85,7 +85,8 @@ def refuse_transformers_flags(args, command: str) -> None:
               ("--device cpu", str(getattr(args, "device", "cuda")).startswith("cpu")),
               ("--synthetic", command in ("estimate", "fit") and bool(getattr(args, "synthetic", False))),
               ("--images", bool(getattr(args, "images", 0))),
-              ("--image-size", getattr(args, "image_size", None) is not None))
+              ("--image-size", getattr(args, "image_size", None) is not None),
+              ("--gpu", getattr(args, "gpu", None) is not None))
     used = [flag for flag, on in checks if on]
     if used:
         raise UserError(f"--engine vllm does not use {', '.join(used)}: give vLLM's flags instead (--max-model-len, "

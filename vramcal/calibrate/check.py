@@ -15,6 +15,7 @@ from ..errors import UserError
 from ..estimator.correction import Correction
 from ..estimator.estimate import estimate as _estimate
 from ..estimator.estimate import placement_request
+from ..estimator.formats import CPU
 from ..estimator.quant import resolve_quant
 from ..estimator.resolve import resolve_model
 from ..estimator.vision import check_images
@@ -141,7 +142,7 @@ def check(model: str, quant: str = "auto", ctx: int | None = None, batch: int = 
           synthetic: bool = False, attn: str = "auto", dtype: str | None = None, kv_dtype: str = "auto",
           cache: str = "dynamic", new_tokens: int = NEW_TOKENS, prompt: int | None = None,
           interval_ms: float = 5.0, on_event=None, max_memory: dict | str | None = None,
-          device_map: str | None = None, images: int = 0, image_size=None) -> CheckResult:
+          device_map: str | None = None, images: int = 0, image_size=None, gpu=None) -> CheckResult:
     """``budget`` None: each GPU's free memory when the check starts (other processes' share named in the
     verdict). ``max_memory`` / ``device_map`` split the model (docs/placement.md): every GPU of the map
     is measured and must fit its own budget; corrections are refitted per device position."""
@@ -155,12 +156,13 @@ def check(model: str, quant: str = "auto", ctx: int | None = None, batch: int = 
     dtype = parse_dtype(dtype)
     source = resolve_model(model)
     check_images(source.config, work.images, source.name)
-    spec = resolve_quant(quant, source.config, dtype)
+    spec = resolve_quant(quant, source, dtype, gpu or (CPU if device_kind(dev) == "cpu" else None))
     placed = placement_request(max_memory, device_map, dev)
     preflight(source, spec, dev, synthetic, interval_ms, kv_dtype, cache, max_memory, device_map)
     est = _estimate(source, quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens, dtype=dtype,
                     attn=attn, kv_dtype=kv_dtype, cache=cache, device=device_kind(dev),
-                    max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size)
+                    max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size,
+                    gpu=gpu)
     gpus = [d for d in (est.devices or {}) if d.startswith("cuda")]
     if placed is not None:
         dev = est.main_device

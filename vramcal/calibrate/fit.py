@@ -22,6 +22,18 @@ from ..workload import NEW_TOKENS, Workload, images_of
 from .search import Budget, Search, context_limit, stored_corrections
 
 FIT_QUANTS = ("bf16", "int8", "nf4-dq", "nf4")
+
+
+def prequantized_quants(config: dict) -> tuple[str, ...] | None:
+    """A pre-quantized checkpoint's choices: as it loads (``auto``), and its dequantized bf16 load where the
+    format has one; None for a checkpoint in 16 bits (or bitsandbytes-serialized: as stored only)."""
+    from ..estimator.formats import format_for
+
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not qc:
+        return None
+    fmt = format_for(qc)
+    return ("auto", "bf16") if fmt.can_dequantize else ("auto",)
 FIT_BATCHES = (1, 2, 4, 8)
 
 
@@ -67,25 +79,28 @@ def _free_ram() -> int:
 def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: str | None, buffer: int,
                  quants=FIT_QUANTS, batches=FIT_BATCHES, new_tokens: int = NEW_TOKENS,
                  max_memory: dict | str | None = None, device_map: str | None = None, images: int = 0,
-                 image_size=None) -> FitResult:
+                 image_size=None, gpu=None) -> FitResult:
     """The largest ctx (prompt + ``new_tokens``) per quant and batch whose corrected estimate, at the p95
     of this machine's residuals, stays within ``budget - buffer``; searched up to the model's
     ``max_position_embeddings``. ``budget`` is one figure, or with a placement one per GPU
     ({"cuda:0": bytes, ...}; a single figure applies to each GPU). ``images`` of ``image_size`` sit in
-    every prompt: their tokens come on top of the ctx found (docs/vision.md)."""
+    every prompt: their tokens come on top of the ctx found (docs/vision.md). A pre-quantized checkpoint is
+    searched as it loads on ``gpu`` (kept or dequantized: :mod:`vramcal.estimator.formats`), and dequantized
+    to bf16 beside it where its format has that load."""
     from ..probes.machine import machine_fingerprint
 
     images, image_size = images_of(images, image_size)
     placed = placement_request(max_memory, device_map, device)
     source = resolve_model(model)
     check_images(source.config, images, source.name)
+    quants = prequantized_quants(source.config) or quants
     main = device if placed is None else next(d for d in placed[0] if d.startswith("cuda"))
     fp = machine_fingerprint(main)
     gpus = [d for d in placed[0] if d.startswith("cuda")] if placed else [device]
     corrections, notes = stored_corrections(db, fp, source, quants, device if placed is None else None,
                                             gpus if placed is not None else [])
     budgets = budget if isinstance(budget, dict) else {d: budget for d in gpus}
-    search = Search(source, device=device, corrections=corrections, images=images, image_size=image_size)
+    search = Search(source, device=device, corrections=corrections, images=images, image_size=image_size, gpu=gpu)
     # offloaded weights must fit the RAM given to transformers' map (cpu=, else what is free now): the map
     # sizes bitsandbytes' layers quantized, but offloaded ones stay 16-bit in RAM
     mm = placed[0] if placed is not None else {}

@@ -64,7 +64,7 @@ def recheck(memo: dict, config: Configuration, db: str | None, interval_ms: floa
         if store.run(memo["run_id"]) is None:
             raise UserError(f"run {memo['run_id']} of this memo is not in the database")
     source = resolve_model(config.model)
-    spec = resolve_quant(config.quant, source.config, config.dtype)
+    spec = resolve_quant(config.quant, source, config.dtype)
     work = config.work
     preflight(source, spec, config.device, config.synthetic, interval_ms, config.kv_dtype, config.cache,
               config.max_memory, config.device_map)

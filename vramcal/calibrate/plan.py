@@ -118,6 +118,15 @@ class PlanResult:
                 "shortfall": self.shortfall, "notes": self.notes}
 
 
+def gpu_of(gpu) -> object | None:
+    """The path-deciding target of a plan's GPU (a pre-quantized checkpoint kept or dequantized on it): the
+    table's row of its name, None where the table does not know it."""
+    from ..probes.hardware import find_gpu
+
+    row = find_gpu(gpu.name, gpu.total_bytes) if gpu.name else None
+    return row.target() if row is not None else None
+
+
 def candidate_quants(config: dict) -> list[str]:
     """The weight quantizations searched: a pre-quantized checkpoint as stored; else the 16-bit load
     (fp16 for a float16 checkpoint, else bf16), int8, nf4, nf4-dq."""
@@ -161,7 +170,7 @@ class Planner:
                             "does not fit in RAM, and runs every offloaded layer through it")
         self.biggest = max(usable, key=lambda d: usable[d])
         self.search = Search(source, device=self.biggest, attn=attn, corrections=corrections, progress=progress,
-                             images=images, image_size=image_size)
+                             images=images, image_size=image_size, gpu=gpu_of(hardware.gpu(self.biggest)))
         self.limit = context_limit(self.search.estimator(candidate_quants(source.config)[0]), new_tokens)
         self.asked = ctx is not None
         self.target = ctx if ctx is not None else min(self.limit, OFFLOAD_CTX)

@@ -73,8 +73,9 @@ class Search:
 
     def __init__(self, source, *, device: str = "cuda", attn: str = "auto", strategy: str = "auto",
                  corrections: Callable[[str, list[str], bool], dict] | None = None, progress=None,
-                 images: int = 0, image_size=None):
+                 images: int = 0, image_size=None, gpu=None):
         self.source, self.device, self.attn, self.strategy = source, device, attn, strategy
+        self.gpu = gpu  # the GPU a pre-quantized checkpoint's path is decided for (estimator.formats)
         self.images, self.image_size = images, image_size  # in every prompt (docs/vision.md)
         self.kind = device_kind(device)
         self._corrections = corrections or (lambda quant, devices, placed: {})
@@ -86,7 +87,7 @@ class Search:
     def estimator(self, quant: str, kv_dtype: str = "auto") -> Estimator:
         key = (quant, kv_dtype)
         if key not in self._estimators:
-            self._estimators[key] = Estimator(self.source, resolve_quant(quant, self.source.config), attn=self.attn,
+            self._estimators[key] = Estimator(self.source, resolve_quant(quant, self.source, gpu=self.gpu), attn=self.attn,
                                               kv_dtype=kv_dtype, device=self.kind, progress=self._progress,
                                               images=self.images, image_size=self.image_size)
         return self._estimators[key]

@@ -93,3 +93,14 @@ def _stored_layout(files: tuple[str, ...]) -> StoredLayout:
             elements[dtype] = elements.get(dtype, 0) + math.prod(shape)
         fused = fused or ("expert" in name and len(shape) == 3)
     return StoredLayout(max(elements, key=elements.get) if elements else None, fused)
+
+
+def auto_dtype(source) -> str | None:
+    """What ``from_pretrained(dtype="auto")`` reads from the checkpoint when the config names no dtype: the
+    first floating tensor of the first file that is not fp8 (transformers' ``get_state_dict_dtype``); None
+    without files."""
+    if not source.weight_files:
+        return None
+    header = read_header(sorted(source.weight_files)[0])
+    floats = [dt for _, (dt, _) in sorted(header.items()) if dt.startswith(("float", "bfloat")) and not dt.startswith("float8")]
+    return floats[0] if floats else None

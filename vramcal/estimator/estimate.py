@@ -24,6 +24,7 @@ from .allocator import DEFAULT_CONF, AllocConf, AllocConfError, conf_from
 from .reserve import load_events, loaded, slack_at, trace_slack
 from .inventory import Inventory, inventory
 from .loading import from_pretrained_kwargs
+from .formats import CPU, GpuTarget
 from .quant import QuantSpec, resolve_quant
 from .quick import compare_formula, formula_activations, formula_kv
 from .resolve import ModelSource, resolve_model, size_field, text_config
@@ -201,7 +202,7 @@ class Estimator:
         if self._runner is None:
             from .dryrun import DryRunner
 
-            self._runner = DryRunner(self.source, self.quant, attn=None if self.attn == "auto" else self.attn,
+            self._runner = DryRunner(self.source, traced_quant(self.quant), attn=None if self.attn == "auto" else self.attn,
                                      cache=self.cache, kv_dtype=self.kv_dtype, target=self.device)
             self.attn_used = self._runner.attn_used
         return self._runner
@@ -376,6 +377,10 @@ class Estimator:
         methods.update(how)
         if self._dry_error and methods["activations"].startswith("formula"):
             notes.append(f"dry run failed ({self._dry_error}); activations from a formula")
+        elif traced_quant(self.quant) is not self.quant:
+            notes.append(KERNEL_TRANSIENT_NOTE.format(fmt=self.quant.implementation))
+        if self.quant.pre_quantized and self.quant.extra.get("path"):  # which path the GPU takes, and why
+            notes.insert(0, f"{self.quant.implementation}: {self.quant.extra['path']}")
         if rt.keeps_freed and placement is None:
             conf = self.alloc_conf.text or "torch's defaults"
             methods["reserved"] = (f"the caching allocator replayed ({conf}; torch 2.13's rules, docs/accounting.md) "
@@ -574,6 +579,26 @@ class Estimator:
         return sum(work.batch * (layer.fixed_bytes + layer.bytes_per_token * work.prompt) for layer in self._kv or [])
 
 
+def traced_quant(quant: QuantSpec) -> QuantSpec:
+    """The quantization the dry run runs. A pre-quantized format kept as stored runs kernels that exist on a
+    GPU only (Triton / DeepGEMM block fp8, MXFP4's matmul_ogs), never on meta tensors: the forward is traced
+    on the same model dequantized, whose activations, cache and outputs have the same shapes and dtypes. What
+    the kernels add beside (an fp8 copy of each matmul's input: one byte an element, freed after it) is left
+    out and said (:data:`KERNEL_TRANSIENT_NOTE`)."""
+    from dataclasses import replace
+
+    from .formats import REPLACED_ON_META
+
+    if quant.pre_quantized and quant.method in REPLACED_ON_META:
+        return replace(quant, name=f"{quant.method}-dequantized", method="dequantized")
+    return quant
+
+
+KERNEL_TRANSIENT_NOTE = ("activations traced on the dequantized model: {fmt}'s kernels run on a GPU only; the "
+                         "fp8/fp4 copy a kernel makes of each matmul's input (one byte an element or less, freed "
+                         "after it) is not in the peak")
+
+
 def _warnings(tc: dict, work: Workload, peak: int, device: str, quant: QuantSpec | None = None) -> list[str]:
     out = []
     if quant is not None and quant.method == "other":
@@ -597,8 +622,12 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
              exact: bool = True, new_tokens: int = NEW_TOKENS, prompt: int | None = None,
              correction: CorrectionSet | None = None, progress=None, max_memory: dict | str | None = None,
              device_map: str | None = None, images: int = 0, image_size: tuple[int, int] | str | None = None,
-             alloc_conf: AllocConf | str | None = None) -> Estimate:
+             gpu: GpuTarget | None = None, alloc_conf: AllocConf | str | None = None) -> Estimate:
     """Estimate peak memory per stage for ``model`` (anything ``vramcal estimate`` accepts).
+
+    ``gpu`` (a :class:`~vramcal.estimator.formats.GpuTarget`: ``--gpu NAME``, or this machine's GPU) decides
+    the path a pre-quantized checkpoint takes: its format kept, or dequantized at load
+    (:mod:`vramcal.estimator.formats`); the result's ``quant`` says which, and why.
 
     ``images`` images of ``image_size`` (``(width, height)`` or ``"1024x768"``; default: the model's
     processor's size) in every prompt of a vision-language model (docs/vision.md): their tokens add to the
@@ -625,10 +654,7 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
     placed = placement_request(max_memory, device_map, kind)
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     check_images(source.config, work.images, source.name)
-    spec = resolve_quant(quant, source.config, dtype)
-    if source.config.get("quantization_config") and (quant or "auto").lower() != "auto":
-        qm = source.config["quantization_config"].get("quant_method", "?")
-        raise UserError(f"{source.name} is already quantized ({qm}): it loads only as stored, use --quant auto")
+    spec = resolve_quant(quant, source, dtype, gpu or (CPU if kind == "cpu" else None))
     plan = None
     if placed is not None:
         from .placement import plan_placement

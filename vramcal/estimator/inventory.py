@@ -25,6 +25,7 @@ from ..versions import software_versions
 from .cache import CACHE_PROBLEMS, load_cached, store_cached
 from .checkpoint import checkpoint_tensors, tensor_bytes
 from .meta import UnknownArchitecture, _first_line, build_meta_model, import_bitsandbytes
+from .formats import REPLACED_ON_META, format_for
 from .quant import (
     DTYPE_BYTES,
     QuantSpec,
@@ -102,7 +103,7 @@ def inventory(source: ModelSource, quant: QuantSpec, use_cache: bool = True, pro
 
 
 def _compute(source: ModelSource, quant: QuantSpec) -> Inventory:
-    if quant.pre_quantized and quant.method not in ("bnb4", "bnb8") and source.weight_files:
+    if quant.method in ("gptq", "awq") and source.weight_files:
         return checkpoint_inventory(source, quant)
     try:
         return meta_inventory(source, quant)
@@ -170,6 +171,7 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
     shapes: Counter[tuple[int, int]] = Counter()
     seen: set[int] = set()
     linear_types = (torch.nn.Linear,)
+    fmt = format_for(quant.extra["quantization_config"]) if quant.method in REPLACED_ON_META else None
     for mod_name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             if id(p) in seen:
@@ -183,7 +185,14 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
             elif bnb is not None and pname == "weight" and isinstance(module, bnb.nn.Linear8bitLt):
                 n = module.in_features * module.out_features
                 parts = bnb8_tensors(module.out_features, module.in_features)
-            elif (quant.method in ("gptq", "awq", "fp8") and pname == "weight" and isinstance(module, linear_types)
+            elif fmt is not None and _stored_as_declared(module, pname, p):
+                # a module the format's quantizer put in place keeps its packed weights and scales in the
+                # dtypes it declares (fp8, uint8 blocks, int32 packs, float32 scales) where from_pretrained
+                # casts other floating tensors to the load dtype
+                n = _unpacked_elements(module, pname, p)
+                params += n - p.numel()
+                parts = [("weight", p.numel() * p.element_size())] + fmt.state_tensors(module, pname, p)
+            elif (quant.method in ("gptq", "awq") and pname == "weight" and isinstance(module, linear_types)
                   and module is not out_emb):
                 n = module.in_features * module.out_features
                 parts = _layout(quant, module.out_features, module.in_features, DTYPE_BYTES[quant.dtype])
@@ -198,12 +207,14 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
                 groups[_group(full, module, p, out_emb, in_emb)] += b
                 continue
             quantized_params += n
-            shapes[(module.out_features, module.in_features)] += 1
+            if hasattr(module, "out_features") and p.dim() == 2:
+                shapes[(module.out_features, module.in_features)] += 1
             largest_source = max(largest_source, n * torch.tensor([], dtype=dtype).element_size())
+            state = fmt is not None and _is_state(pname)
             for suffix, b in parts:
                 note(full if suffix in ("weight", "qweight") else f"{full}.{suffix}", b)
                 sizes[b] += 1
-                groups["quantized" if suffix in ("weight", "qweight") else "quant_state"] += b
+                groups["quantized" if suffix in ("weight", "qweight") and not state else "quant_state"] += b
         for bname, buf in module.named_buffers(recurse=False):
             if id(buf) in seen or buf is None:
                 continue
@@ -223,13 +234,13 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
         largest_source = max((k for k in sizes), default=0)
     # transformers pre-reserves the checkpoint's bytes on the device before loading; for a format whose
     # quantizer is not installed the meta model holds 16-bit Linear layers, so their size is not it
-    warmup = _warmup_bytes(model, hf_quantizer) if quant.method in ("none", "bnb4", "bnb8") else None
+    warmup = _warmup_bytes(model, hf_quantizer) if quant.method not in ("gptq", "awq") else None
     tc = text_config(source.config)
     notes = _defaults_used(tc, model.config)
     if untied:
         notes.append(f"the checkpoint stores {', '.join(untied)} beside the tensor the config ties it to: "
                      "transformers keeps both (it ties only equal tensors), so both are counted")
-    if quant.method in ("gptq", "awq", "fp8"):
+    if quant.method in ("gptq", "awq"):
         notes.append(f"{quant.implementation}: layout from the format's formula (no checkpoint headers to read)")
     if groups["experts"] and quant.method in ("bnb4", "bnb8"):
         notes.append(f"{groups['experts']:,} bytes of fused MoE expert weights stay in {quant.dtype}: "
@@ -239,9 +250,34 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
         dtype=str(dtype).removeprefix("torch."), params=params, quantized_params=quantized_params,
         tensor_bytes=sum(k * v for k, v in sizes.items()), alloc_sizes=dict(sizes), groups=groups,
         largest_source_bytes=largest_source, warmup_bytes=warmup,
-        method="meta", approximate=quant.method not in ("none", "bnb4", "bnb8"), notes=notes,
+        method="meta", approximate=quant.method in ("gptq", "awq"), notes=notes,
         software=software_versions(), quantized_shapes=[[o, i, c] for (o, i), c in sorted(shapes.items())],
         config=built_config_dict(model.config), parts={k: v for k, v in by_part.items() if v})
+
+
+_STATE_WORDS = ("scale", "zero", "g_idx", "absmax")
+
+
+def _is_state(pname: str) -> bool:
+    return any(w in pname for w in _STATE_WORDS)
+
+
+def _stored_as_declared(module, pname: str, p) -> bool:
+    """A tensor of a quantizer's module that keeps its own dtype through from_pretrained: packed or 8-bit
+    data, and quantization state (scales, zero points)."""
+    replaced = type(module).__module__.startswith(("transformers.integrations", "compressed_tensors")) or hasattr(
+        module, "quantization_scheme")
+    if not replaced:
+        return False
+    return p.element_size() == 1 or not p.is_floating_point() or _is_state(pname)
+
+
+def _unpacked_elements(module, pname: str, p) -> int:
+    """How many of the unquantized model's parameters a stored tensor holds (none for its state)."""
+    if _is_state(pname):
+        return 0
+    per_element = {"uint8": 2, "int32": 8}  # packed FP4 / INT4 codes: two a byte, eight an int32
+    return p.numel() * (1 if p.is_floating_point() else per_element.get(str(p.dtype).removeprefix("torch."), 1))
 
 
 def model_parts(model) -> list[str]:
@@ -283,7 +319,12 @@ def _defaults_used(tc: dict, config) -> list[str]:
     from .resolve import SIZE_FIELDS
 
     built = config.get_text_config() if hasattr(config, "get_text_config") else config
-    used = {k: getattr(built, k) for k in SIZE_FIELDS if k not in tc and getattr(built, k, None) is not None}
+    aliases = getattr(built, "attribute_map", {}) or {}  # num_experts -> num_local_experts, and the like
+
+    def given(k: str) -> bool:
+        return k in tc or aliases.get(k) in tc or any(a in tc for a, real in aliases.items() if real == k)
+
+    used = {k: getattr(built, k) for k in SIZE_FIELDS if not given(k) and getattr(built, k, None) is not None}
     if not used:
         return []
     return ["the config does not give " + ", ".join(f"{k} (transformers' {type(built).__name__} default {v} used)"

@@ -5,7 +5,10 @@ maps. Nothing here allocates memory for weights.
 
 from __future__ import annotations
 
+import contextlib
+
 from ..errors import UserError
+from .formats import REPLACED_ON_META, format_for
 from .quant import QuantSpec
 from .resolve import ModelSource
 
@@ -141,13 +144,22 @@ def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, d
     import torch
 
     raw = clean_config(source.config)
-    if quant.method in ("bnb4", "bnb8") and not quant.pre_quantized:
-        raw.pop("quantization_config", None)
-    elif quant.method == "none":
+    if (quant.method in ("bnb4", "bnb8") and not quant.pre_quantized) or quant.method in ("none", "dequantized"):
+        raw.pop("quantization_config", None)  # a dequantized load builds the plain model in the load dtype
+    elif quant.pre_quantized and quant.method not in ("bnb4", "bnb8"):
+        # a config transformers would refuse for its quantization_config is one line, not a traceback
         raw.pop("quantization_config", None)
     cfg = build_config(source, raw)
     dtype = getattr(torch, quant.dtype)
     hf_quantizer = None
+    fmt = None
+    if quant.pre_quantized and quant.method in REPLACED_ON_META:
+        fmt = format_for(quant.extra["quantization_config"])
+        from transformers.quantizers.auto import AutoHfQuantizer
+
+        hf_quantizer = AutoHfQuantizer.from_config(fmt.quantization_config(quant.extra["quantization_config"], True),
+                                                   pre_quantized=True)
+        fmt.prepare(hf_quantizer, quant.extra.get("capability"))
     if quant.method in ("bnb4", "bnb8"):
         import_bitsandbytes()
         from transformers import BitsAndBytesConfig
@@ -181,9 +193,20 @@ def _build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None, d
         try:
             if dtype.is_floating_point:
                 torch.set_default_dtype(dtype)
-            with torch.device("meta"):
+            with contextlib.ExitStack() as stack:
+                for patch in (fmt.replacement_patches() if fmt is not None else ()):
+                    stack.enter_context(patch)
+                stack.enter_context(torch.device("meta"))
+                # use_kernels=True keeps MXFP4's CPU branch from switching to its dequantized load: the GPU
+                # decided the path already (formats.Format.path)
                 hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map=device_map, checkpoint_files=None,
-                                              use_kernels=False)
+                                              use_kernels=fmt is not None)
+        except (ImportError, ValueError, TypeError, AttributeError, RuntimeError) as exc:
+            if fmt is None:
+                raise
+            raise UserError(f"{source.name}: transformers' {fmt.label} quantizer cannot convert this model "
+                            f"({type(exc).__name__}: {_first_line(exc)}): the format or its library is not "
+                            "supported for this architecture here") from None
         finally:
             torch.set_default_dtype(before)
     return model, hf_quantizer, dtype

@@ -50,8 +50,10 @@ _DTYPE_QUANTS = {q: DTYPES[q] for q in ("bf16", "fp16", "fp32")}  # --quant name
 class QuantSpec:
     """What the user asked for, resolved against the checkpoint.
 
-    ``method`` is one of ``none`` (plain ``dtype``), ``bnb4``, ``bnb8``, ``gptq``, ``awq``, ``fp8``,
-    or ``other`` (a pre-quantized format vramcal can only count from the checkpoint's headers).
+    ``method`` is ``none`` (plain ``dtype``), ``bnb4``, ``bnb8``, a pre-quantized checkpoint's own
+    ``quant_method`` kept as stored (``gptq``, ``awq``, ``fp8``, ``mxfp4``, ``compressed-tensors``, ...: one
+    entry each in :mod:`vramcal.estimator.formats`), or ``dequantized`` (such a checkpoint dequantized to
+    ``dtype`` at load, as transformers does on a GPU that cannot run the format, or for ``--quant bf16``).
     """
 
     name: str
@@ -82,29 +84,66 @@ class QuantSpec:
         return None
 
 
-def config_dtype(config: dict) -> str:
-    """The dtype ``from_pretrained(dtype="auto")`` would pick from a config: ``dtype`` / ``torch_dtype``."""
+def config_dtype(config: dict, stored: str | None = None) -> str:
+    """The dtype ``from_pretrained(dtype="auto")`` (transformers 5's default) picks: the config's ``dtype`` /
+    ``torch_dtype``; else the checkpoint's first floating tensor that is not fp8 (``stored``,
+    :func:`vramcal.estimator.checkpoint.auto_dtype`); else float32, the class default."""
     for key in ("dtype", "torch_dtype"):
         value = config.get(key)
         if value is None and isinstance(config.get("text_config"), dict):
             value = config["text_config"].get(key)
         if isinstance(value, str) and value.removeprefix("torch.") in DTYPE_BYTES:
             return value.removeprefix("torch.")
-    return "float32"  # transformers' default when neither the config nor the user names one
+    if stored in DTYPE_SHORT:
+        return stored
+    if config.get("quantization_config") and not _is_bnb(config["quantization_config"]):
+        # a pre-quantized checkpoint keeps what it leaves unquantized in 16 bits: read from the headers
+        # where they are present; without them (a config alone) bf16, what every such checkpoint stores
+        return "bfloat16"
+    return "float32"  # transformers' default when neither the config nor the checkpoint names one
 
 
-def resolve_quant(name: str, config: dict, dtype: str | None = None) -> QuantSpec:
-    """Turn ``--quant`` into a :class:`QuantSpec`. ``auto`` follows the checkpoint's own config."""
+def _is_bnb(qc) -> bool:
+    return isinstance(qc, dict) and (qc.get("quant_method") == "bitsandbytes" or bool(qc.get("load_in_4bit"))
+                                     or bool(qc.get("load_in_8bit")))
+
+
+def resolve_quant(name: str, config, dtype: str | None = None, gpu=None) -> QuantSpec:
+    """Turn ``--quant`` into a :class:`QuantSpec`. ``auto`` follows the checkpoint's own config; on a
+    pre-quantized checkpoint the GPU (``gpu``, a :class:`~vramcal.estimator.formats.GpuTarget`) decides
+    whether its format is kept or dequantized at load, and ``--quant bf16`` asks for the dequantized load.
+    ``config`` is the config dict, or the :class:`~vramcal.estimator.resolve.ModelSource` (whose headers
+    then give the load dtype when the config names none)."""
+    stored = None
+    if hasattr(config, "config"):
+        from .checkpoint import auto_dtype
+
+        stored = auto_dtype(config)
+        config = config.config
     name = (name or "auto").lower()
     if name not in QUANTS:
         raise UserError(f"unknown quant {name!r}: choose one of {', '.join(QUANTS)}")
     if dtype is not None and dtype not in DTYPE_SHORT:
         raise UserError(f"unknown dtype {dtype!r}: choose bfloat16, float16 or float32")
-    base = dtype or config_dtype(config)
-    if base not in DTYPE_SHORT and not config.get("quantization_config") and name in ("auto", "int8", "nf4", "nf4-dq",
-                                                                                        "fp4", "fp4-dq"):
+    base = dtype or config_dtype(config, stored)
+    qc = config.get("quantization_config")
+    if base not in DTYPE_SHORT and not qc and name in ("auto", "int8", "nf4", "nf4-dq", "fp4", "fp4-dq"):
         raise UserError(f"the config's dtype is {base} and it has no quantization_config: transformers loads no model "
                         "in that dtype as such; give --dtype bf16 (or fp16, fp32), or the checkpoint's own config")
+    if qc:
+        from .formats import NO_GPU, format_for
+
+        fmt = format_for(qc)
+        if fmt.label != "bitsandbytes":
+            if name not in ("auto", *_DTYPE_QUANTS):
+                raise UserError(f"the checkpoint is already quantized ({fmt.label}): --quant {name} would quantize it "
+                                f"again, which transformers does not do; use --quant auto, or bf16 for the "
+                                "dequantized load where the format has one")
+            return _pre_quantized(qc, fmt, base if name == "auto" else _DTYPE_QUANTS[name], gpu or NO_GPU,
+                                  dequantize=name != "auto")
+        if name != "auto":
+            raise UserError(f"the checkpoint is already quantized (bitsandbytes): it loads only as stored, "
+                            "use --quant auto")
     if name in _DTYPE_QUANTS:
         return QuantSpec(name=name, method="none", dtype=_DTYPE_QUANTS[name])
     if name == "int8":
@@ -115,39 +154,44 @@ def resolve_quant(name: str, config: dict, dtype: str | None = None) -> QuantSpe
         return QuantSpec(name=name, method="bnb4", dtype=base, quant_type=qt, double_quant=name.endswith("-dq"),
                          bits=4, implementation=f"bitsandbytes 4-bit {qt.upper()}"
                          + (" + double quant" if name.endswith("-dq") else ""))
-    # auto
-    qc = config.get("quantization_config")
     if not qc:
         return QuantSpec(name=DTYPE_SHORT.get(base, base),
                          method="none", dtype=base)
-    return _pre_quantized(qc, base)
+    return _bnb_serialized(qc, base)
 
 
-def _pre_quantized(qc: dict, base: str) -> QuantSpec:
-    method = str(qc.get("quant_method", "")).lower()
-    if method == "bitsandbytes":
-        skip = qc.get("llm_int8_skip_modules")
-        extra = {"llm_int8_skip_modules": [str(s) for s in skip]} if isinstance(skip, list) else {}
-        if qc.get("load_in_8bit"):
-            return QuantSpec(name="int8", method="bnb8", dtype=base, bits=8, pre_quantized=True,
-                             implementation="bitsandbytes LLM.int8 (serialized)", extra=extra)
-        qt = qc.get("bnb_4bit_quant_type", "fp4")
-        dq = bool(qc.get("bnb_4bit_use_double_quant", False))
-        return QuantSpec(name=qt + ("-dq" if dq else ""), method="bnb4", dtype=base, quant_type=qt, double_quant=dq,
-                         bits=4, pre_quantized=True, implementation=f"bitsandbytes 4-bit {qt.upper()} (serialized)",
-                         extra=extra)
+def _bnb_serialized(qc: dict, base: str) -> QuantSpec:
+    skip = qc.get("llm_int8_skip_modules")
+    extra = {"llm_int8_skip_modules": [str(s) for s in skip]} if isinstance(skip, list) else {}
+    if qc.get("load_in_8bit"):
+        return QuantSpec(name="int8", method="bnb8", dtype=base, bits=8, pre_quantized=True,
+                         implementation="bitsandbytes LLM.int8 (serialized)", extra=extra)
+    qt = qc.get("bnb_4bit_quant_type", "fp4")
+    dq = bool(qc.get("bnb_4bit_use_double_quant", False))
+    return QuantSpec(name=qt + ("-dq" if dq else ""), method="bnb4", dtype=base, quant_type=qt, double_quant=dq,
+                     bits=4, pre_quantized=True, implementation=f"bitsandbytes 4-bit {qt.upper()} (serialized)",
+                     extra=extra)
+
+
+def _pre_quantized(qc: dict, fmt, base: str, gpu, dequantize: bool) -> QuantSpec:
+    """A checkpoint stored in ``fmt``: kept as stored or dequantized to ``base``, as ``gpu`` loads it."""
+    method = str(qc.get("quant_method")).lower()
+    path = fmt.path(qc, gpu, dequantize)
+    extra = {"quantization_config": qc, "path": path.why, "gpu": gpu.describe(),
+             "capability": gpu.compute_capability}
+    if not path.kept:
+        return QuantSpec(name=f"{method}-dequantized", method="dequantized", dtype=base, pre_quantized=True,
+                         implementation=f"{fmt.label} dequantized to {base} at load", extra=extra)
     if method in ("gptq", "awq"):
-        bits = int(qc.get("bits", qc.get("w_bit", 4)))
-        group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+        bits = int(qc.get("bits", qc.get("w_bit")))
+        group = int(qc.get("group_size", qc.get("q_group_size")))
         return QuantSpec(name=f"{method}-{bits}bit", method=method, dtype="float16", bits=bits, group_size=group,
-                         pre_quantized=True, implementation=method.upper(), extra={"desc_act": qc.get("desc_act")})
-    if method in ("fp8", "fbgemm_fp8"):
-        block = qc.get("weight_block_size")
-        return QuantSpec(name="fp8", method="fp8", dtype=base, bits=8, pre_quantized=True,
-                         implementation=f"{method} (block {block})" if block else method,
-                         extra={"weight_block_size": block})
-    return QuantSpec(name=method or "unknown", method="other", dtype=base, pre_quantized=True,
-                     implementation=method or "unknown")
+                         pre_quantized=True, implementation=method.upper(),
+                         extra={**extra, "desc_act": qc.get("desc_act")})
+    block = qc.get("weight_block_size")
+    return QuantSpec(name=method, method=method, dtype=base, bits=8 if "fp8" in method else None, pre_quantized=True,
+                     implementation=f"{fmt.label} (block {block[0]}x{block[1]})" if block else fmt.label,
+                     extra={**extra, "weight_block_size": block})
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -23,6 +23,7 @@ from functools import lru_cache
 from importlib import resources
 
 from ..errors import UserError
+from ..estimator.formats import GpuTarget
 from ..units import GB, parse_size
 from ..workload import parse_device
 
@@ -81,6 +82,12 @@ class KnownGPU:
     pcie_gen: int | None
     pcie_lanes: int | None
     source: str
+    compute_capability: tuple[int, int] | None = None  # CUDA's (major, minor), from NVIDIA's table of GPUs
+    architecture: str | None = None  # ampere, ada, hopper, blackwell, ...
+
+    def target(self) -> GpuTarget:
+        """What the estimator needs of this GPU (which path a pre-quantized checkpoint takes on it)."""
+        return GpuTarget(self.name, self.compute_capability, self.architecture, "vramcal's table of GPUs")
 
 
 @lru_cache(maxsize=1)
@@ -90,8 +97,48 @@ def known_gpus() -> tuple[KnownGPU, ...]:
     for r in csv.DictReader(text.splitlines()):
         out.append(KnownGPU(r["nvml_name"], float(r["memory_gib"]), float(r["bandwidth_gbps"]),
                             int(r["pcie_gen"]) if r["pcie_gen"] else None,
-                            int(r["pcie_lanes"]) if r["pcie_lanes"] else None, r["source"]))
+                            int(r["pcie_lanes"]) if r["pcie_lanes"] else None, r["source"],
+                            _capability(r.get("compute_capability")), r.get("architecture") or None))
     return tuple(out)
+
+
+def _capability(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    major, _, minor = text.partition(".")
+    return int(major), int(minor or 0)
+
+
+def gpu_target(name: str) -> GpuTarget:
+    """``--gpu NAME``: the table's row for a GPU a person names, as the estimator's target; one line when
+    the table has no such GPU (or more than one matches)."""
+    if not isinstance(name, str) or not name.strip():
+        raise UserError("--gpu needs a GPU's name, e.g. --gpu \"RTX 4090\" or --gpu H100")
+    row = find_gpu(name)
+    if row is None:
+        names = [g.name for g in known_gpus() if all(w in _words(g.name) for w in _words(name))]
+        hint = f"it matches {', '.join(names[:4])}: say which" if len(names) > 1 else \
+            "vramcal's table (vramcal/data/gpus.csv) has no such GPU: give its NVML name, e.g. \"NVIDIA L4\""
+        raise UserError(f"--gpu {name!r}: {hint}")
+    return row.target()
+
+
+def machine_gpu_target(device: str) -> GpuTarget | None:
+    """This machine's GPU ``device`` (cuda:N) as the estimator's target, read through the one NVML door;
+    None where NVML cannot say (no driver, no such GPU)."""
+    from . import nvml
+
+    if not str(device).startswith("cuda") or not nvml.available()[0]:
+        return None
+    index = int(str(device).partition(":")[2] or 0)
+    h = nvml.device_handle(index)
+    cc = nvml.compute_capability(h)
+    name = nvml.device_info(index)["name"]
+    if isinstance(cc, nvml.NA):
+        return None
+    row = find_gpu(name) if isinstance(name, str) else None
+    return GpuTarget(name if isinstance(name, str) else None, cc, row.architecture if row else None,
+                     "this machine (NVML)")
 
 
 def _words(name: str) -> list[str]:

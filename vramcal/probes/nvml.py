@@ -226,6 +226,14 @@ def memory_bandwidth(handle) -> int | NA:
     return int(2 * int(mhz) * 1_000_000 * int(bits) // 8)
 
 
+def compute_capability(handle) -> tuple[int, int] | NA:
+    """CUDA's (major, minor) of the device, e.g. (9, 0) for an H100."""
+    if isinstance(handle, NA):
+        return handle
+    cc = query("nvmlDeviceGetCudaComputeCapability", handle)
+    return cc if isinstance(cc, NA) else (int(cc[0]), int(cc[1]))
+
+
 def device_info(index: int) -> dict:
     """Name, UUID, total memory and driver of device ``index``; each field a value or NA."""
     h = device_handle(index)

@@ -42,10 +42,11 @@ import time
 from collections.abc import Callable
 
 from ..errors import UserError
+from ..estimator.formats import CPU
 from ..estimator.quant import resolve_quant
 from ..estimator.resolve import ModelSource, resolve_model
 from ..estimator.vision import check_images
-from ..workload import CACHES, KV_DTYPES, NEW_TOKENS, Configuration, choice, parse_device, workload
+from ..workload import CACHES, KV_DTYPES, NEW_TOKENS, Configuration, choice, device_kind, parse_device, workload
 from . import nvml
 from .child import remove_temp_folder
 from .lifecycle import (ProbeInterrupted, Terminated, kill_group, make_temp_folder, signals_held, sigterm_raises,
@@ -91,7 +92,8 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
               command: str | None = None, timeout_s: float | None = None, on_event=None,
               new_tokens: int = NEW_TOKENS, journal: Callable[[dict], None] | None = None,
               kv_dtype: str = "auto", cache: str = "dynamic", max_memory: dict | str | None = None,
-              device_map: str | None = None, estimate=None, images: int = 0, image_size=None) -> ProbeResult:
+              device_map: str | None = None, estimate=None, images: int = 0, image_size=None,
+              gpu=None) -> ProbeResult:
     """Probe ``model`` (anything ``vramcal estimate`` accepts): a prompt of ``ctx - new_tokens`` tokens,
     then exactly ``new_tokens`` generated.
 
@@ -133,7 +135,7 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
     ctx, batch, new_tokens = work.ctx, work.batch, work.new_tokens
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     check_images(source.config, work.images, source.name)
-    spec = resolve_quant(quant, source.config, dtype)
+    spec = resolve_quant(quant, source, dtype, gpu or (CPU if device_kind(device) == "cpu" else None))
     series, notes, placed = preflight(source, spec, device, synthetic, interval_ms, kv_dtype, cache, max_memory,
                                       device_map)
     if placed is not None:
@@ -154,7 +156,7 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
         try:
             if with_estimate and estimate is None:
                 identity["estimate"] = _estimate_or_note(source, quant, work, dtype, attn, device, kv_dtype,
-                                                         cache, notes, max_memory, device_map)
+                                                         cache, notes, max_memory, device_map, gpu)
             child_spec = {"device": device, "dtype": spec.dtype, "ctx": ctx, "batch": batch,
                           "bnb": None if spec.pre_quantized else spec.bnb_config_kwargs(), "attn": attn,
                           "new_tokens": new_tokens, "kv_dtype": kv_dtype, "cache": cache}
@@ -217,14 +219,14 @@ def _placed_load(source, spec, max_memory, device_map, device: str) -> dict:
 
 
 def _estimate_or_note(source, quant, work, dtype, attn, device, kv_dtype, cache, notes, max_memory=None,
-                      device_map=None):
+                      device_map=None, gpu=None):
     from ..estimator.estimate import estimate as _estimate
 
     try:
         return _estimate(source, quant, batch=work.batch, prompt=work.prompt, new_tokens=work.new_tokens,
                          dtype=dtype, attn=attn, kv_dtype=kv_dtype, cache=cache,
                          device="cpu" if device == "cpu" else "cuda", max_memory=max_memory,
-                         device_map=device_map, images=work.images, image_size=work.image_size)
+                         device_map=device_map, images=work.images, image_size=work.image_size, gpu=gpu)
     except UserError:
         raise
     except (RuntimeError, ValueError, TypeError, ImportError, OSError) as exc:  # the measurement is still worth having
