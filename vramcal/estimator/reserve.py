@@ -5,8 +5,9 @@ The load, as ``from_pretrained`` makes it (transformers 5): ``caching_allocator_
 block of the checkpoint's bytes on the device and frees it (its segment stays reserved, and the weights
 are then carved out of it); then every weight tensor is allocated -- with bitsandbytes quantizing on the
 fly, each quantized weight's 16-bit source first, its packed tensors, then the source freed. The weights
-come in the inventory's order of sizes (the order the loader first meets each size), which decides nothing
-once the warmup block holds them; without it, only how tensors of 1 to 10 MiB share 20 MiB segments.
+come in the inventory's order of sizes (the order the loader first meets each size), the tensors bitsandbytes
+quantizes after those it keeps (the embeddings lead a checkpoint); once the warmup block holds them the
+order decides little, without it how tensors of 1 to 10 MiB share 20 MiB segments.
 
 Then the cuBLAS workspace (allocated through the caching allocator on the first matmul) and the dry run's
 prefill and decode step. What the stage rules take from it, per allocator setting: the reserve after
@@ -27,21 +28,24 @@ def load_events(inv, quant, on_the_fly: bool) -> list[tuple]:
     if inv.warmup_bytes:
         out += [(ALLOC, "warmup", inv.warmup_bytes // 2 * 2), (FREE, "warmup", 0)]
     sizes = dict(inv.alloc_sizes)
+    quantized: list[tuple] = []
     n = 0
     if on_the_fly and inv.quantized_shapes:
         src_bytes = DTYPE_BYTES.get(inv.dtype, 2)
         for o, i, count in inv.quantized_shapes:
             parts = bnb4_tensors(o * i, quant.double_quant) if quant.method == "bnb4" else bnb8_tensors(o, i)
             for _ in range(count):
-                out.append((ALLOC, ("source", n), o * i * src_bytes))
+                quantized.append((ALLOC, ("source", n), o * i * src_bytes))
                 for _, b in parts:
-                    out.append((ALLOC, ("w", n, b), b))
+                    quantized.append((ALLOC, ("w", n, b), b))
                     sizes[b] = sizes.get(b, 0) - 1
-                out.append((FREE, ("source", n), 0))
+                quantized.append((FREE, ("source", n), 0))
                 n += 1
+    # the tensors kept as they are first (the embeddings lead the checkpoint), then the quantized ones
     for b, count in sizes.items():
         for k in range(max(count, 0)):
             out.append((ALLOC, ("w", b, k), b))
+    out += quantized
     out.append((MARK, "load", 0))
     return out
 
