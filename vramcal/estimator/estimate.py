@@ -29,7 +29,7 @@ from .quant import QuantSpec, resolve_quant
 from .quick import compare_formula, formula_activations, formula_kv
 from .resolve import ModelSource, resolve_model, size_field, text_config
 from .result import DeviceEstimate, Estimate
-from .runtime import CUDA_DEFAULT, RuntimeProfile, default_profile
+from .runtime import CUDA_DEFAULT, RuntimeProfile, cuda_terms, default_profile
 from .stages import DeviceLoad, device_stages, model_id, placed_stages, weights_alloc
 from .vision import LABELS, Images, check_images, plan_images
 
@@ -429,7 +429,7 @@ class Estimator:
             ranges=ranges, estimator_model=model_id(device_kind(device)), vramcal_version=VRAMCAL_VERSION,
             weights_parts=dict(inv.parts), images=self.images.count if self.images else 0,
             image_size=self._image_size(), image_tokens=work.prompt - text.prompt, vision_peak=vision_peak,
-            reserved=dict(single.reserved), alloc_conf=self.alloc_conf.text)
+            reserved=dict(single.reserved), alloc_conf=self.alloc_conf.text, runtime_terms=dict(rt.terms or {}))
         if placement is not None:
             self._place(out, placement, work, parts, runtime)
         out.from_pretrained = from_pretrained_kwargs(self.quant, load_device or device, placement,
@@ -664,6 +664,8 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
         plan = plan_placement(source, spec, placed[0], placed[1], use_cache=use_cache)
     est = Estimator(source, spec, attn=attn, cache=cache, kv_dtype=kv_dtype, use_cache=use_cache, device=kind,
                     progress=progress, images=work.images, image_size=work.image_size, alloc_conf=conf)
+    if runtime is None and kind == "cuda":
+        runtime = cuda_terms(gpu)  # each non-torch term by what it is, for this GPU where one is named
     out = est.estimate(batch=work.batch, runtime=runtime, exact=exact, new_tokens=work.new_tokens,
                        prompt=work.prompt, placement=plan, device=str(parse_device(device, default="cuda")))
     return out.corrected(correction) if correction is not None else out

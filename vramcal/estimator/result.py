@@ -142,6 +142,9 @@ class Estimate:
     # sums), and the allocator settings it was replayed with (PYTORCH_ALLOC_CONF text; "" the defaults)
     reserved: dict[str, int] = field(default_factory=dict)
     alloc_conf: str = ""
+    # what is not torch's, each term by what it is: {term: {"bytes": int | None, "source": ...}} (the CUDA
+    # context, kernels the first forward loads, the cuBLAS workspace, the driver's reserve; runtime.cuda_terms)
+    runtime_terms: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ views
     @property

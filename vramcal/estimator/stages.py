@@ -104,11 +104,12 @@ def device_stages(device: str, rt: RuntimeProfile, load: DeviceLoad) -> DeviceEs
         reserved = {"load_peak": load_res, "post_load": load_res, "first_token": max(load_res, prefill_res)}
         reserved["end"] = max(reserved["first_token"], end_res)
         stages = {"load_peak": rt.context_bytes + load_res, "post_load": rt.context_bytes + load_res}
-        stages["first_token"] = rt.context_bytes + max(load_res, prefill_res)
-        stages["end"] = max(stages["first_token"], rt.context_bytes + end_res)
+        ran = rt.context_bytes + (rt.kernels_bytes if load.runs else 0)  # the first forward loads kernels
+        stages["first_token"] = ran + max(load_res, prefill_res)
+        stages["end"] = max(stages["first_token"], ran + end_res)
         first = "prefill" if prefill_res > load_res else "load"
         setter = {"load_peak": "load", "post_load": "load", "first_token": first,
-                  "end": "decode" if rt.context_bytes + end_res > stages["first_token"] else first}
+                  "end": "decode" if ran + end_res > stages["first_token"] else first}
     else:
         stages = {k: rt.context_bytes + v for k, v in allocated.items()}
         setter = {"load_peak": "load", "post_load": "load", "first_token": "prefill", "end": "decode"}
@@ -118,7 +119,7 @@ def device_stages(device: str, rt: RuntimeProfile, load: DeviceLoad) -> DeviceEs
     breakdown["runtime"] = stages[peak_stage] - sum(breakdown.values())
     components = {"weights": load.weights_bytes, "kv_cache": load.kv_end,
                   "activations": max(act_p, act_d), "offload_transient": tr,
-                  "runtime": rt.context_bytes + ws + (w - load.weights_bytes)}
+                  "runtime": rt.context_bytes + (rt.kernels_bytes if load.runs else 0) + ws + (w - load.weights_bytes)}
     return DeviceEstimate(device, stages, allocated, components, breakdown, reserved)
 
 
