@@ -9,7 +9,7 @@ stage rules of :mod:`vramcal.estimator.stages` -- on one device, or on each devi
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from ..errors import UserError
 from ..units import GB, fmt_gib_gb
@@ -302,6 +302,26 @@ class Estimator:
         if len(usable) != len(self._act.traces):
             return None
         return slack_at(usable, work.batch, work.prompt, conf.key)
+
+    def expandable_saving(self, ctx: int | None = None, batch: int = 1, new_tokens: int = NEW_TOKENS,
+                          prompt: int | None = None, runtime: RuntimeProfile | None = None
+                          ) -> tuple[int, int] | None:
+        """(the peak with this Estimator's settings, the peak with ``expandable_segments:True`` added) on one
+        GPU at this workload, both from the replay; None where no replay was possible (or it is already on)."""
+        if self.device != "cuda" or self.alloc_conf.expandable_segments:
+            return None
+        work = self.lm_workload(workload(ctx, batch, new_tokens, prompt))
+        self._ensure_dry_run(work.batch, work.prompt, exact=self._traced(work.batch, work.prompt),
+                             cover=work.batch * work.prompt)
+        parts, _, _ = self._parts(work)
+        alt = self.alloc_conf.with_expandable()
+        slack = self._slack(work, alt)
+        if parts.slack is None or slack is None:
+            return None
+        rt = runtime or CUDA_DEFAULT
+        base = device_stages("cuda", rt, self._load(parts)).peak
+        other = replace(self._load(parts), load_reserved=self.load_reserved(alt), slack=slack)
+        return base, device_stages("cuda", rt, other).peak
 
     # ---------------------------------------------------------------- the parts at a workload
     def _parts(self, work: Workload) -> tuple[_Parts, dict[str, str], bool]:
@@ -669,6 +689,30 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
     out = est.estimate(batch=work.batch, runtime=runtime, exact=exact, new_tokens=work.new_tokens,
                        prompt=work.prompt, placement=plan, device=str(parse_device(device, default="cuda")))
     return out.corrected(correction) if correction is not None else out
+
+
+EXPANDABLE_MIN_SHARE = 0.05  # plan and fit suggest expandable segments when they save this share of a GPU's peak
+
+
+def expandable_advice(est: Estimator, work: Workload) -> dict | None:
+    """``{"env": {...}, "saved_bytes": n, "share": x}`` when ``expandable_segments:True`` would save at
+    least :data:`EXPANDABLE_MIN_SHARE` of the GPU's peak at ``work`` (the replay's two figures), else None."""
+    got = est.expandable_saving(prompt=work.prompt, new_tokens=work.new_tokens, batch=work.batch)
+    if not got:
+        return None
+    base, other = got
+    saved = base - other
+    if saved < EXPANDABLE_MIN_SHARE * base:
+        return None
+    return {"env": {"PYTORCH_ALLOC_CONF": est.alloc_conf.with_expandable().text}, "saved_bytes": saved,
+            "share": saved / base}
+
+
+def env_prefix(env: dict | None) -> str:
+    """``PYTORCH_ALLOC_CONF=expandable_segments:True `` before a printed command (nothing without env)."""
+    import shlex
+
+    return "".join(f"{k}={shlex.quote(v)} " for k, v in (env or {}).items())
 
 
 def alloc_conf_option(text: str | None) -> AllocConf:
