@@ -311,8 +311,10 @@ class Estimator:
         if self.device != "cuda" or self.alloc_conf.expandable_segments:
             return None
         work = self.lm_workload(workload(ctx, batch, new_tokens, prompt))
-        self._ensure_dry_run(work.batch, work.prompt, exact=self._traced(work.batch, work.prompt),
-                             cover=work.batch * work.prompt)
+        # from the traces there are (the estimate or the search just made them): a new trace here would
+        # change the activation fit under a search that is under way
+        if self._act is None or not (self._traced(work.batch, work.prompt) or self._act.prefill is not None):
+            return None
         parts, _, _ = self._parts(work)
         alt = self.alloc_conf.with_expandable()
         slack = self._slack(work, alt)
