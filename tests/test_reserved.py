@@ -117,3 +117,75 @@ def test_estimate_json_has_reserved_beside_allocated(tiny_models):
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert set(d["reserved"]) == set(d["allocated"]) and d["alloc_conf"] == "expandable_segments:True"
+
+
+def test_the_non_torch_terms_by_gpu(tiny_models):
+    """The H200's measured context and first-forward kernels, the cuBLAS workspace by compute capability, and
+    the driver's reserve reported but never in the stages; an unmeasured architecture says it took the default."""
+    from vramcal.estimator.estimate import estimate
+    from vramcal.probes.hardware import gpu_target
+    from vramcal.units import MIB
+
+    h200 = estimate(tiny_models["dense-gqa"], "auto", ctx=1024, use_cache=False, gpu=gpu_target("H200"))
+    t = h200.runtime_terms
+    assert t["cuda_context"]["bytes"] == 645_464_064 and t["cuda_context"]["source"].startswith("table")
+    assert t["cublas_workspace"]["bytes"] == 32 * MIB
+    assert t["driver_reserve"]["bytes"] == 648_347_648
+    assert h200.stages["post_load"] == 645_464_064 + h200.reserved["post_load"]
+    assert h200.stages["first_token"] == 645_464_064 + 79_691_776 + h200.reserved["first_token"]
+    a100 = estimate(tiny_models["dense-gqa"], "auto", ctx=1024, use_cache=False, gpu=gpu_target("A100-SXM4-80GB"))
+    t = a100.runtime_terms
+    assert t["cublas_workspace"]["bytes"] == 4096 * 1024 * 2 + 16 * 1024 * 8
+    assert t["cuda_context"]["source"].startswith("default") and t["kernels_after_first_forward"]["bytes"] is None
+    assert t["driver_reserve"]["bytes"] is None and "not known" in t["driver_reserve"]["source"]
+    assert a100.stages["post_load"] == 512 * MIB + a100.reserved["post_load"]
+
+
+def test_expandable_advice_needs_five_percent():
+    from vramcal.estimator.allocator import DEFAULT_CONF
+    from vramcal.estimator.estimate import env_prefix, expandable_advice
+    from vramcal.workload import Workload
+
+    class Est:
+        alloc_conf = DEFAULT_CONF
+
+        def __init__(self, got):
+            self.got = got
+
+        def expandable_saving(self, **_):
+            return self.got
+
+    work = Workload(1000, 16, 1)
+    advice = expandable_advice(Est((1000, 950)), work)
+    assert advice["env"] == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"} and advice["saved_bytes"] == 50
+    assert expandable_advice(Est((1000, 951)), work) is None and expandable_advice(Est(None), work) is None
+    assert env_prefix(advice["env"]) == "PYTORCH_ALLOC_CONF=expandable_segments:True "
+
+
+def test_expandable_saving_at_real_widths():
+    """Llama-3.1-8B cut to 4 layers, 32k prompt: the replay both ways (the H200 session's bf16 row)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from vramcal.estimator.estimate import Estimator, expandable_advice
+    from vramcal.workload import Workload
+
+    d = Path(tempfile.mkdtemp())
+    cfg = {**json.loads((Path(__file__).parent.parent / "vramcal/estimator/catalog/llama-3.1-8b.json").read_text()),
+           "num_hidden_layers": 4}
+    (d / "config.json").write_text(json.dumps(cfg))
+    est = Estimator(resolve_model(str(d)), resolve_quant("bf16", cfg), use_cache=False)
+    est.estimate(prompt=32752, new_tokens=16)
+    advice = expandable_advice(est, Workload(32752, 16, 1))
+    assert advice is not None and advice["share"] >= 0.05
+
+
+def test_nvml_reserved_is_na_not_zero_without_v2(fake):
+    from vramcal.probes import nvml
+
+    fake({0: [1000]})
+    got = nvml.memory_reserved(nvml.device_handle(0))
+    assert not got and isinstance(got, nvml.NA) and "v2" in got.reason
+    fake({0: [700 * 1024**2]}, reserved=648_347_648)
+    assert nvml.memory_reserved(nvml.device_handle(0)) == 648_347_648

@@ -8,6 +8,7 @@ stage rules of :mod:`vramcal.estimator.stages` -- on one device, or on each devi
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -106,6 +107,7 @@ class Estimator:
         self.use_cache = use_cache
         self.alloc_conf = alloc_conf or DEFAULT_CONF
         self._load_replays: dict[str, tuple[int, int]] = {}
+        self.replay = True  # False: segments rounding only, as a placement's GPUs are priced (:meth:`unreplayed`)
         self._progress = progress or (lambda step: None)
         self._problems: list[str] = []
         start = len(CACHE_PROBLEMS)
@@ -295,8 +297,18 @@ class Estimator:
             self._load_replays[conf.key] = loaded(self._load_events(), conf)[1]
         return self._load_replays[conf.key]
 
+    @contextlib.contextmanager
+    def unreplayed(self):
+        """One device's figures priced as a placement's GPUs are (allocated rounded to 2 MiB segments, no
+        replay): what a split's search starts from, so that its first budgets and its priced GPUs agree."""
+        saved, self.replay = self.replay, False
+        try:
+            yield self
+        finally:
+            self.replay = saved
+
     def _slack(self, work: Workload, conf: AllocConf) -> tuple[int, int] | None:
-        if self._act is None or self.device != "cuda":
+        if self._act is None or self.device != "cuda" or not self.replay:
             return None
         usable = [t for t in self._act.traces if t.slack.get(conf.key)]
         if len(usable) != len(self._act.traces):
