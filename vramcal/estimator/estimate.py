@@ -21,7 +21,7 @@ from .cache import CACHE_PROBLEMS, load_cached, store_cached
 from .correction import CorrectionSet
 from .cpu import CpuStages, cpu_inputs, cpu_resident_stages, out_features
 from .dryrun import ActivationModel, KVLayer, Trace, fit_activations
-from .allocator import DEFAULT_CONF, AllocConf, AllocConfError, conf_from
+from .allocator import AllocConf, AllocConfError, conf_from
 from .reserve import load_events, loaded, slack_at, trace_slack
 from .inventory import Inventory, inventory
 from .loading import from_pretrained_kwargs
@@ -96,7 +96,8 @@ class Estimator:
         """``images`` images of ``image_size`` (None: the processor's default size) in every prompt
         (:mod:`vramcal.estimator.vision`): every estimate of this Estimator holds them. ``alloc_conf``: the
         caching allocator's settings the run will have (default: torch's defaults), which the load and the
-        dry run are replayed through (:mod:`vramcal.estimator.reserve`)."""
+        dry run are replayed through (:mod:`vramcal.estimator.reserve`); None: ``PYTORCH_ALLOC_CONF`` /
+        ``PYTORCH_CUDA_ALLOC_CONF`` as set here, else torch's defaults (so plan and fit read them too)."""
         choice(attn, ATTNS, "--attn")
         choice(cache, CACHES, "--cache")
         choice(kv_dtype, KV_DTYPES, "--kv-dtype")
@@ -105,7 +106,7 @@ class Estimator:
         self.source, self.quant = source, quant
         self.attn, self.cache, self.kv_dtype = attn, cache, kv_dtype
         self.use_cache = use_cache
-        self.alloc_conf = alloc_conf or DEFAULT_CONF
+        self.alloc_conf = alloc_conf or alloc_conf_option(None)  # the environment's, else torch's defaults
         self._load_replays: dict[str, tuple[int, int]] = {}
         self.replay = True  # False: segments rounding only, as a placement's GPUs are priced (:meth:`unreplayed`)
         self._progress = progress or (lambda step: None)
