@@ -321,7 +321,7 @@ class Estimator:
                           ) -> tuple[int, int] | None:
         """(the peak with this Estimator's settings, the peak with ``expandable_segments:True`` added) on one
         GPU at this workload, both from the replay; None where no replay was possible (or it is already on)."""
-        if self.device != "cuda" or self.alloc_conf.expandable_segments:
+        if self.device != "cuda" or self.alloc_conf.expandable_segments or not self.replay:
             return None
         work = self.lm_workload(workload(ctx, batch, new_tokens, prompt))
         # from the traces there are (the estimate or the search just made them): a new trace here would
