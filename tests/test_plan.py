@@ -82,11 +82,7 @@ def _gpu_peaks(e) -> dict[str, int]:
 def offload_case(wide):
     """One GPU that holds half the bf16 weights beside the rest of a 256-token run; RAM for the rest."""
     e = _plain(wide)
-    # sized as a placement's GPU is priced (the highest allocated rounded to 2 MiB segments, no allocator
-    # replay): the one-GPU peak's replayed reserve would hand the split room it does not price
-    s = e.peak_stage
-    rounded = e.stages[s] - e.reserved[s] + -(-max(e.allocated.values()) // (2 * MIB)) * 2 * MIB
-    gpu = rounded - e.components["weights"] // 2 + BUFFER
+    gpu = e.peak - e.components["weights"] // 2 + BUFFER
     hw = _hw(cuda_0=gpu, cpu=8 * GIB)
     return hw, plan_model(wide, hw, buffer=BUFFER)
 
