@@ -269,3 +269,16 @@ def test_fit_and_plan_agree_on_one_gpu(tmp_path, monkeypatch):
     search = Search(resolve_model(mid), device="cuda:0")
     est = search.estimator("bf16")
     assert search.fits(est, Workload(p.ctx - 16, 16, 1), Budget({"cuda:0": gpu - buffer}))[0]
+
+
+def test_fit_is_bounded_in_time_like_plan(tiny_models):
+    """Every search is bounded (issue 25): fit stops asking at its deadline and says which rows it did not
+    search, rather than running for minutes (a Mamba reference scan)."""
+    from vramcal.calibrate.fit import fit_contexts
+
+    fit = fit_contexts(tiny_models["dense-gqa"], 2**30, device="cuda", db=None, buffer=2**20, seconds=0)
+    assert fit.rows and all(r.max_ctx is None and "not searched" in (r.error or "") for r in fit.rows)
+    assert any("the search stopped after 0 s" in n for n in fit.notes)
+    steps = []
+    fit = fit_contexts(tiny_models["dense-gqa"], 2**30, device="cuda", db=None, buffer=2**20, progress=steps.append)
+    assert all(r.max_ctx for r in fit.rows) and steps[0].startswith("fit: searching")

@@ -491,7 +491,7 @@ def fit_transformers(args, io) -> int:
         raise UserError(f"--buffer ({buffer:,} B) must be below --budget ({smallest:,} B)")
     fit = fit_contexts(args.model, budget, device=device, db=args.db, buffer=buffer, new_tokens=new_tokens,
                        max_memory=max_memory, device_map=device_map, images=images, image_size=image_size,
-                       gpu=_gpu(args))
+                       gpu=_gpu(args), progress=_progress(args))
     _out(json.dumps({"budget_bytes": budget, "buffer_bytes": buffer, "new_tokens": new_tokens, "free": others,
                      "rows": [r.to_dict() for r in fit.rows], "notes": fit.notes})
          if args.json else present.fit_table(args.model, budget, buffer, fit.rows, others, fit.notes))

@@ -19,7 +19,7 @@ from ..estimator.placement import plan_placement
 from ..estimator.resolve import resolve_model
 from ..estimator.vision import check_images
 from ..workload import NEW_TOKENS, Workload, images_of
-from .search import Budget, Search, context_limit, stored_corrections
+from .search import SEARCH_SECONDS, Budget, OutOfTime, Search, bounded, context_limit, stored_corrections
 
 FIT_QUANTS = ("bf16", "int8", "nf4-dq", "nf4")
 
@@ -82,14 +82,16 @@ def _free_ram() -> int:
 def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: str | None, buffer: int,
                  quants=FIT_QUANTS, batches=FIT_BATCHES, new_tokens: int = NEW_TOKENS,
                  max_memory: dict | str | None = None, device_map: str | None = None, images: int = 0,
-                 image_size=None, gpu=None) -> FitResult:
+                 image_size=None, gpu=None, progress=None, seconds: float | None = None) -> FitResult:
     """The largest ctx (prompt + ``new_tokens``) per quant and batch whose corrected estimate, at the p95
     of this machine's residuals, stays within ``budget - buffer``; searched up to the model's
     ``max_position_embeddings``. ``budget`` is one figure, or with a placement one per GPU
     ({"cuda:0": bytes, ...}; a single figure applies to each GPU). ``images`` of ``image_size`` sit in
     every prompt: their tokens come on top of the ctx found (docs/vision.md). A pre-quantized checkpoint is
     searched as it loads on ``gpu`` (kept or dequantized: :mod:`vramcal.estimator.formats`), and dequantized
-    to bf16 beside it where its format has that load."""
+    to bf16 beside it where its format has that load. The search is bounded in time like plan's
+    (:func:`~vramcal.calibrate.search.bounded`, ``seconds``): rows not reached by then say so.
+    ``progress(step)`` is told which quantization is searched."""
     from ..probes.machine import machine_fingerprint
 
     images, image_size = images_of(images, image_size)
@@ -109,8 +111,31 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
     mm = placed[0] if placed is not None else {}
     ram = mm.get("cpu") if "cpu" in mm or placed is None else _free_ram()
     target = Budget({d: budgets.get(d, 0) - buffer for d in gpus}, cpu_bytes=ram or 0, disk_bytes=mm.get("disk"))
-    rows = []
-    for q in quants:
+    rows: list[FitRow] = []
+    try:
+        with bounded(search, seconds):
+            _search_rows(rows, quants, batches, search, source, target, placed, new_tokens, images, image_size,
+                         notes, progress)
+    except OutOfTime:
+        done = {(r.quant, r.batch) for r in rows}
+        left = [(q, b) for q in quants for b in batches if (q, b) not in done]
+        spent = SEARCH_SECONDS if seconds is None else seconds
+        why = f"not searched: the search's {spent:g} s were spent (docs/plan.md)"
+        rows += [FitRow(q, b, None, new_tokens, None, error=why, images=images, image_size=image_size)
+                 for q, b in left]
+        notes.append(f"the search stopped after {spent:g} s: "
+                     f"{', '.join(sorted({q for q, _ in left}))} not (fully) searched")
+    if rows and all(r.max_ctx is None for r in rows):
+        notes.append(f"nothing fits as asked: `vramcal plan {source.ref} --hardware ...` searches the split across "
+                     "GPUs and offload to RAM for a machine's sizes (docs/plan.md)")
+    return FitResult(rows, notes)
+
+
+def _search_rows(rows, quants, batches, search, source, target, placed, new_tokens, images, image_size, notes,
+                 progress) -> None:
+    for i, q in enumerate(quants):
+        if progress is not None:
+            progress(f"fit: searching {q} ({i + 1} of {len(quants)})")
         est = search.estimator(q)
         if est.images is not None and q == quants[0]:
             p = est.images.plan
@@ -144,7 +169,3 @@ def fit_contexts(model: str, budget: int | dict[str, int], *, device: str, db: s
                              f"{fmt_gib_gb(advice['saved_bytes'])} ({100 * advice['share']:.1f} % of the peak; the "
                              "caching allocator replayed both ways): set it in the run's environment")
             rows.append(row)
-    if rows and all(r.max_ctx is None for r in rows):
-        notes.append(f"nothing fits as asked: `vramcal plan {source.ref} --hardware ...` searches the split across "
-                     "GPUs and offload to RAM for a machine's sizes (docs/plan.md)")
-    return FitResult(rows, notes)

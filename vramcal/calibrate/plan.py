@@ -37,7 +37,8 @@ from ..estimator.quant import config_dtype
 from ..estimator.speed import DecodeBound, decode_bound, unread_embedding
 from ..units import fmt_gib_gb
 from ..workload import GOALS, NEW_TOKENS, Configuration, Workload, choice
-from .search import SEARCH_SECONDS, Budget, OutOfTime, Search, Split, context_limit, offloaded_layers
+from .search import (SEARCH_SECONDS, Budget, OutOfTime, Search, Split, bounded, context_limit,
+                     offloaded_layers)
 
 OFFLOAD_CTX = 4096  # the context an offloaded plan is split for when none is asked
 SPLIT_FLOOR = 256  # the shortest power of two a split is sized for before the shortest context
@@ -340,30 +341,11 @@ class Planner:
         asked, and in the main thread a timer stops a trace under way too (a Mamba model's reference selective
         scan is a Python loop: minutes for one long trace); the plans found so far are the answer and a note
         says what was not searched."""
-        import signal
-        import threading
-        import time
-
         seconds = SEARCH_SECONDS if seconds is None else seconds
         quants = candidate_quants(self.source.config)
-        self.search.deadline = time.monotonic() + seconds
-        # the process's one real-time timer, only where no one else holds it
-        timer = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer") \
-            and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
-        self._timer = timer
-        if timer:
-            def expire(signum, frame):
-                raise OutOfTime
-
-            before = signal.signal(signal.SIGALRM, expire)
-            signal.setitimer(signal.ITIMER_REAL, seconds)
-        try:
+        with bounded(self.search, seconds) as stop:
+            self._stop = stop
             return self._run(quants, seconds)
-        finally:
-            if timer:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, before)
-            self.search.deadline = None
 
     def _run(self, quants: list[str], seconds: float) -> PlanResult:
         by_quant: dict[str, list[Plan]] = {}
@@ -377,11 +359,7 @@ class Planner:
                 by_quant[q] = list(self._found)
                 stopped = quants[quants.index(q):]
                 break
-        import signal
-
-        if self._timer:
-            signal.setitimer(signal.ITIMER_REAL, 0)  # what follows prices only what was found
-        self.search.deadline = None
+        self._stop()  # what follows prices only what was found
         plans = _distinct(sorted((p for found in by_quant.values() for p in found), key=_rank(self.goal)))
         result = PlanResult(self.source.name, self.hw, self.buffer, self.goal, self.target, self.asked, plans,
                             [], notes=[])

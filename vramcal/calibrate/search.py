@@ -22,6 +22,9 @@ toward the GPU's usable memory, half way to the last that went over. At most :da
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +44,41 @@ class OutOfTime(BaseException):
     Exception, so that no ``except Exception`` on the way (a dry run's fallback to formulas) takes it for a
     failure of the model."""
 MARGIN = 2 * MIB  # one allocator segment: what a budget is taken back by beyond the overshoot
+
+
+@contextlib.contextmanager
+def bounded(search: Search, seconds: float | None = None):
+    """Bound a search in time (default :data:`SEARCH_SECONDS`): past the deadline ``search.fits`` raises
+    :class:`OutOfTime` before a new question, and in the main thread a timer (the process's one real-time
+    timer, only where no one else holds it) stops a trace under way too -- a Mamba model's reference
+    selective scan is a Python loop, minutes for one long trace. Yields a function that stops the timer
+    (what follows prices only what was found); the caller catches OutOfTime and keeps what it found."""
+    import signal
+    import threading
+
+    seconds = SEARCH_SECONDS if seconds is None else seconds
+    search.deadline = time.monotonic() + seconds
+    timer = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer") \
+        and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    before = None
+    if timer:
+        def expire(signum, frame):
+            raise OutOfTime
+
+        before = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+
+    def stop() -> None:
+        if timer:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        search.deadline = None
+
+    try:
+        yield stop
+    finally:
+        stop()
+        if timer:
+            signal.signal(signal.SIGALRM, before)
 
 
 @dataclass(frozen=True)
@@ -145,8 +183,6 @@ class Search:
     def fits(self, est: Estimator, work: Workload, budget: Budget, placement=None,
              exact: bool = False) -> tuple[bool, dict[str, int]]:
         if self.deadline is not None:
-            import time
-
             if time.monotonic() > self.deadline:
                 raise OutOfTime
         peaks = self.peaks(est, work, placement, exact)
