@@ -7,7 +7,7 @@ docs/validation/gpu-h200/README.md did, with the command it gives):
     export PYTHONPATH=/tmp/site:$PWD
     timeout 480 python3 benchmarks/gpu_session.py --device cuda:0 --out /tmp/o --budget-s 420
 
-then copy /tmp/o to $OUT as one archive (at most 8 files come back). Six parts, run in the order of
+then copy /tmp/o to $OUT as one archive (at most 8 files come back). Seven parts, run in the order of
 :data:`SHARES` (what no GPU has measured yet first), each with its own share of the time budget, each
 writing as it goes (a part cut short still leaves its rows, and ``session.json`` is rewritten after
 every part). Numbered as they were first written:
@@ -30,6 +30,11 @@ every part). Numbered as they were first written:
    ``vramcal probe --engine vllm --synthetic`` (vLLM's dummy weights, no download): ``<out>/vllm-probe.json``
    with the predicted and the logged startup terms side by side (commit it to docs/validation/vllm/).
 
+7. ``allocator`` -- benchmarks/gpu_allocator.py twice, in fresh processes: torch's defaults and
+   ``PYTORCH_ALLOC_CONF=expandable_segments:True``; Llama-3.1-8B cut to 4 layers, a 4k prefill and a decode
+   step under ``torch.cuda.memory._record_memory_history``, each stage's segments beside vramcal's replay of
+   the real trace, and the dry run's prefill allocations beside the GPU's (``<out>/allocator-*.json``).
+
 ``--device cpu --quick`` runs parts 1 and 2 on tiny models on the CPU (the tests do); parts 3 to 5 need a
 GPU and say so, as part 6 does without vLLM.
 """
@@ -50,7 +55,35 @@ sys.path.insert(0, str(HERE))
 # first session, 2026-11-30, got through), then the matrices that add rows to what is there
 # shares sized by that session: a probe of a 3B model with synthetic weights took 157 s there, most of it
 # writing and reading the checkpoint, so the parts with such a probe get the time one needs
-SHARES = {"plan": 0.35, "vlm": 0.30, "vllm": 0.05, "offload": 0.10, "widths": 0.10, "validate": 0.10}
+# issue 26: the allocator's snapshots first (the replay's rules, segment by segment), then what issues 17 and
+# 18 still owe (a plan's first offloaded configuration, a VLM with an image), then the CPU resident set under
+# offload (the offload part measures the CPU side of the split), then the matrices
+SHARES = {"allocator": 0.20, "plan": 0.25, "vlm": 0.20, "offload": 0.15, "vllm": 0.05, "widths": 0.075,
+          "validate": 0.075}
+
+
+def part_allocator(args, budget_s: float) -> str:
+    """benchmarks/gpu_allocator.py with torch's defaults and with expandable segments, each in its own
+    process (the setting is read when CUDA starts), half the share each."""
+    import subprocess
+
+    if not args.device.startswith("cuda"):
+        print("allocator: skipped, it needs a GPU (torch's CPU build has no CUDA caching allocator)", file=sys.stderr)
+        return ""
+    written = []
+    for name, conf in (("default", ""), ("expandable", "expandable_segments:True")):
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+        if conf:
+            env["PYTORCH_ALLOC_CONF"] = conf
+        out = Path(args.out) / f"allocator-{name}.json"
+        try:
+            subprocess.run([sys.executable, str(HERE / "gpu_allocator.py"), "--device", args.device, "--out", str(out)],
+                           env=env, timeout=budget_s / 2, check=False)
+        except subprocess.TimeoutExpired:
+            print(f"allocator: {name} ran past its {budget_s / 2:.0f} s", file=sys.stderr)
+        if out.exists():
+            written.append(out.name)
+    return ", ".join(written)
 
 
 def part_validate(args, budget_s: float) -> str:
@@ -199,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             done[part] = {"file": {"validate": part_validate, "widths": part_widths,
                                    "offload": part_offload, "plan": part_plan, "vlm": part_vlm,
-                                   "vllm": part_vllm}[part](args, share)}
+                                   "vllm": part_vllm, "allocator": part_allocator}[part](args, share)}
         except BaseException as exc:  # one part failing must not lose the others' rows; an interrupt stops
             done[part] = {"error": f"{type(exc).__name__}: {exc}"}
             if not isinstance(exc, Exception):

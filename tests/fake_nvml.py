@@ -30,7 +30,7 @@ class FakeNVML:
 
     def __init__(self, script: dict[int, list], total: int = 80 * 1024**3, procs=None, fail_init: bool = False,
                  names: dict[int, str] | None = None, gpu_name: str = "NVIDIA H200", pcie: tuple | None = None,
-                 memory_clock: tuple | None = None):
+                 memory_clock: tuple | None = None, reserved: int | None = None):
         self.script = {k: list(v) for k, v in script.items()}
         self.calls = {k: 0 for k in script}
         self.total = total
@@ -43,6 +43,9 @@ class FakeNVML:
         self.gpu_name = gpu_name
         self.pcie = pcie  # (max generation, max lanes); None: not supported
         self.memory_clock = memory_clock  # (max memory clock MHz, bus width bits); None: not supported
+        self.reserved = reserved  # the driver's reserve (NVML v2 memory info); None: a binding without v2
+        if reserved is not None:
+            self.nvmlMemory_v2 = 0x02000028
 
     def nvmlInit(self):
         if self.fail_init:
@@ -62,12 +65,15 @@ class FakeNVML:
             raise NVMLError("Invalid Argument")
         return i
 
-    def nvmlDeviceGetMemoryInfo(self, h):
+    def nvmlDeviceGetMemoryInfo(self, h, version=None):
         values = self.script[h]
         v = values[min(self.calls[h], len(values) - 1)]
         self.calls[h] += 1
         if isinstance(v, Exception):
             raise v
+        if version is not None:  # v2: used leaves the driver's reserve out, as nvidia-smi does
+            return SimpleNamespace(used=v - self.reserved, total=self.total, free=self.total - v,
+                                   reserved=self.reserved)
         return SimpleNamespace(used=v, total=self.total, free=self.total - v)
 
     def nvmlDeviceGetComputeRunningProcesses(self, h):

@@ -41,10 +41,32 @@ def test_gpu_session_runs_on_cpu_and_writes_every_part(tmp_path):
                         "--out", str(out), "--budget-s", "600"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     session = json.loads((out / "session.json").read_text())
-    assert set(session["parts"]) == {"validate", "widths", "offload", "plan", "vlm", "vllm"}
+    assert set(session["parts"]) == {"validate", "widths", "offload", "plan", "vlm", "vllm", "allocator"}
+    assert "allocator: skipped, it needs a GPU" in r.stderr
     assert "offload: skipped, it needs a GPU" in r.stderr and "vllm: skipped" in r.stderr
     assert "plan: skipped, it needs a GPU" in r.stderr and "vlm: skipped, it needs a GPU" in r.stderr
     gpu = list(csv.DictReader((out / "gpu.csv").open()))
     assert gpu and all(row["status"] == "ok" for row in gpu)
     widths = list(csv.DictReader((out / "gpu-widths.csv").open()))
     assert [row["stage"] for row in widths] == ["load_peak", "post_load", "first_token", "end"]
+
+
+def test_the_allocator_part_replays_a_real_trace_stage_by_stage():
+    """benchmarks/gpu_allocator.py's comparison, on a trace in the shape of torch's ``_snapshot()``: a 3 MiB
+    and a 100 MiB block, the first freed, a 2 MiB one reusing it -- the replay says 20 + 100 MiB, as torch's
+    allocator would, and names a stage whose recorded figure differs."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import gpu_allocator
+
+    mib = 1024**2
+    trace = [{"action": "segment_alloc", "addr": 0, "size": 20 * mib}, {"action": "alloc", "addr": 0, "size": 3 * mib},
+             {"action": "alloc", "addr": 1 << 30, "size": 100 * mib},
+             {"action": "free_requested", "addr": 0, "size": 3 * mib}, {"action": "free_completed", "addr": 0, "size": 3 * mib},
+             {"action": "alloc", "addr": 0, "size": 2 * mib}]
+    stages = {"post_load": {"trace_len": 3, "reserved": 120 * mib, "segments": [{"total_size": 20 * mib}, {"total_size": 100 * mib}]},
+              "first_token": {"trace_len": 6, "reserved": 122 * mib, "segments": []}}
+    got = gpu_allocator.compare(trace, stages)
+    assert got["post_load"]["reserved_replay"] == 120 * mib and got["post_load"]["same_segments"]
+    assert got["first_token"]["reserved_replay"] == 120 * mib and got["first_token"]["error_bytes"] == -2 * mib
+    diff = gpu_allocator.size_diff([(0, 1, 10), (0, 2, 20)], [(0, 1, 10), (0, 2, 30)])
+    assert diff["differ"] == [{"op": "replace", "real": [20], "dry": [30], "at_real": 1, "at_dry": 1}]

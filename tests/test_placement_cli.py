@@ -82,7 +82,7 @@ def test_estimate_json_has_the_map_and_one_entry_per_device(deep):
     assert d["device_map"] == plan.device_map and set(d["device_map"].values()) == {"cuda:0", "cuda:1", "cpu"}
     assert set(d["devices"]) == {"cuda:0", "cuda:1", "cpu"}
     for dev, v in d["devices"].items():
-        assert set(v) == {"device", "stages", "allocated", "components", "breakdown"} and set(v["stages"]) == set(STAGES)
+        assert set(v) == {"device", "stages", "allocated", "reserved", "components", "breakdown"} and set(v["stages"]) == set(STAGES)
         if dev.startswith("cuda"):  # what the device's peak is made of, from the moment that set it
             assert sum(v["breakdown"].values()) == max(v["stages"].values())
             assert min(v["components"].values()) >= 0 and min(v["breakdown"].values()) >= 0

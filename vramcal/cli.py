@@ -82,6 +82,13 @@ def _add_image_args(g) -> None:
                         "size: 896x896 for Gemma 3, 336x336 for LLaVA-1.5 ...)")
 
 
+def _add_alloc_conf(p) -> None:
+    p.add_argument("--alloc-conf", default=None, metavar="SETTINGS",
+                   help="the caching allocator's settings the run will have, as PYTORCH_ALLOC_CONF takes them "
+                        "(e.g. expandable_segments:True); default: PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF "
+                        "here, else torch's defaults")
+
+
 def _add_placement_args(p) -> None:
     """``--max-memory`` and ``--device-map``, as ``from_pretrained`` means them (docs/placement.md)."""
     g = p.add_argument_group("placement: split across GPUs, offload to CPU or disk (docs/placement.md)")
@@ -139,6 +146,7 @@ def _add_estimate(sub) -> None:
     p.add_argument("--allow-approximate", action="store_true",
                    help="accept an answer part of which comes from a formula (an architecture the installed "
                         "transformers cannot build or run): refused without it")
+    _add_alloc_conf(p)
     p.add_argument("--no-disk-cache", action="store_true", help="recompute the inventory instead of reading the cache")
     p.add_argument("--json", action="store_true", help="one JSON object, integer bytes")
     p.add_argument("--db", help="records database (default $VRAMCAL_DB or ~/.local/share/vramcal/vramcal.db)")
@@ -252,7 +260,7 @@ def estimate_transformers(args, io) -> int:
                  dtype=parse_dtype(args.dtype), kv_dtype=args.kv_dtype, attn=args.attn, cache=args.cache,
                  device=args.device, use_cache=not args.no_disk_cache, exact=not args.fast, progress=progress,
                  max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size,
-                 gpu=_gpu(args))
+                 alloc_conf=args.alloc_conf, gpu=_gpu(args))
     refuse_formulas(e, args.allow_approximate)
     if not args.no_correction:
         from .calibrate.corrections import with_machine_corrections

@@ -591,6 +591,10 @@ def plan_text(r) -> str:
         lines += ["  decode bound: " + "; ".join(f"{k} {v}" for k, v in first.speed.bandwidths.items())]
     elif first.speed.why_none:
         lines += [f"  decode bound {first.speed.why_none}"]
+    if first.env:
+        lines += ["  the caching allocator: " + ", ".join(f"{k}={v}" for k, v in first.env.items())
+                  + f" saves {fmt_gib_gb(first.expandable_saved_bytes)} of the GPU's peak (replayed both ways); "
+                  "set it in the run's environment, as the command below does"]
     lines += ["", "load it with", *(("  " + ln).rstrip() for ln in first.python().splitlines()),
               "", "verify it on this machine", "  " + first.command]
     if r.notes:

@@ -10,11 +10,11 @@ correction of its device position when this machine has one. The questions are a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ..errors import UserError
 from ..units import fmt_gib_gb
-from ..estimator.estimate import placement_request
+from ..estimator.estimate import env_prefix, expandable_advice, placement_request
 from ..estimator.placement import plan_placement
 from ..estimator.resolve import resolve_model
 from ..estimator.vision import check_images
@@ -51,6 +51,9 @@ class FitRow:
     error: str | None = None
     images: int = 0  # images in every prompt (their tokens come on top of max_ctx)
     image_size: tuple[int, int] | None = None
+    # PYTORCH_ALLOC_CONF=expandable_segments:True where it saves >= 5 % of the peak at max_ctx, and how much
+    env: dict[str, str] = field(default_factory=dict)
+    expandable_saved_bytes: int | None = None
 
     @property
     def workload(self) -> list[str] | None:
@@ -156,5 +159,13 @@ def _search_rows(rows, quants, batches, search, source, target, placed, new_toke
             continue
         for b in batches:
             ctx, peaks = search.largest_ctx(est, b, new_tokens, target, max_ctx, placement=plan)
-            rows.append(FitRow(q, b, ctx, new_tokens, max(peaks.values()), peaks if plan is not None else None,
-                               images=images, image_size=image_size))
+            row = FitRow(q, b, ctx, new_tokens, max(peaks.values()), peaks if plan is not None else None,
+                         images=images, image_size=image_size)
+            advice = expandable_advice(est, Workload(ctx - new_tokens, new_tokens, b)) \
+                if ctx is not None and plan is None and ctx > new_tokens else None
+            if advice:
+                row.env, row.expandable_saved_bytes = advice["env"], advice["saved_bytes"]
+                notes.append(f"{q} x{b} at {ctx:,}: {env_prefix(advice['env']).strip()} saves "
+                             f"{fmt_gib_gb(advice['saved_bytes'])} ({100 * advice['share']:.1f} % of the peak; the "
+                             "caching allocator replayed both ways): set it in the run's environment")
+            rows.append(row)

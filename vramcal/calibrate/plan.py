@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import UserError
+from ..estimator.estimate import env_prefix, expandable_advice
 from ..estimator.loading import hub_ref, python_code
 from ..estimator.quant import config_dtype
 from ..estimator.speed import DecodeBound, decode_bound, unread_embedding
@@ -79,6 +80,10 @@ class Plan:
     model_ref: str = ""
     offloaded_layers: str | None = None  # an offloaded plan: "12 of 80 layers"
     auto_class: str = "AutoModelForCausalLM"
+    # the environment the run needs: PYTORCH_ALLOC_CONF=expandable_segments:True where it saves >= 5 % of the
+    # GPU's peak (the allocator replayed both ways; estimate.expandable_advice), with what it saves
+    env: dict[str, str] = field(default_factory=dict)
+    expandable_saved_bytes: int | None = None
 
     @property
     def offloaded(self) -> bool:
@@ -97,7 +102,8 @@ class Plan:
                 "max_memory": self.max_memory, "device_map": self.device_map, "peak_bytes": self.peak_bytes,
                 "tokens_per_s": self.tokens_per_s, "tokens_per_s_terms": self.speed.terms,
                 "bandwidths": self.speed.bandwidths, "tokens_per_s_unknown": self.speed.why_none,
-                "from_pretrained": self.from_pretrained, "command": self.command}
+                "from_pretrained": self.from_pretrained, "command": self.command, "env": self.env,
+                "expandable_saved_bytes": self.expandable_saved_bytes}
 
 
 @dataclass
@@ -322,9 +328,12 @@ class Planner:
         strategy = None if split is None or placement.strategy == "auto" else placement.strategy
         cfg = Configuration(self.source.ref, work, quant=quant, device=device, kv_dtype=kv, attn=self.attn,
                             max_memory=mm, device_map=strategy)  # work carries the images (their flags)
+        advice = expandable_advice(est, work) if split is None else None
+        env = advice["env"] if advice else {}
         return Plan(quant if quant != "auto" else est.quant.name, kv, self.batch, ctx, self.new_tokens, layout,
-                    ctx >= self.target, peaks, dmap, where, mm, speed, e.from_pretrained, cfg.command("check"),
-                    hub_ref(self.source), off, e.auto_class)
+                    ctx >= self.target, peaks, dmap, where, mm, speed, e.from_pretrained,
+                    env_prefix(env) + cfg.command("check"), hub_ref(self.source), off, e.auto_class, env,
+                    advice["saved_bytes"] if advice else None)
 
     # ------------------------------------------------------------------ the search
     def run(self, seconds: float | None = None) -> PlanResult:

@@ -222,7 +222,8 @@ class Search:
         RAM and disk hold stays within them (see the module's doc). ``offload=False``: the GPUs alone (None
         when they cannot hold the model). ``strategy``: the device map's (default the search's)."""
         gpus = list(budget.usable)
-        one = self.peaks(est, work, corrected=False)[self.device]  # everything on one device
+        with est.unreplayed():  # everything on one device, priced as the split's GPUs are (no allocator replay)
+            one = self.peaks(est, work, corrected=False)[self.device]
         beside = one - est.inv.tensor_bytes  # what the workload adds to the weights
         layer_bytes = _layer_bytes(est)
         usable = {g: budget.usable[g] for g in gpus}

@@ -39,6 +39,8 @@ import gc
 import weakref
 from dataclasses import dataclass, field
 
+from .allocator import ALLOC, FREE, MARK
+
 ALLOC_ROUND = 512  # CUDA caching allocator: every block is a multiple of 512 bytes
 
 
@@ -74,6 +76,12 @@ class Trace:
     vision_peak_bytes: int = 0
     vision_extra_bytes: int = 0
     lm_peak_bytes: int = 0
+    # the caching allocator's reserve above what is allocated (:mod:`vramcal.estimator.allocator`), by the
+    # settings' key: [at the prefill's peak, at the decode step's], from the replay of this trace's events
+    slack: dict[str, list[int]] = field(default_factory=dict)
+    # the allocations and frees of the whole model's prefill and decode step, in order (allocator events;
+    # not cached: the replay's figures are, in ``slack``); None where not recorded
+    events: list | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -190,6 +198,8 @@ class AllocationTracker:
         self.current = 0
         self.peak = 0
         self.ops = 0
+        # (ALLOC, storage, bytes) / (FREE, storage, 0) / (MARK, name, 0), in order: the allocator's replay
+        self.events: list[tuple] = []
 
     def _note(self, out, inputs) -> None:
         self.ops += 1
@@ -204,9 +214,11 @@ class AllocationTracker:
             if key in input_keys and key not in self.live:
                 continue
             if key not in self.live:
-                size = round_alloc(t.untyped_storage().nbytes())
+                nbytes = t.untyped_storage().nbytes()
+                size = round_alloc(nbytes)
                 self.live[key] = size
                 self.refs[key] = 0
+                self.events.append((ALLOC, key, nbytes))
                 self.current += size
                 if self.current > self.peak:
                     self.peak = self.current
@@ -218,6 +230,10 @@ class AllocationTracker:
         if self.refs[key] == 0:
             del self.refs[key]
             self.current -= self.live.pop(key)
+            self.events.append((FREE, key, 0))
+
+    def mark(self, name) -> None:
+        self.events.append((MARK, name, 0))
 
     def reset_peak(self) -> None:
         gc.collect()
@@ -635,7 +651,8 @@ class DryRunner:
         for i in kinds:
             with self._only_layers(i):
                 traces[i] = trace_model(self.model, self.quant.method, self.dtype, batch, seq,
-                                        lambda: self._new_cache(seq + 16), device="meta", target=self.target)
+                                        lambda: self._new_cache(seq + 16), device="meta", target=self.target,
+                                        layers=self._decoder_list()[2])
         last = traces[kinds[-1]]
         held = last.cache_bytes - sum(cache[max(kinds[-1] - 1, 0):kinds[-1] + 1]) + sum(cache)
         extra = max(t.prefill_peak_bytes - t.cache_bytes - sum(cache[i + 1:]) for i, t in traces.items())
@@ -644,8 +661,12 @@ class DryRunner:
         grow = [2 * (round_alloc(batch * layer.bytes_per_token * (seq + 1) // 2)
                      - round_alloc(batch * layer.bytes_per_token * seq // 2)) for layer in kv]
         decode = max(t.decode_peak_bytes + sum(grow[:max(i - 1, 0)]) for i, t in traces.items())
+        # one kind: the whole model's allocations follow from the pair's (its second layer repeated); with
+        # several kinds the layers' order of kinds would have to be woven in, which is not done: no events
+        events = whole_model_events(last.events, len(kv)) if len(kinds) == 1 else None
         return Trace(batch=batch, tokens=seq, prefill_peak_bytes=held + extra, cache_bytes=held,
-                     decode_peak_bytes=decode, ops=sum(t.ops for t in traces.values()), layers=len(kinds))
+                     decode_peak_bytes=decode, ops=sum(t.ops for t in traces.values()), layers=len(kinds),
+                     events=events)
 
     def _decoder_list(self):
         """(parent module, attribute, ModuleList) of the decoder layers, or None."""
@@ -858,13 +879,17 @@ def cache_keyword(model) -> str:
 
 
 def trace_model(model, quant_method: str, dtype, batch: int, seq: int, new_cache, device="meta",
-                target: str = "cuda", images=None) -> Trace:
+                target: str = "cuda", images=None, layers=None) -> Trace:
     """Prefill ``seq`` tokens for ``batch`` rows, then one decode step, as ``generate`` does, under the
     tracker. Works on the meta model of the dry run and, for cross-checks, on a real loaded model.
 
     ``images`` (:class:`~vramcal.estimator.vision.Images`): each row's prompt holds them, ``seq`` counts
     their tokens, and the prefill gets the pixel tensors the image processor makes; they stay held
-    through the decode step, as ``generate`` holds them."""
+    through the decode step, as ``generate`` holds them.
+
+    The trace's ``events`` are its allocations and frees in order, with a mark after the prefill and
+    after the decode step; ``layers`` (modules) get a mark as each starts and ends (``("pre", i)``,
+    ``("post", i)``): :func:`whole_model_events` builds a whole model's events from them."""
     import torch
 
     cache_kw = cache_keyword(model)
@@ -883,7 +908,7 @@ def trace_model(model, quant_method: str, dtype, batch: int, seq: int, new_cache
     # a second over transformers' heap (three per trace).
     gc.freeze()
     try:
-        return _trace(model, quant_method, dtype, batch, seq, new_cache, device, target, step, images)
+        return _trace(model, quant_method, dtype, batch, seq, new_cache, device, target, step, images, layers)
     finally:
         gc.unfreeze()
 
@@ -926,7 +951,16 @@ def _held(tensors) -> int:
     return sum(seen.values())
 
 
-def _trace(model, quant_method, dtype, batch, seq, new_cache, device, target, step, images=None) -> Trace:
+def _layer_marks(tracker: AllocationTracker, layers) -> list:
+    hooks = []
+    for i, layer in enumerate(layers or []):
+        hooks.append(layer.register_forward_pre_hook(lambda *_, i=i: tracker.mark(("pre", i))))
+        hooks.append(layer.register_forward_hook(lambda *_, i=i: tracker.mark(("post", i))))
+    return hooks
+
+
+def _trace(model, quant_method, dtype, batch, seq, new_cache, device, target, step, images=None,
+           layers=None) -> Trace:
     import torch
 
     _forget_positions(model)
@@ -936,6 +970,7 @@ def _trace(model, quant_method, dtype, batch, seq, new_cache, device, target, st
         shadows = ShadowValues() if images is not None and meta else None
         window = VisionWindow(model, tracker) if images is not None else None
         host = multimodal_prompt(model, images, batch, seq, dtype) if images is not None else None
+        hooks = _layer_marks(tracker, layers)
         with tracker, shadows or contextlib.nullcontext(), window or contextlib.nullcontext():
             cache = new_cache()
             if host is None:
@@ -948,6 +983,7 @@ def _trace(model, quant_method, dtype, batch, seq, new_cache, device, target, st
             nxt = step(ids, cache, extra)
             del ids
             gc.collect()
+            tracker.mark("prefill")
             rest_peak = window.rest_peak() if window is not None else tracker.peak
             prefill_peak = max(rest_peak, window.peak if window is not None else 0)
             inputs = _held(_tensors(extra))  # pixels and masks: generate holds them to the end
@@ -961,11 +997,90 @@ def _trace(model, quant_method, dtype, batch, seq, new_cache, device, target, st
                                                dtype=nxt.dtype))
             nxt = step(nxt, cache, later)
             gc.collect()
+            tracker.mark("decode")
             decode_peak = tracker.peak - held
             del nxt, cache, extra, later
+        for h in hooks:
+            h.remove()
         ops = tracker.ops
     vision_peak = window.peak if window is not None and window.closed else 0
     return Trace(batch=batch, tokens=seq, prefill_peak_bytes=prefill_peak, cache_bytes=held,
                  decode_peak_bytes=decode_peak, ops=ops, vision_peak_bytes=vision_peak,
                  vision_extra_bytes=vision_peak - window.start if vision_peak else 0,
-                 lm_peak_bytes=rest_peak if vision_peak else 0)
+                 lm_peak_bytes=rest_peak if vision_peak else 0, events=tracker.events)
+
+
+def whole_model_events(events: list, layers: int) -> list | None:
+    """A whole model's allocations and frees (prefill and one decode step), from those of a model cut to
+    two layers of one kind (:meth:`DryRunner._trace_kinds`), marked as each layer starts and ends.
+
+    Each phase (the prefill, then the decode step) is cut into the part before the first layer, the first
+    layer (A), the second (B) and the rest. The whole model runs the part before, A as its layer 0, B as
+    each of its layers 1 .. n-1, and the rest. An allocation is known by its phase, part and place among
+    that part's allocations; a free in part ``b`` of what part ``a`` allocated frees, at layer ``f``, what
+    layer ``f - (b - a)`` allocated (B freeing A's output frees the layer before's; a decode step's B
+    replacing its cache frees its own layer's). What B frees of the part before (the embeddings' output,
+    as layer l frees what layer l - 2 made) is, from layer 2 on, what layer l - 2 made in its place: the
+    allocation of A's of the same size that the rest frees (A's output, freed after B), matched in order.
+    Layers of one kind allocate alike, so A's and B's places correspond: where their counts differ, None.
+    Events after the decode step's mark are left out (only the figures up to it are read)."""
+    parts: list[list[list]] = [[[], [], [], []] for _ in range(2)]  # phase -> part (-1 as 0) -> events
+    origin: dict = {}
+    count: dict = {}
+    phase, part, trailing = 0, 0, False
+    for op, key, size in events:
+        if op == MARK:
+            if key == "prefill" or key == "decode":
+                parts[phase][3].append((MARK, key, 0))
+                if key == "decode":
+                    break
+                phase, part = 1, 0
+            elif key == ("pre", 0):
+                part = 1
+            elif key == ("pre", 1):
+                part = 2
+            elif key == ("post", 1):
+                part, trailing = 2, True
+            continue
+        if trailing and op != FREE:
+            part, trailing = 3, False
+        if op == ALLOC:
+            n = count.get((phase, part), 0)
+            count[(phase, part)] = n + 1
+            origin[key] = (phase, part, n)
+            parts[phase][part].append((ALLOC, (phase, part, n), size))
+        elif key in origin:
+            parts[phase][part].append((FREE, origin.pop(key), 0))
+    if any(count.get((ph, 1), 0) != count.get((ph, 2), 0) for ph in (0, 1)):
+        return None
+    out: list = []
+    live: set = set()
+
+    def emit(evs, b: int, f: int) -> None:
+        for op, org, size in evs:
+            if op == MARK:
+                continue
+            ph, a, n = org
+            at = f if op == ALLOC else f - (b - a)
+            if a in (1, 2):  # a layer's: A's places are layer 0's, B's are every later layer's
+                if not 0 <= at < layers:
+                    continue
+                full = (ph, "layer", at, n)
+            else:
+                full = (ph, a, n)
+            if op == ALLOC:
+                live.add(full)
+                out.append((ALLOC, full, size))
+            elif full in live:
+                live.discard(full)
+                out.append((FREE, full, 0))
+
+    for ph in (0, 1):
+        before, first, second, rest = parts[ph]
+        emit(before, 0, -1)
+        emit(first, 1, 0)
+        for layer in range(1, layers):
+            emit(second, 2, layer)
+        emit(rest, 3, layers)
+        out += [e for e in rest if e[0] == MARK]
+    return out

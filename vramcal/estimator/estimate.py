@@ -8,8 +8,9 @@ stage rules of :mod:`vramcal.estimator.stages` -- on one device, or on each devi
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
 from ..errors import UserError
 from ..units import GB, fmt_gib_gb
@@ -20,6 +21,8 @@ from .cache import CACHE_PROBLEMS, load_cached, store_cached
 from .correction import CorrectionSet
 from .cpu import CpuStages, cpu_inputs, cpu_resident_stages, out_features
 from .dryrun import ActivationModel, KVLayer, Trace, fit_activations
+from .allocator import AllocConf, AllocConfError, conf_from
+from .reserve import load_events, loaded, slack_at, trace_slack
 from .inventory import Inventory, inventory
 from .loading import from_pretrained_kwargs
 from .formats import CPU, GpuTarget
@@ -27,7 +30,7 @@ from .quant import QuantSpec, resolve_quant
 from .quick import compare_formula, formula_activations, formula_kv
 from .resolve import ModelSource, resolve_model, size_field, text_config
 from .result import DeviceEstimate, Estimate
-from .runtime import RuntimeProfile, default_profile
+from .runtime import CUDA_DEFAULT, RuntimeProfile, cuda_terms, default_profile
 from .stages import DeviceLoad, device_stages, model_id, placed_stages, weights_alloc
 from .vision import LABELS, Images, check_images, plan_images
 
@@ -79,6 +82,7 @@ class _Parts:
     kv_end: int
     prefill_extra: int
     decode_extra: int
+    slack: tuple[int, int] | None = None  # the caching allocator's reserve above allocated (replayed)
 
 
 class Estimator:
@@ -87,9 +91,13 @@ class Estimator:
 
     def __init__(self, source: ModelSource, quant: QuantSpec, attn: str = "auto", cache: str = "dynamic",
                  kv_dtype: str = "auto", use_cache: bool = True, device: str = "cuda", progress=None,
-                 images: int = 0, image_size: tuple[int, int] | str | None = None):
+                 images: int = 0, image_size: tuple[int, int] | str | None = None,
+                 alloc_conf: AllocConf | None = None):
         """``images`` images of ``image_size`` (None: the processor's default size) in every prompt
-        (:mod:`vramcal.estimator.vision`): every estimate of this Estimator holds them."""
+        (:mod:`vramcal.estimator.vision`): every estimate of this Estimator holds them. ``alloc_conf``: the
+        caching allocator's settings the run will have (default: torch's defaults), which the load and the
+        dry run are replayed through (:mod:`vramcal.estimator.reserve`); None: ``PYTORCH_ALLOC_CONF`` /
+        ``PYTORCH_CUDA_ALLOC_CONF`` as set here, else torch's defaults (so plan and fit read them too)."""
         choice(attn, ATTNS, "--attn")
         choice(cache, CACHES, "--cache")
         choice(kv_dtype, KV_DTYPES, "--kv-dtype")
@@ -98,6 +106,11 @@ class Estimator:
         self.source, self.quant = source, quant
         self.attn, self.cache, self.kv_dtype = attn, cache, kv_dtype
         self.use_cache = use_cache
+        self.alloc_conf = alloc_conf or alloc_conf_option(None)  # the environment's, else torch's defaults
+        self._load_replays: dict[str, tuple[int, int]] = {}
+        # the replay is opt-in (VRAMCAL_ALLOC_REPLAY=1) until plan's and fit's searches are consistent with its
+        # figures (issue 26); off: segments rounding only, as a placement's GPUs are priced (:meth:`unreplayed`)
+        self.replay = alloc_replay_enabled()
         self._progress = progress or (lambda step: None)
         self._problems: list[str] = []
         start = len(CACHE_PROBLEMS)
@@ -184,7 +197,8 @@ class Estimator:
             return
         act = {"prefill": list(self._act.prefill) if self._act.prefill else None,
                "decode": list(self._act.decode) if self._act.decode else None,
-               "traces": [asdict(t) for t in self._act.traces], "pieces": self._act.pieces,
+               "traces": [{f.name: getattr(t, f.name) for f in fields(t) if f.name != "events"}
+                          for t in self._act.traces], "pieces": self._act.pieces,
                "vision": list(self._act.vision) if self._act.vision else None,
                "vision_own": list(self._act.vision_own) if self._act.vision_own else None}
         store_cached(self.source, self._act_key, {"kv": [asdict(k) for k in self._kv], "act": act,
@@ -209,6 +223,8 @@ class Estimator:
         trace at the next power of two (:class:`~vramcal.estimator.dryrun.ActivationModel`)."""
         if self._dry_error is not None or self.inv.method in ("checkpoint", "formula"):
             return  # formula: transformers cannot build this model here, so it cannot run it either
+        if self._act is not None and any(k not in t.slack for t in self._act.traces for k in self._slack_keys()):
+            self._act = None  # traced before the allocator was replayed, or for other settings: traced again
         need_kv = self._kv is None
         need_point = exact and not self._traced(batch, prompt)
         need_fit = not exact and (self._act is None or self._act.prefill is None)
@@ -241,6 +257,7 @@ class Estimator:
                     if not any(t.batch == 1 and t.tokens == n for t in traces):
                         self._progress(f"tracing {n:,} tokens for the activation fit")
                         traces.append(runner.trace(1, n, self.images))
+            self._fill_slack(traces)
             self._act = fit_activations(traces, pieces) if need_fit or need_cover or (self._act and self._act.prefill) \
                 else ActivationModel(prefill=None, decode=None, traces=traces, pieces=pieces)
         except UserError:
@@ -250,6 +267,79 @@ class Estimator:
             self._dry_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             return
         self._store_act_cache()
+
+    # ---------------------------------------------------------------- the caching allocator replayed
+    def _slack_keys(self) -> tuple[str, str]:
+        """The settings replayed: the run's, and the same with expandable segments (plan and fit say when
+        that would save memory)."""
+        return self.alloc_conf.key, self.alloc_conf.with_expandable().key
+
+    def _load_events(self) -> list:
+        if getattr(self, "_load_ev", None) is None:
+            self._load_ev = load_events(self.inv, self.quant, self.on_the_fly)
+        return self._load_ev
+
+    def _confs(self):
+        return self.alloc_conf, self.alloc_conf.with_expandable()
+
+    def _fill_slack(self, traces: list[Trace]) -> None:
+        """Each new trace's slack, per replayed setting, from its events (then dropped): ``[]`` where the
+        dry run could not give the whole model's events (several layer kinds, images)."""
+        for t in traces:
+            if all(k in t.slack for k in self._slack_keys()):
+                continue
+            for conf in self._confs():
+                got = trace_slack(self._load_events(), t.events, CUDA_DEFAULT.workspace_bytes, conf) \
+                    if t.events is not None and self.device == "cuda" else None
+                t.slack[conf.key] = got or []
+            t.events = None
+
+    def load_reserved(self, conf: AllocConf | None = None) -> tuple[int, int]:
+        """(reserved at the load's peak, after it) with ``conf`` (default: this Estimator's settings)."""
+        conf = conf or self.alloc_conf
+        if conf.key not in self._load_replays:
+            self._load_replays[conf.key] = loaded(self._load_events(), conf)[1]
+        return self._load_replays[conf.key]
+
+    @contextlib.contextmanager
+    def unreplayed(self):
+        """One device's figures priced as a placement's GPUs are (allocated rounded to 2 MiB segments, no
+        replay): what a split's search starts from, so that its first budgets and its priced GPUs agree."""
+        saved, self.replay = self.replay, False
+        try:
+            yield self
+        finally:
+            self.replay = saved
+
+    def _slack(self, work: Workload, conf: AllocConf) -> tuple[int, int] | None:
+        if self._act is None or self.device != "cuda" or not self.replay:
+            return None
+        usable = [t for t in self._act.traces if t.slack.get(conf.key)]
+        if len(usable) != len(self._act.traces):
+            return None
+        return slack_at(usable, work.batch, work.prompt, conf.key)
+
+    def expandable_saving(self, ctx: int | None = None, batch: int = 1, new_tokens: int = NEW_TOKENS,
+                          prompt: int | None = None, runtime: RuntimeProfile | None = None
+                          ) -> tuple[int, int] | None:
+        """(the peak with this Estimator's settings, the peak with ``expandable_segments:True`` added) on one
+        GPU at this workload, both from the replay; None where no replay was possible (or it is already on)."""
+        if self.device != "cuda" or self.alloc_conf.expandable_segments or not self.replay:
+            return None
+        work = self.lm_workload(workload(ctx, batch, new_tokens, prompt))
+        # from the traces there are (the estimate or the search just made them): a new trace here would
+        # change the activation fit under a search that is under way
+        if self._act is None or not (self._traced(work.batch, work.prompt) or self._act.prefill is not None):
+            return None
+        parts, _, _ = self._parts(work)
+        alt = self.alloc_conf.with_expandable()
+        slack = self._slack(work, alt)
+        if parts.slack is None or slack is None:
+            return None
+        rt = runtime or CUDA_DEFAULT
+        base = device_stages("cuda", rt, self._load(parts)).peak
+        other = replace(self._load(parts), load_reserved=self.load_reserved(alt), slack=slack)
+        return base, device_stages("cuda", rt, other).peak
 
     # ---------------------------------------------------------------- the parts at a workload
     def _parts(self, work: Workload) -> tuple[_Parts, dict[str, str], bool]:
@@ -275,7 +365,8 @@ class Estimator:
             prefill, decode = formula_activations(tc, self.inv, work.batch, work.prompt)
             methods["activations"] = "formula (dry run unavailable)"
             approximate = True
-        return _Parts(kv_prompt, kv_end, prefill, decode), methods, approximate
+        slack = self._slack(work, self.alloc_conf) if not methods["activations"].startswith("formula") else None
+        return _Parts(kv_prompt, kv_end, prefill, decode, slack), methods, approximate
 
     def _single(self, rt: RuntimeProfile, parts: _Parts, work: Workload) -> tuple[DeviceEstimate, CpuStages | None]:
         """The device's figures on one device: the stage rules on a GPU, the resident-set model on the CPU."""
@@ -298,7 +389,9 @@ class Estimator:
         return DeviceLoad(weights_bytes=inv.tensor_bytes, weights_alloc=self._w_alloc,
                           load_transient=inv.largest_source_bytes if self.on_the_fly else 0,
                           warmup=inv.warmup_bytes or 0, kv_prompt=parts.kv_prompt, kv_end=parts.kv_end,
-                          prefill_extra=parts.prefill_extra, decode_extra=parts.decode_extra)
+                          prefill_extra=parts.prefill_extra, decode_extra=parts.decode_extra,
+                          load_reserved=self.load_reserved() if parts.slack is not None else None,
+                          slack=parts.slack)
 
     # ---------------------------------------------------------------- the estimate
     def estimate(self, ctx: int | None = None, batch: int = 1, device: str | None = None,
@@ -326,6 +419,12 @@ class Estimator:
             notes.append(KERNEL_TRANSIENT_NOTE.format(fmt=self.quant.implementation))
         if self.quant.pre_quantized and self.quant.extra.get("path"):  # which path the GPU takes, and why
             notes.insert(0, f"{self.quant.implementation}: {self.quant.extra['path']}")
+        if rt.keeps_freed and placement is None:
+            conf = self.alloc_conf.text or "torch's defaults"
+            methods["reserved"] = (f"the caching allocator replayed ({conf}; torch 2.13's rules, docs/accounting.md) "
+                                   "over the load's and the dry run's allocations in order" if parts.slack is not None
+                                   else "allocated rounded up to 2 MiB segments: the allocations' order is not known "
+                                        "here (a formula, images, or several layer kinds), so no replay")
         kv_by_kind: dict[str, int] = {}
         if self._kv is not None:
             for layer, b in zip(self._kv, self._kv_end_layers(work)):
@@ -369,7 +468,8 @@ class Estimator:
             ranges=ranges, estimator_model=model_id(device_kind(device)), vramcal_version=VRAMCAL_VERSION,
             weights_parts=dict(inv.parts), images=self.images.count if self.images else 0,
             image_size=self._image_size(), image_tokens=work.prompt - text.prompt, vision_peak=vision_peak,
-            revision=self.source.revision)
+            revision=self.source.revision,
+            reserved=dict(single.reserved), alloc_conf=self.alloc_conf.text, runtime_terms=dict(rt.terms or {}))
         if placement is not None:
             self._place(out, placement, work, parts, runtime)
         out.from_pretrained = from_pretrained_kwargs(self.quant, load_device or device, placement,
@@ -411,6 +511,8 @@ class Estimator:
         gpus = [d for d in per if d.startswith("cuda")]
         out.stages = {k: sum(per[d].stages[k] for d in gpus) for k in STAGES}
         out.allocated = {k: sum(per[d].allocated[k] for d in gpus) for k in STAGES}
+        out.reserved = {k: sum(per[d].reserved.get(k, 0) for d in gpus) for k in STAGES}
+        out.methods["reserved"] = "each GPU's allocated rounded up to 2 MiB segments (a placement is not replayed)"
         out.peak_stage = max(STAGES, key=lambda k: out.stages[k])
         out.peak = out.stages[out.peak_stage]
         out.peak_device = max(gpus, key=lambda d: per[d].peak) if gpus else None
@@ -517,6 +619,13 @@ class Estimator:
         return sum(work.batch * (layer.fixed_bytes + layer.bytes_per_token * work.prompt) for layer in self._kv or [])
 
 
+def alloc_replay_enabled() -> bool:
+    """Whether estimates replay the caching allocator (``VRAMCAL_ALLOC_REPLAY=1``): opt-in for now."""
+    import os
+
+    return os.environ.get("VRAMCAL_ALLOC_REPLAY") == "1"
+
+
 def traced_quant(quant: QuantSpec) -> QuantSpec:
     """The quantization the dry run runs. A pre-quantized format kept as stored runs kernels that exist on a
     GPU only (Triton / DeepGEMM block fp8, MXFP4's matmul_ogs), never on meta tensors: the forward is traced
@@ -560,7 +669,7 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
              exact: bool = True, new_tokens: int = NEW_TOKENS, prompt: int | None = None,
              correction: CorrectionSet | None = None, progress=None, max_memory: dict | str | None = None,
              device_map: str | None = None, images: int = 0, image_size: tuple[int, int] | str | None = None,
-             gpu: GpuTarget | None = None) -> Estimate:
+             gpu: GpuTarget | None = None, alloc_conf: AllocConf | str | None = None) -> Estimate:
     """Estimate peak memory per stage for ``model`` (anything ``vramcal estimate`` accepts).
 
     ``gpu`` (a :class:`~vramcal.estimator.formats.GpuTarget`: ``--gpu NAME``, or this machine's GPU) decides
@@ -581,7 +690,12 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
     ``ctx`` is prompt + new tokens (default 4096), or give ``prompt`` instead. ``correction`` (a
     :class:`~vramcal.estimator.correction.CorrectionSet`, e.g. from
     :func:`vramcal.calibrate.corrections.machine_correction`) returns the corrected estimate.
-    ``progress(step)`` is told each slow step as it starts."""
+    ``progress(step)`` is told each slow step as it starts.
+
+    ``alloc_conf``: the caching allocator's settings (``"expandable_segments:True"`` or an
+    :class:`~vramcal.estimator.allocator.AllocConf`); None: what ``PYTORCH_ALLOC_CONF`` /
+    ``PYTORCH_CUDA_ALLOC_CONF`` say here, else torch's defaults."""
+    conf = alloc_conf if isinstance(alloc_conf, AllocConf) else alloc_conf_option(alloc_conf)
     work = workload(ctx, batch, new_tokens, prompt, images, image_size)
     kind = device_kind(parse_device(device, default="cuda"))
     placed = placement_request(max_memory, device_map, kind)
@@ -596,10 +710,45 @@ def estimate(model: str | ModelSource, quant: str = "auto", ctx: int | None = No
             progress("planning the placement with transformers' device-map functions")
         plan = plan_placement(source, spec, placed[0], placed[1], use_cache=use_cache)
     est = Estimator(source, spec, attn=attn, cache=cache, kv_dtype=kv_dtype, use_cache=use_cache, device=kind,
-                    progress=progress, images=work.images, image_size=work.image_size)
+                    progress=progress, images=work.images, image_size=work.image_size, alloc_conf=conf)
+    if runtime is None and kind == "cuda":
+        runtime = cuda_terms(gpu)  # each non-torch term by what it is, for this GPU where one is named
     out = est.estimate(batch=work.batch, runtime=runtime, exact=exact, new_tokens=work.new_tokens,
                        prompt=work.prompt, placement=plan, device=str(parse_device(device, default="cuda")))
     return out.corrected(correction) if correction is not None else out
+
+
+EXPANDABLE_MIN_SHARE = 0.05  # plan and fit suggest expandable segments when they save this share of a GPU's peak
+
+
+def expandable_advice(est: Estimator, work: Workload) -> dict | None:
+    """``{"env": {...}, "saved_bytes": n, "share": x}`` when ``expandable_segments:True`` would save at
+    least :data:`EXPANDABLE_MIN_SHARE` of the GPU's peak at ``work`` (the replay's two figures), else None."""
+    got = est.expandable_saving(prompt=work.prompt, new_tokens=work.new_tokens, batch=work.batch)
+    if not got:
+        return None
+    base, other = got
+    saved = base - other
+    if saved < EXPANDABLE_MIN_SHARE * base:
+        return None
+    return {"env": {"PYTORCH_ALLOC_CONF": est.alloc_conf.with_expandable().text}, "saved_bytes": saved,
+            "share": saved / base}
+
+
+def env_prefix(env: dict | None) -> str:
+    """``PYTORCH_ALLOC_CONF=expandable_segments:True `` before a printed command (nothing without env)."""
+    import shlex
+
+    return "".join(f"{k}={shlex.quote(v)} " for k, v in (env or {}).items())
+
+
+def alloc_conf_option(text: str | None) -> AllocConf:
+    """The allocator settings of ``--alloc-conf`` (or, without it, the environment's), as a one-line
+    :class:`UserError` when they do not parse."""
+    try:
+        return conf_from(text)
+    except AllocConfError as exc:
+        raise UserError(f"{exc} (see docs/accounting.md, the caching allocator)") from None
 
 
 def placement_request(max_memory, device_map: str | None, device: str = "cuda"

@@ -29,6 +29,7 @@ class DeviceEstimate:
     allocated: dict[str, int]
     components: dict[str, int]
     breakdown: dict[str, int] = field(default_factory=dict)
+    reserved: dict[str, int] = field(default_factory=dict)  # what the caching allocator holds (no context)
 
     @property
     def peak(self) -> int:
@@ -140,6 +141,13 @@ class Estimate:
     # the Hub commit whose config and weight headers were priced (a Hub id: from the local HF cache or
     # fetched, docs/hub.md); None for a folder, a config.json or a catalog name
     revision: str | None = None
+    # what the caching allocator holds at each stage (stages = this + what is not torch's; placed: GPU
+    # sums), and the allocator settings it was replayed with (PYTORCH_ALLOC_CONF text; "" the defaults)
+    reserved: dict[str, int] = field(default_factory=dict)
+    alloc_conf: str = ""
+    # what is not torch's, each term by what it is: {term: {"bytes": int | None, "source": ...}} (the CUDA
+    # context, kernels the first forward loads, the cuBLAS workspace, the driver's reserve; runtime.cuda_terms)
+    runtime_terms: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ views
     @property

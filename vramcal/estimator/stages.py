@@ -39,9 +39,10 @@ from .dryrun import round_alloc
 from .result import DeviceEstimate
 from .runtime import RuntimeProfile
 
-# cuda: stages of the caching allocator (unchanged since corrections were first recorded);
-# cpu: the resident-set model of docs/cpu-memory.md, 2 = dtype conversions found by name (bf16 <-> fp16)
-MODEL_IDS = {"cuda": "gpu-stages/1", "cpu": "cpu-rss/2"}
+# cuda: stages of the caching allocator, 2 = the allocator replayed (reserved = allocated + the replay's
+# slack) where the dry run's events are known; cpu: the resident-set model of docs/cpu-memory.md,
+# 2 = dtype conversions found by name (bf16 <-> fp16)
+MODEL_IDS = {"cuda": "gpu-stages/2", "cpu": "cpu-rss/2"}
 
 
 def model_id(device_kind: str) -> str:
@@ -62,6 +63,10 @@ class DeviceLoad:
     prefill_extra: int = 0  # the prefill's transient above weights and cache
     decode_extra: int = 0  # the largest decode step's transient
     offload_transient: int = 0  # the largest offloaded block, copied in while it runs (main device)
+    # the caching allocator replayed (vramcal.estimator.reserve): reserved at the load's peak and after it,
+    # and the slack above allocated at the prefill's and the decode step's peaks; None: segments rounding only
+    load_reserved: tuple[int, int] | None = None
+    slack: tuple[int, int] | None = None
 
 
 def weights_alloc(alloc_sizes: dict[int, int]) -> int:
@@ -86,16 +91,25 @@ def device_stages(device: str, rt: RuntimeProfile, load: DeviceLoad) -> DeviceEs
     allocated = {"load_peak": w + load.load_transient, "post_load": w,
                  "first_token": w + ws + load.kv_prompt + act_p + tr,
                  "end": w + ws + load.kv_end + act_d + tr}
+    reserved = dict(allocated)
     if rt.keeps_freed:
         warm = load.warmup if rt.device_kind == "cuda" else 0
-        load_res = rt.reserve(max(allocated["load_peak"], warm))
-        prefill_res, end_res = rt.reserve(allocated["first_token"]), rt.reserve(allocated["end"])
+        if load.load_reserved is not None and load.slack is not None:  # the allocator replayed
+            load_res = load.load_reserved[0]
+            prefill_res = rt.reserve(allocated["first_token"] + load.slack[0])  # segments: whole 2 MiB
+            end_res = rt.reserve(allocated["end"] + load.slack[1])
+        else:
+            load_res = rt.reserve(max(allocated["load_peak"], warm))
+            prefill_res, end_res = rt.reserve(allocated["first_token"]), rt.reserve(allocated["end"])
+        reserved = {"load_peak": load_res, "post_load": load_res, "first_token": max(load_res, prefill_res)}
+        reserved["end"] = max(reserved["first_token"], end_res)
         stages = {"load_peak": rt.context_bytes + load_res, "post_load": rt.context_bytes + load_res}
-        stages["first_token"] = rt.context_bytes + max(load_res, prefill_res)
-        stages["end"] = max(stages["first_token"], rt.context_bytes + end_res)
+        ran = rt.context_bytes + (rt.kernels_bytes if load.runs else 0)  # the first forward loads kernels
+        stages["first_token"] = ran + max(load_res, prefill_res)
+        stages["end"] = max(stages["first_token"], ran + end_res)
         first = "prefill" if prefill_res > load_res else "load"
         setter = {"load_peak": "load", "post_load": "load", "first_token": first,
-                  "end": "decode" if rt.context_bytes + end_res > stages["first_token"] else first}
+                  "end": "decode" if ran + end_res > stages["first_token"] else first}
     else:
         stages = {k: rt.context_bytes + v for k, v in allocated.items()}
         setter = {"load_peak": "load", "post_load": "load", "first_token": "prefill", "end": "decode"}
@@ -105,8 +119,8 @@ def device_stages(device: str, rt: RuntimeProfile, load: DeviceLoad) -> DeviceEs
     breakdown["runtime"] = stages[peak_stage] - sum(breakdown.values())
     components = {"weights": load.weights_bytes, "kv_cache": load.kv_end,
                   "activations": max(act_p, act_d), "offload_transient": tr,
-                  "runtime": rt.context_bytes + ws + (w - load.weights_bytes)}
-    return DeviceEstimate(device, stages, allocated, components, breakdown)
+                  "runtime": rt.context_bytes + (rt.kernels_bytes if load.runs else 0) + ws + (w - load.weights_bytes)}
+    return DeviceEstimate(device, stages, allocated, components, breakdown, reserved)
 
 
 def held_only(device: str, weights_bytes: int) -> DeviceEstimate:
@@ -114,7 +128,7 @@ def held_only(device: str, weights_bytes: int) -> DeviceEstimate:
     stages = dict.fromkeys(STAGES, weights_bytes)
     return DeviceEstimate(device, stages, dict(stages),
                           {"weights": weights_bytes, "kv_cache": 0, "activations": 0, "offload_transient": 0,
-                           "runtime": 0}, {"weights": weights_bytes})
+                           "runtime": 0}, {"weights": weights_bytes}, dict(stages))
 
 
 def kv_by_device(plan, per_layer: list[int]) -> dict[str, int]:

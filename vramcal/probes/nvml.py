@@ -160,6 +160,28 @@ def memory_free(handle) -> int | NA:
     return info if isinstance(info, NA) else int(info.free)
 
 
+def memory_reserved(handle) -> int | NA:
+    """The driver's reserve (NVML v2 ``reserved``): device memory no process can have, which
+    nvidia-smi's memory.used leaves out and NVML v1's ``used`` counts; NA where the driver or the binding
+    has no v2 memory info."""
+    if isinstance(handle, NA):
+        return handle
+    version = getattr(_backend, "nvmlMemory_v2", None) if _backend is not None else None
+    if version is None:
+        try:
+            _init()
+        except NVMLUnavailable as exc:
+            return NA(str(exc))
+        version = getattr(_backend, "nvmlMemory_v2", None)
+    if version is None:
+        return NA("this NVML binding has no v2 memory info (nvmlMemory_v2)")
+    info = query("nvmlDeviceGetMemoryInfo", handle, version)
+    if isinstance(info, NA):
+        return info
+    reserved = getattr(info, "reserved", None)
+    return NA("NVML's v2 memory info has no reserved field here") if reserved is None else int(reserved)
+
+
 def processes(handle) -> list[tuple[int, str | NA, int | NA]] | NA:
     """The compute processes on this device: (pid, process name, GPU memory used). A name or a size the
     driver does not give (containers, older drivers) is NA; the whole list is NA when NVML cannot list."""

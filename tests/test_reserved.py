@@ -1,0 +1,197 @@
+"""The dry run's allocations in order, and the caching allocator replayed over them in the estimate.
+
+The order is checked twice: the meta-device dry run against the same forward on real CPU tensors (the same
+tracker), and that forward's tracker against torch.profiler's record of the CPU allocator itself (an
+independent witness; the kernels' own scratch buffers are the only extra allocations it sees). A model
+traced as one pair of layers gives the whole model's events: the same sequence as tracing every layer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vramcal.estimator.allocator import ALLOC, MARK, replay
+from vramcal.estimator.dryrun import DryRunner, trace_model
+from vramcal.estimator.quant import resolve_quant
+from vramcal.estimator.resolve import resolve_model
+
+
+@pytest.fixture(autouse=True)
+def replay_on(monkeypatch):
+    """The replay is opt-in (VRAMCAL_ALLOC_REPLAY=1) until plan's and fit's searches agree with it."""
+    monkeypatch.setenv("VRAMCAL_ALLOC_REPLAY", "1")
+
+
+def signed(events, floor=0):
+    """+bytes for each allocation, -bytes for each free, up to the decode step's mark."""
+    sizes, out = {}, []
+    for op, key, size in events:
+        if op == MARK:
+            if key == "decode":
+                break
+            continue
+        if op == ALLOC:
+            sizes[key] = size
+            if size >= floor:
+                out.append(size)
+        elif key in sizes:
+            size = sizes.pop(key)
+            if size >= floor:
+                out.append(-size)
+    return out
+
+
+@pytest.fixture(scope="module")
+def five_layers(tmp_path_factory):
+    from conftest import TINY, save_tiny
+
+    root = tmp_path_factory.mktemp("five")
+    return {name: save_tiny(name, {**TINY[name], "num_hidden_layers": 5}, root) for name in ("dense-gqa", "moe")}
+
+
+@pytest.mark.parametrize("arch,quant", [("dense-gqa", "bf16"), ("dense-gqa", "nf4"), ("moe", "bf16")])
+def test_a_pairs_events_give_the_whole_models(five_layers, arch, quant):
+    s = resolve_model(five_layers[arch])
+    r = DryRunner(s, resolve_quant(quant, s.config))
+    assert r.kinds() == [4]
+    batch, seq = 2, 300
+    whole = trace_model(r.model, r.quant.method, r.dtype, batch, seq, lambda: r._new_cache(seq + 16))
+    pair = r.trace(batch, seq)
+    assert pair.events is not None
+    assert signed(pair.events) == signed(whole.events)
+    a, b = replay(whole.events), replay(pair.events)
+    assert a.marks["prefill"] == b.marks["prefill"] and a.marks["decode"] == b.marks["decode"]
+
+
+def test_the_dry_runs_order_is_the_cpu_forwards_and_the_cpu_allocators(tiny_models):
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    path = tiny_models["dense-gqa"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        real = trace_model(model, "none", torch.bfloat16, 2, 96, lambda: DynamicCache(config=model.config),
+                           device="cpu", target="cpu")
+    s = resolve_model(path)
+    r = DryRunner(s, resolve_quant("bf16", s.config), attn="eager", target="cpu")
+    meta = trace_model(r.model, "none", r.dtype, 2, 96, lambda: r._new_cache(112), target="cpu")
+    assert signed(meta.events) == signed(real.events)  # op for op, in the same order
+    # torch's CPU allocator, as the profiler saw it: every tracked block of 4 KiB or more, allocated and
+    # freed in this order (the profiler also sees kernels' scratch buffers the tracker does not)
+    seen = [e.nbytes() for e in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+            if e.name() == "[memory]" and abs(e.nbytes()) >= 4096]
+    ours = signed(real.events, floor=4096)
+    it = iter(seen)
+    assert len(ours) > 100 and all(x in it for x in ours)
+
+
+def test_the_estimate_replays_the_allocator(tiny_models):
+    from vramcal.estimator.estimate import estimate
+    from vramcal.estimator.stages import STAGES
+
+    e = estimate(tiny_models["dense-gqa"], "auto", ctx=2048, use_cache=False)
+    assert e.methods["reserved"].startswith("the caching allocator replayed")
+    ctx = e.stages["load_peak"] - e.reserved["load_peak"]
+    for k in STAGES:
+        assert e.reserved[k] >= e.allocated[k]
+        assert e.stages[k] == ctx + e.reserved[k]
+        assert e.reserved[k] % (2 * 1024**2) == 0
+    x = estimate(tiny_models["dense-gqa"], "auto", ctx=2048, use_cache=False, alloc_conf="expandable_segments:True")
+    assert x.alloc_conf == "expandable_segments:True" and x.allocated == e.allocated
+    assert x.reserved != e.reserved
+
+
+def test_alloc_conf_bad_input_is_one_line_exit_2(tiny_models):
+    for bad, says in (("expandable_segments:yes", "True or False"), ("nope:1", "unknown allocator setting")):
+        r = subprocess.run([sys.executable, "-m", "vramcal", "estimate", tiny_models["dense-gqa"], "--alloc-conf", bad,
+                            "--json", "--quiet"], capture_output=True, text=True)
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.stdout == ""
+    env = {**__import__("os").environ, "PYTORCH_ALLOC_CONF": "max_split_size_mb:1"}
+    r = subprocess.run([sys.executable, "-m", "vramcal", "estimate", tiny_models["dense-gqa"], "--json", "--quiet"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "PYTORCH_ALLOC_CONF" in r.stderr
+
+
+def test_estimate_json_has_reserved_beside_allocated(tiny_models):
+    r = subprocess.run([sys.executable, "-m", "vramcal", "estimate", tiny_models["dense-gqa"], "--json", "--quiet",
+                        "--alloc-conf", "expandable_segments:True", "--no-correction"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert set(d["reserved"]) == set(d["allocated"]) and d["alloc_conf"] == "expandable_segments:True"
+
+
+def test_the_non_torch_terms_by_gpu(tiny_models):
+    """The H200's measured context and first-forward kernels, the cuBLAS workspace by compute capability, and
+    the driver's reserve reported but never in the stages; an unmeasured architecture says it took the default."""
+    from vramcal.estimator.estimate import estimate
+    from vramcal.probes.hardware import gpu_target
+    from vramcal.units import MIB
+
+    h200 = estimate(tiny_models["dense-gqa"], "auto", ctx=1024, use_cache=False, gpu=gpu_target("H200"))
+    t = h200.runtime_terms
+    assert t["cuda_context"]["bytes"] == 645_464_064 and t["cuda_context"]["source"].startswith("table")
+    assert t["cublas_workspace"]["bytes"] == 32 * MIB
+    assert t["driver_reserve"]["bytes"] == 648_347_648
+    assert h200.stages["post_load"] == 645_464_064 + h200.reserved["post_load"]
+    assert h200.stages["first_token"] == 645_464_064 + 79_691_776 + h200.reserved["first_token"]
+    a100 = estimate(tiny_models["dense-gqa"], "auto", ctx=1024, use_cache=False, gpu=gpu_target("A100-SXM4-80GB"))
+    t = a100.runtime_terms
+    assert t["cublas_workspace"]["bytes"] == 4096 * 1024 * 2 + 16 * 1024 * 8
+    assert t["cuda_context"]["source"].startswith("default") and t["kernels_after_first_forward"]["bytes"] is None
+    assert t["driver_reserve"]["bytes"] is None and "not known" in t["driver_reserve"]["source"]
+    assert a100.stages["post_load"] == 512 * MIB + a100.reserved["post_load"]
+
+
+def test_expandable_advice_needs_five_percent():
+    from vramcal.estimator.allocator import DEFAULT_CONF
+    from vramcal.estimator.estimate import env_prefix, expandable_advice
+    from vramcal.workload import Workload
+
+    class Est:
+        alloc_conf = DEFAULT_CONF
+
+        def __init__(self, got):
+            self.got = got
+
+        def expandable_saving(self, **_):
+            return self.got
+
+    work = Workload(1000, 16, 1)
+    advice = expandable_advice(Est((1000, 950)), work)
+    assert advice["env"] == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"} and advice["saved_bytes"] == 50
+    assert expandable_advice(Est((1000, 951)), work) is None and expandable_advice(Est(None), work) is None
+    assert env_prefix(advice["env"]) == "PYTORCH_ALLOC_CONF=expandable_segments:True "
+
+
+def test_expandable_saving_at_real_widths():
+    """Llama-3.1-8B cut to 4 layers, 32k prompt: the replay both ways (the H200 session's bf16 row)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from vramcal.estimator.estimate import Estimator, expandable_advice
+    from vramcal.workload import Workload
+
+    d = Path(tempfile.mkdtemp())
+    cfg = {**json.loads((Path(__file__).parent.parent / "vramcal/estimator/catalog/llama-3.1-8b.json").read_text()),
+           "num_hidden_layers": 4}
+    (d / "config.json").write_text(json.dumps(cfg))
+    est = Estimator(resolve_model(str(d)), resolve_quant("bf16", cfg), use_cache=False)
+    est.estimate(prompt=32752, new_tokens=16)
+    advice = expandable_advice(est, Workload(32752, 16, 1))
+    assert advice is not None and advice["share"] >= 0.05
+
+
+def test_nvml_reserved_is_na_not_zero_without_v2(fake):
+    from vramcal.probes import nvml
+
+    fake({0: [1000]})
+    got = nvml.memory_reserved(nvml.device_handle(0))
+    assert not got and isinstance(got, nvml.NA) and "v2" in got.reason
+    fake({0: [700 * 1024**2]}, reserved=648_347_648)
+    assert nvml.memory_reserved(nvml.device_handle(0)) == 648_347_648
