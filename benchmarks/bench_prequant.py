@@ -15,20 +15,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
-PY = sys.executable
-
-
-def wall(cmd: list[str], env: dict) -> float:
-    t = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        raise SystemExit(f"benchmark command failed: {' '.join(cmd)}\n{r.stderr}")
-    return time.perf_counter() - t
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_estimator import PY, wall  # noqa: E402 -- the same timer and interpreter as the estimator's bench
 
 
 def main() -> int:
