@@ -8,7 +8,7 @@ from vramcal.probes.child import cache_bytes, held_weight_storages
 
 held_tensors = held_weight_storages
 
-__all__ = ["cache_bytes", "device_key", "from_pretrained_map", "held_tensors", "quantization_config"]
+__all__ = ["cache_bytes", "default_sigint", "device_key", "from_pretrained_map", "held_tensors", "quantization_config"]
 
 
 def device_key(name):
@@ -91,3 +91,12 @@ def outcome(status: str = "ok", stages=(), samples=(), devices=(), **kw):
 
     return Outcome(status=status, stages=[StageRow(**r) for r in stages], samples=[tuple(x) for x in samples],
                    devices=[DeviceStageRow(**r) for r in devices], **kw)
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` of a parent the tests stop with SIGINT: SIGINT's default disposition first (a suite
+    started in the background of a non-interactive shell has it ignored, and a Python that starts with
+    SIGINT ignored never raises KeyboardInterrupt)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

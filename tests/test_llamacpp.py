@@ -294,3 +294,56 @@ def test_header_reader_agrees_with_gguf_reader(tmp_path):
         [(n, ty, sh, off) for n, ty, sh, off in infos]
     assert meta["gemma2.attention.sliding_window"] == 128 and meta["general.architecture"] == "gemma2"
     assert len(meta["tokenizer.ggml.tokens"]) == 1024 and meta["tokenizer.ggml.tokens"][259] == "\u2581t0"
+
+
+@needs_llama
+@pytest.mark.parametrize("how,code", [("SIGTERM", 143), ("SIGINT", 130), ("SIGKILL", -9)])
+def test_a_stopped_llamacpp_probe_is_recorded_with_its_last_stage(tmp_path, dense, how, code):
+    """Ctrl-C (SIGINT to the parent's group, as a terminal sends it) or SIGTERM mid-run: llama.cpp's child is
+    killed with its group, the run is recorded as interrupted with the last stage it reached, and the exit
+    is 130 / 143 -- the engine probes end as the transformers probe does. SIGKILL: the run was recorded
+    before the child started, so it stays, with no outcome (interrupted), and the child dies with it."""
+    import signal
+    import time
+
+    import psutil
+    from helpers import default_sigint
+
+    from vramcal.records.store import Store
+
+    db = tmp_path / "r.db"
+    proc = subprocess.Popen([sys.executable, "-m", "vramcal", "probe", "--engine", "llama.cpp", dense, "-c", "8192",
+                             "--new-tokens", "6000", "--device", "cpu", "--db", str(db), "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=default_sigint)
+    deadline, child = time.monotonic() + 120, None
+    while child is None and time.monotonic() < deadline and proc.poll() is None:
+        child = next((c for c in psutil.Process(proc.pid).children()
+                      if "llamacpp_child" in " ".join(c.cmdline())), None)
+        time.sleep(0.05)
+    assert child is not None, proc.communicate()[1][-2000:]
+    time.sleep(1.5)  # llama.cpp imported, the model loaded, generating
+    if how == "SIGINT":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(getattr(signal, how))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err[-2000:]
+    child_gone = time.monotonic() + 10
+    while child.is_running() and child.status() != psutil.STATUS_ZOMBIE and time.monotonic() < child_gone:
+        time.sleep(0.05)
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    if how == "SIGKILL":
+        with Store(str(db)) as s:
+            (row,) = s.runs()
+            assert s.run(row["id"]).status == "interrupted" and s.run(row["id"]).outcome is None
+        return
+    assert err.strip().splitlines()[-1] == f"vramcal: probe interrupted by {how}"
+    doc = json.loads(out)
+    assert doc["status"] == "interrupted" and doc["interrupted"] == how
+    assert doc["error"] == f"interrupted by {how} after stage {doc['last_stage']}"
+    with Store(str(db)) as s:
+        assert [r["id"] for r in s.runs()] == [doc["run_id"]]
+        run = s.run(doc["run_id"])
+        assert run.status == "interrupted" and run.outcome.last_stage == doc["last_stage"] is not None
+        assert run.context.estimate["mode"] == "llama.cpp" and run.sample_count > 0

@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 
+from helpers import default_sigint
 from vramcal.errors import UserError
 from vramcal.probes.lifecycle import ProbeInterrupted, folder_owner, make_temp_folder, sweep_stale
 from vramcal.probes.probe import _check_device, run_probe
@@ -40,10 +41,6 @@ with open(out_path, "w") as fh:
     json.dump(out, fh)
 sys.exit(code)
 """
-
-
-def default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _events(path) -> list[dict]:

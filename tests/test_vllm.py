@@ -360,7 +360,8 @@ def test_a_vllm_probes_stages_and_samples_reach_the_records(tmp_path):
     from vramcal.cli_vllm import record_vllm_run
     from vramcal.estimator.resolve import resolve_model
     from vramcal.probes.sampler import Sample
-    from vramcal.probes.vllm_probe import VllmProbeResult, stage_readings
+    from vramcal.probes.engine_run import stage_readings
+    from vramcal.probes.vllm_probe import VllmProbeResult
     from vramcal.records.store import Store
 
     gib = 1024**3

@@ -232,17 +232,24 @@ def _probe(args, io, *, check: bool) -> int:
     if note:
         est.notes.append(note)
     gpus = [] if a.n_gpus == 0 or a.n_gpu_layers == 0 else list(range(a.n_gpus))
+    from .calibrate.runs import begin_engine_run, finish_engine_run
+    from .cli_vllm import command_of
+
+    device = "cuda:0" if gpus else "cpu"
+    run_id = begin_engine_run(args.db, device, run_context(m, est, device, command_of(args, verb)))
     result = run_llamacpp_probe(m.path, m.name, child_spec(m.path, a), est, gpus=gpus,
                                 interval_ms=getattr(args, "interval_ms", 5.0) or 5.0,
                                 new_tokens=getattr(args, "new_tokens", 16) or 16)
-    from .cli_vllm import command_of
-
-    run_id = record_run(args.db, m, est, result, command_of(args, verb))
+    finish_engine_run(args.db, run_id, outcome_of(est, result))
     verdict = _verdict(args, est, result) if check else None
     if verdict:
         result.notes.append(verdict[1])
     io.out(json.dumps({**result.to_dict(), "run_id": run_id, "fits": verdict[0] if verdict else None})
            if args.json else present.llamacpp_probe_table(result, run_id))
+    if result.interrupted:  # recorded and shown; now exit 130 / 143 as every probe does
+        from .probes.lifecycle import ProbeInterrupted
+
+        raise ProbeInterrupted(result, result.interrupted)
     return 0 if result.status == "ok" and (verdict is None or verdict[0]) else 1
 
 
@@ -272,33 +279,42 @@ def cmd_check(args, io) -> int:
     return _probe(args, io, check=True)
 
 
-def record_run(db, m, est, result, command: str) -> int | None:
-    """The run in the records database, kept under the llama.cpp engine (``attn``/``quant_impl`` say
-    llama.cpp, the estimator model is llama.cpp's): the buffers predicted and logged in its result, the
-    sampled stages beside the prediction (on a CPU-only run, the child's resident set: its own baseline
-    plus the buffers its pages touched)."""
-    from .probes.machine import machine_fingerprint
-    from .records.store import Outcome, RunContext, StageRow, Store
-    from .versions import VRAMCAL_VERSION
-
-    device = "cpu" if result.series == "rss" else "cuda:0"
-    base = (result.stages.get("baseline") or {}).get("used_bytes") if result.series == "rss" else 0
+def _predicted(est, base: int | None) -> dict[str, int | None]:
+    """Each stage as predicted: the buffers over the run's own baseline (on a CPU-only run, the child's
+    resident set before loading; on a GPU, NVML's used memory, whose baseline the sampler subtracts)."""
     model_b = sum(est.model_buffer_bytes.values())
     context_b = model_b + sum(est.kv_buffer_bytes.values()) + sum(est.compute_buffer_bytes.values()) + \
         est.output_buffer_bytes
     predicted = {"baseline": base, "post_load": None if base is None else base + model_b}
     for k in ("context", "first_token", "end"):
         predicted[k] = None if base is None else base + context_b
+    return predicted
+
+
+def run_context(m, est, device: str, command: str):
+    """The run as recorded before it starts, kept under the llama.cpp engine (``attn``/``quant_impl`` say
+    llama.cpp, the estimator model is llama.cpp's)."""
+    from .records.store import RunContext
+    from .versions import VRAMCAL_VERSION
+
     quant = max(est.weight_types, key=est.weight_types.get) if est.weight_types else "gguf"
-    estimate = {"mode": "llama.cpp", "stages": predicted, "llama_cpp": est.to_dict(), "model": est.model}
-    context = RunContext(model=m.name, quant=quant, ctx=est.n_ctx, batch=est.n_seq_max, device=device,
-                         command=command, config_hash=None, quant_impl="llama.cpp", dtype=None,
-                         kv_dtype=None, attn="llama.cpp",
-                         estimate=estimate, estimator_model=est.estimator_model, vramcal_version=VRAMCAL_VERSION)
+    estimate = {"mode": "llama.cpp", "stages": _predicted(est, None if device == "cpu" else 0),
+                "llama_cpp": est.to_dict(), "model": est.model}
+    return RunContext(model=m.name, quant=quant, ctx=est.n_ctx, batch=est.n_seq_max, device=device,
+                      command=command, config_hash=None, quant_impl="llama.cpp", dtype=None, kv_dtype=None,
+                      attn="llama.cpp", estimate=estimate, estimator_model=est.estimator_model,
+                      vramcal_version=VRAMCAL_VERSION)
+
+
+def outcome_of(est, result):
+    """The probe's outcome: the buffers predicted and logged in its result, the sampled stages beside the
+    prediction (on a CPU-only run, over the child's own baseline plus the buffers its pages touched)."""
+    from .records.store import Outcome, StageRow
+
+    base = (result.stages.get("baseline") or {}).get("used_bytes") if result.series == "rss" else 0
+    predicted = _predicted(est, base)
     rows = [StageRow(name, predicted.get(name), r.get("peak_bytes"), r.get("used_bytes"))
             for name, r in result.stages.items()]
-    outcome = Outcome(status=result.status, last_stage=result.last_stage, error=result.error, series=result.series,
-                      wall_s=result.wall_s, sampler_overhead=result.sampler_overhead, result=result.to_dict(),
-                      stages=rows, samples=result.sample_rows())
-    with Store(db) as store:
-        return store.record_run(machine_fingerprint(device), context, outcome)
+    return Outcome(status=result.status, last_stage=result.last_stage, error=result.error, series=result.series,
+                   wall_s=result.wall_s, sampler_overhead=result.sampler_overhead, result=result.to_dict(),
+                   stages=rows, samples=result.sample_rows())

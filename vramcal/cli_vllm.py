@@ -231,12 +231,19 @@ def cmd_probe_vllm(args, out, *, check: bool) -> int:
         model_dir = tempfile.mkdtemp(prefix="vramcal-vllm-")
         with open(os.path.join(model_dir, "config.json"), "w") as fh:
             json.dump({k: v for k, v in source.config.items() if not k.startswith("_vramcal")}, fh)
+    from .calibrate.runs import begin_engine_run, finish_engine_run
+
+    run_id = begin_engine_run(args.db, "cuda:0", vllm_run_context(source, estimate, command_of(args, verb)))
     result = run_vllm_probe(model_dir, source.name, child_args, estimate, gpus=gpus,
                             interval_ms=getattr(args, "interval_ms", 5.0) or 5.0,
                             new_tokens=getattr(args, "new_tokens", 16) or 16)
-    run_id = record_vllm_run(args.db, source, estimate, result, command_of(args, verb))
+    finish_engine_run(args.db, run_id, vllm_outcome(estimate, result))
     out(json.dumps({**result.to_dict(), "run_id": run_id}) if args.json
         else present.vllm_probe_table(result, run_id))
+    if result.interrupted:  # recorded and shown; now exit 130 / 143 as every probe does
+        from .probes.lifecycle import ProbeInterrupted
+
+        raise ProbeInterrupted(result, result.interrupted)
     ok = result.status == "ok" and (not check or est.fits)
     return 0 if ok else 1
 
@@ -248,22 +255,34 @@ def command_of(args, verb: str) -> str:
     return shlex.join(["vramcal", verb, *sys.argv[2:]]) if len(sys.argv) > 2 else f"vramcal {verb} {args.model}"
 
 
-def record_vllm_run(db, source, estimate, result, command: str) -> int | None:
-    """The run in the records database: the prediction as the run's estimate, the sampled stages beside
-    it, the logged terms in its result (where :mod:`vramcal.calibrate.vllm_corrections` learns them)."""
-    from .probes.machine import machine_fingerprint
-    from .records.store import Outcome, RunContext, StageRow, Store
+def vllm_run_context(source, estimate, command: str):
+    """The run as recorded before vLLM starts: the prediction as the run's estimate."""
+    from .records.store import RunContext
     from .versions import VRAMCAL_VERSION
 
     v = estimate.vllm
-    context = RunContext(model=source.name, quant=v.quantization, ctx=v.max_model_len, batch=1, device="cuda:0",
-                         command=command, config_hash=source.config_hash, quant_impl=f"vLLM {v.version}",
-                         dtype=v.dtype, kv_dtype=v.kv_cache_dtype, attn="vllm", estimate=estimate.to_dict(),
-                         estimator_model=estimate.estimator_model, vramcal_version=VRAMCAL_VERSION)
+    return RunContext(model=source.name, quant=v.quantization, ctx=v.max_model_len, batch=1, device="cuda:0",
+                      command=command, config_hash=source.config_hash, quant_impl=f"vLLM {v.version}",
+                      dtype=v.dtype, kv_dtype=v.kv_cache_dtype, attn="vllm", estimate=estimate.to_dict(),
+                      estimator_model=estimate.estimator_model, vramcal_version=VRAMCAL_VERSION)
+
+
+def vllm_outcome(estimate, result):
+    """The probe's outcome: the sampled stages beside the prediction, the logged terms in its result (where
+    :mod:`vramcal.calibrate.vllm_corrections` learns them)."""
+    from .records.store import Outcome, StageRow
+
     rows = [StageRow(name, estimate.stages.get(name), r.get("peak_bytes"), r.get("used_bytes"))
             for name, r in result.stages.items()]
-    outcome = Outcome(status=result.status, last_stage=result.last_stage, error=result.error,
-                      series=f"gpu{result.gpus[0]}", wall_s=result.wall_s, sampler_overhead=result.sampler_overhead,
-                      result=result.to_dict(), stages=rows, samples=result.sample_rows())
-    with Store(db) as store:
-        return store.record_run(machine_fingerprint("cuda:0"), context, outcome)
+    return Outcome(status=result.status, last_stage=result.last_stage, error=result.error,
+                   series=f"gpu{result.gpus[0]}", wall_s=result.wall_s, sampler_overhead=result.sampler_overhead,
+                   result=result.to_dict(), stages=rows, samples=result.sample_rows())
+
+
+def record_vllm_run(db, source, estimate, result, command: str) -> int:
+    """A finished vLLM probe's whole record (machine, context, outcome), as one run."""
+    from .calibrate.runs import begin_engine_run, finish_engine_run
+
+    run_id = begin_engine_run(db, "cuda:0", vllm_run_context(source, estimate, command))
+    finish_engine_run(db, run_id, vllm_outcome(estimate, result))
+    return run_id

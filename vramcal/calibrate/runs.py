@@ -99,6 +99,21 @@ def record_failure(store: Store, run_id: int, status: str, message: str, last_st
     store.finish_run(run_id, Outcome(status=status, error=message, last_stage=last_stage))
 
 
+def begin_engine_run(db, device: str, context: RunContext) -> int:
+    """An engine probe's run (vLLM, llama.cpp), recorded before its child starts: if this process is
+    then killed outright, the records keep the run with no outcome, which they show as interrupted."""
+    from ..probes.machine import machine_fingerprint
+
+    with Store(db) as store:
+        return store.begin_run(store.machine_id(machine_fingerprint(device)), context)
+
+
+def finish_engine_run(db, run_id: int, outcome: Outcome) -> None:
+    """The outcome of an engine probe begun by :func:`begin_engine_run` (finished, failed or interrupted)."""
+    with Store(db) as store:
+        store.finish_run(run_id, outcome)
+
+
 def save_probe_unrecorded(fingerprint: dict, context: RunContext, result: ProbeResult, *, run_uuid: str, error: str,
                           folder=None) -> Path:
     """Keep a probe whose record could not be written (the server went away, the file is locked or

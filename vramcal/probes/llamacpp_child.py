@@ -16,6 +16,7 @@ import json
 import sys
 
 from .child import Emitter, die_with_parent
+from .engine_run import report_failure
 
 SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}
 FLASH = {"off": 0, "on": 1, "auto": -1}  # LLAMA_FLASH_ATTN_TYPE_DISABLED / ENABLED / AUTO
@@ -90,10 +91,7 @@ def main(argv: list[str]) -> int:
         emit("done")
         return 0
     except Exception as exc:  # noqa: BLE001 -- the parent records how the run ended
-        text = str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__
-        kind = "oom" if "out of memory" in text.lower() else "error"
-        emit(kind, error=f"{type(exc).__name__}: {text}")
-        return 1
+        return report_failure(emit, exc)
 
 
 if __name__ == "__main__":

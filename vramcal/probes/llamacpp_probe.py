@@ -12,19 +12,12 @@ its markers over a pipe; every way out kills its group.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import select
-import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 
 from ..errors import UserError
 from ..estimator.llamacpp.logparse import LlamaLogged, parse_log
-from .lifecycle import kill_group
-from .sampler import Sampler, attribute, nvml_reader, rss_reader
+from .engine_run import run_child
+from .sampler import nvml_reader, rss_reader
 
 TERMS = ("model_buffer_bytes", "kv_buffer_bytes", "compute_buffer_bytes", "output_buffer_bytes", "n_ctx")
 
@@ -60,6 +53,7 @@ class LlamaProbeResult:
     log_tail: str = ""
     notes: list[str] = field(default_factory=list)
     samples: list = field(default_factory=list)
+    interrupted: str | None = None  # SIGINT / SIGTERM: the parent was stopped; recorded, then exit 130 / 143
 
     def comparison(self) -> dict[str, tuple]:
         """Predicted beside logged, term by term (bytes per buffer name; n_ctx in cells)."""
@@ -97,66 +91,12 @@ def child_spec(path: str, args) -> dict:
 def run_llamacpp_probe(path: str, name: str, spec: dict, estimate, *, gpus: list[int], interval_ms: float = 5.0,
                        new_tokens: int = 16, timeout_s: float | None = 1800) -> LlamaProbeResult:
     """Run llama.cpp on ``path`` with ``spec`` (:func:`child_spec`), sample, parse its log."""
-    from .lifecycle import sigterm_raises
-
-    read_fd, write_fd = os.pipe()
-    log = tempfile.TemporaryFile(mode="w+")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    full = {**spec, "parent_pid": os.getpid(), "new_tokens": new_tokens}
-    start = time.monotonic()
-    markers: list[tuple[str, float]] = []
-    final: dict | None = None
-    sampler = None
     series = f"gpu{gpus[0]}" if gpus else "rss"
-    with sigterm_raises():
-        try:
-            child = subprocess.Popen([sys.executable, "-m", "vramcal.probes.llamacpp_child", json.dumps(full),
-                                      str(write_fd)], pass_fds=(write_fd,), stdout=log, stderr=log,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env)
-        finally:
-            os.close(write_fd)
-        try:
-            reader = nvml_reader(gpus, child.pid) if gpus else rss_reader(child.pid)
-            sampler = Sampler(reader, interval_ms / 1000.0).start()
-            buf = b""
-            while True:
-                if timeout_s and time.monotonic() - start > timeout_s:
-                    final = {"event": "timeout", "error": f"no end within {timeout_s:g} s"}
-                    break
-                ready, _, _ = select.select([read_fd], [], [], 0.25)
-                if not ready:
-                    continue
-                chunk = os.read(read_fd, 1 << 16)
-                if not chunk:
-                    break
-                *lines, buf = (buf + chunk).split(b"\n")
-                for line in lines:
-                    try:
-                        ev = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    if ev.get("event") == "stage":
-                        sampler.sample_now()
-                        markers.append((ev["name"], ev["t"]))
-                    elif ev.get("event") in ("done", "oom", "error"):
-                        final = ev
-        finally:
-            os.close(read_fd)
-            kill_group(child)
-            if sampler is not None:
-                sampler.stop()
-    log.seek(0)
-    text = log.read()
-    log.close()
-    logged = parse_log(text)
-    samples = sampler.samples if sampler else []
-    stages = {k: {"used_bytes": v["used_bytes"], "peak_bytes": v["peak_bytes"]}
-              for k, v in attribute(samples, markers, series).items()} if sampler else {}
-    status = {"done": "ok", "oom": "oom", "error": "error", "timeout": "timeout"}.get((final or {}).get("event"),
-                                                                                      "crashed")
-    tail = [ln for ln in text.splitlines() if ln.strip()]
-    return LlamaProbeResult(status=status, model=name, path=path, series=series, stages=stages, logged=logged,
-                            estimate=estimate, error=(final or {}).get("error"),
-                            last_stage=markers[-1][0] if markers else None, wall_s=time.monotonic() - start,
-                            sampler_overhead=sampler.overhead if sampler else None,
-                            log_tail=tail[-1][:300] if tail else "", samples=samples)
+    run = run_child("vramcal.probes.llamacpp_child", {**spec, "new_tokens": new_tokens},
+                    (lambda pid: nvml_reader(gpus, pid)) if gpus else rss_reader, env={},
+                    interval_ms=interval_ms, timeout_s=timeout_s)
+    return LlamaProbeResult(status=run.status, model=name, path=path, series=series, stages=run.stages(series),
+                            logged=parse_log(run.log_text), estimate=estimate, error=run.error,
+                            last_stage=run.last_stage, wall_s=run.wall_s, sampler_overhead=run.sampler_overhead,
+                            log_tail=run.log_tail, samples=run.samples,
+                            interrupted=run.interrupted)

@@ -17,6 +17,7 @@ import json
 import sys
 
 from .child import Emitter, die_with_parent
+from .engine_run import report_failure
 
 
 def engine_kwargs(spec: dict) -> dict:
@@ -47,10 +48,7 @@ def main(argv: list[str]) -> int:
         emit("done")
         return 0
     except Exception as exc:  # noqa: BLE001 -- the parent records how the run ended
-        text = str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__
-        kind = "oom" if "out of memory" in text.lower() else "error"
-        emit(kind, error=f"{type(exc).__name__}: {text}")
-        return 1
+        return report_failure(emit, exc)
 
 
 if __name__ == "__main__":

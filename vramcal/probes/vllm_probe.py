@@ -13,20 +13,13 @@ children, in its group.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import select
-import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import dataclass, field, fields
 
 from ..errors import UserError
 from ..estimator.vllm.logparse import VllmLogged, parse_log
 from . import nvml
-from .lifecycle import kill_group
-from .sampler import Sampler, attribute, nvml_reader
+from .engine_run import run_child
+from .sampler import nvml_reader
 
 STAGES = ("baseline", "post_load", "first_token", "end")
 
@@ -61,6 +54,7 @@ class VllmProbeResult:
     log_tail: str = ""
     notes: list[str] = field(default_factory=list)
     samples: list = field(default_factory=list)
+    interrupted: str | None = None  # SIGINT / SIGTERM: the parent was stopped; recorded, then exit 130 / 143
 
     def comparison(self) -> dict[str, tuple[int | None, int | None]]:
         """Predicted beside logged, term by term (bytes; tokens for kv_cache_tokens)."""
@@ -84,76 +78,18 @@ class VllmProbeResult:
         return [(round(s.t - t0, 6), series, s.values.get(series)) for s in self.samples]
 
 
-def stage_readings(samples, markers: list[tuple[str, float]], series: str) -> dict[str, dict]:
-    """Each marker's reading of ``series``: the last value at the marker and the peak since the one before
-    (:func:`.sampler.attribute`), as the run's stage rows take them."""
-    return {k: {"used_bytes": v["used_bytes"], "peak_bytes": v["peak_bytes"]}
-            for k, v in attribute(samples, markers, series).items()}
-
-
 def run_vllm_probe(model_dir: str, name: str, child_args: dict, estimate, *, gpus: list[int],
                    interval_ms: float = 5.0, new_tokens: int = 16, timeout_s: float | None = 3600) -> VllmProbeResult:
     """Start vLLM on ``model_dir`` with ``child_args`` (:func:`.vllm_child.engine_kwargs`' names), sample,
     parse its log. Ctrl-C / SIGTERM kill the child's group and propagate (the caller records what ran)."""
-    from .lifecycle import sigterm_raises
-
-    read_fd, write_fd = os.pipe()
-    log = tempfile.TemporaryFile(mode="w+")
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "DEBUG",
-           "VLLM_CONFIGURE_LOGGING": "1", "PYTHONUNBUFFERED": "1"}
-    spec = {**child_args, "model_dir": model_dir, "parent_pid": os.getpid(), "new_tokens": new_tokens}
-    start = time.monotonic()
-    markers: list[tuple[str, float]] = []
-    final: dict | None = None
-    sampler = None
-    with sigterm_raises():
-        try:
-            child = subprocess.Popen([sys.executable, "-m", "vramcal.probes.vllm_child", json.dumps(spec), str(write_fd)],
-                                     pass_fds=(write_fd,), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env=env)
-        finally:
-            os.close(write_fd)
-        try:
-            sampler = Sampler(nvml_reader(gpus, child.pid), interval_ms / 1000.0).start()
-            buf = b""
-            while True:
-                if timeout_s and time.monotonic() - start > timeout_s:
-                    final = {"event": "timeout", "error": f"no end within {timeout_s:g} s"}
-                    break
-                ready, _, _ = select.select([read_fd], [], [], 0.25)
-                if not ready:
-                    continue
-                chunk = os.read(read_fd, 1 << 16)
-                if not chunk:
-                    break
-                *lines, buf = (buf + chunk).split(b"\n")
-                for line in lines:
-                    try:
-                        ev = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    if ev.get("event") == "stage":
-                        sampler.sample_now()
-                        markers.append((ev["name"], ev["t"]))
-                    elif ev.get("event") in ("done", "oom", "error"):
-                        final = ev
-        finally:
-            os.close(read_fd)
-            kill_group(child)
-            if sampler is not None:
-                sampler.stop()
-    log.seek(0)
-    text = log.read()
-    log.close()
-    logged = parse_log(text)
-    stages = stage_readings(sampler.samples, markers, f"gpu{gpus[0]}") if sampler else {}
-    status = {"done": "ok", "oom": "oom", "error": "error", "timeout": "timeout"}.get((final or {}).get("event"),
-                                                                                      "crashed")
-    tail = [ln for ln in text.splitlines() if ln.strip()]
-    return VllmProbeResult(status=status, model=name, version=logged.version, gpus=gpus, stages=stages, logged=logged,
-                           estimate=estimate, error=(final or {}).get("error") or logged.error,
-                           last_stage=markers[-1][0] if markers else None, wall_s=time.monotonic() - start,
-                           sampler_overhead=sampler.overhead if sampler else None,
-                           log_tail=tail[-1][:300] if tail else "", samples=sampler.samples if sampler else [])
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_CONFIGURE_LOGGING": "1"}
+    run = run_child("vramcal.probes.vllm_child", {**child_args, "model_dir": model_dir, "new_tokens": new_tokens},
+                    lambda pid: nvml_reader(gpus, pid), env=env, interval_ms=interval_ms, timeout_s=timeout_s)
+    logged = parse_log(run.log_text)
+    return VllmProbeResult(status=run.status, model=name, version=logged.version, gpus=gpus,
+                           stages=run.stages(f"gpu{gpus[0]}"), logged=logged, estimate=estimate,
+                           error=run.error or logged.error, last_stage=run.last_stage, wall_s=run.wall_s,
+                           sampler_overhead=run.sampler_overhead, log_tail=run.log_tail, samples=run.samples,
+                           interrupted=run.interrupted)
 
 
