@@ -30,7 +30,8 @@ class FakeNVML:
 
     def __init__(self, script: dict[int, list], total: int = 80 * 1024**3, procs=None, fail_init: bool = False,
                  names: dict[int, str] | None = None, gpu_name: str = "NVIDIA H200", pcie: tuple | None = None,
-                 memory_clock: tuple | None = None, reserved: int | None = None):
+                 memory_clock: tuple | None = None, reserved: int | None = None,
+                 compute_capability: tuple[int, int] | None = None):
         self.script = {k: list(v) for k, v in script.items()}
         self.calls = {k: 0 for k in script}
         self.total = total
@@ -44,6 +45,7 @@ class FakeNVML:
         self.pcie = pcie  # (max generation, max lanes); None: not supported
         self.memory_clock = memory_clock  # (max memory clock MHz, bus width bits); None: not supported
         self.reserved = reserved  # the driver's reserve (NVML v2 memory info); None: a binding without v2
+        self.compute_capability = compute_capability  # None: not supported (an old driver)
         if reserved is not None:
             self.nvmlMemory_v2 = 0x02000028
 
@@ -88,6 +90,11 @@ class FakeNVML:
 
     def nvmlDeviceGetName(self, h):
         return self.gpu_name.encode()
+
+    def nvmlDeviceGetCudaComputeCapability(self, h):
+        if self.compute_capability is None:
+            raise NVMLError_NotSupported()
+        return self.compute_capability
 
     def nvmlDeviceGetMaxPcieLinkGeneration(self, h):
         if self.pcie is None:

@@ -343,3 +343,35 @@ def test_compressed_tensors_w4a16_and_w8a8_and_nvfp4_layouts(tmp_path):
               "symmetric": True})
     # packed FP4, one fp8 scale per 16 values, float32 global scales (weight and input) per module
     assert nv.components["weights"] - _buffers(nv) == n // 2 + n // 16 + 2 * len(OUTS) * 2 * 4 + SIXTEEN
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--gpu", "A100-SXM4-80GB"], ["compute capability 8.0", "NVIDIA H100 80GB HBM3", "9.0", "drop --gpu"]),
+    (["--gpu", "H100 PCIe", "--device", "cpu"], ["loads on the CPU", "drop"]),
+])
+@pytest.mark.parametrize("verb", ["probe", "check"])
+def test_a_probe_refuses_a_gpu_that_is_not_the_one_it_loads_on(fake, capsys, tmp_path, verb, argv, words):
+    """probe / check price the path of the GPU the load really runs on: a --gpu of another compute
+    capability (here an A100's 8.0 on an H100, where fp8 would be kept by the load and dequantized by the
+    estimate) is one line, exit 2, before anything runs or is recorded."""
+    from vramcal.cli import main
+
+    fake({0: [1 << 30]}, gpu_name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0))
+    db = tmp_path / "r.db"
+    rc = main([verb, "qwen2.5-0.5b", *argv, "--db", str(db)] if verb == "check" else [verb, "qwen2.5-0.5b", *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and all(w in err for w in words), err
+    assert not db.exists()
+
+
+def test_a_probe_takes_gpu_as_given_where_nvml_cannot_read_the_capability(fake):
+    """An old driver without the capability query: --gpu is the only word on the path, and it stands."""
+    import argparse
+
+    from vramcal.cli import _probe_gpu
+
+    fake({0: [1 << 30]}, gpu_name="NVIDIA H100 80GB HBM3", compute_capability=None)
+    target = _probe_gpu(argparse.Namespace(gpu="A100-SXM4-80GB", device="cuda:0"))
+    assert target.compute_capability == (8, 0)
+    fake({0: [1 << 30]}, gpu_name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0))
+    assert _probe_gpu(argparse.Namespace(gpu="NVIDIA H100 80GB HBM3", device="cuda:0")).compute_capability == (9, 0)

@@ -73,6 +73,30 @@ def _gpu(args):
     return machine_gpu_target(device if ":" in device else "cuda:0")
 
 
+def _probe_gpu(args):
+    """probe / check: the GPU the estimate prices must be the one the load runs on, since the real load
+    follows the real GPU (fp8 kept or dequantized, MXFP4 kept or not) and a run compared with another GPU's
+    path would teach this machine's corrections a difference that is not there. ``--gpu`` is taken where
+    NVML cannot read this machine's GPU; where it can and the compute capability differs: one line, exit 2."""
+    from .probes.hardware import machine_gpu_target
+
+    named = _gpu(args)
+    if getattr(args, "gpu", None) is None:
+        return named
+    device = str(getattr(args, "device", "") or "cuda")
+    if device.startswith("cpu"):
+        raise UserError(f"--gpu {args.gpu!r} prices a GPU's path, but --device {device} loads on the CPU: drop "
+                        "--gpu (or price that GPU with `vramcal estimate --gpu`)")
+    real = machine_gpu_target(device if ":" in device else "cuda:0")
+    if real is not None and real.compute_capability != named.compute_capability:
+        cc = ".".join(map(str, real.compute_capability))
+        want = ".".join(map(str, named.compute_capability)) if named.compute_capability else "unknown"
+        raise UserError(f"--gpu {args.gpu!r} (compute capability {want}) is not this machine's {device} "
+                        f"({real.name}, {cc}), which the load will run on: drop --gpu, or price that GPU with "
+                        "`vramcal estimate --gpu`")
+    return named
+
+
 def _add_image_args(g) -> None:
     """``--images`` and ``--image-size``: images in every prompt of a vision-language model (docs/vision.md)."""
     g.add_argument("--images", type=int, default=0, metavar="N",
@@ -324,7 +348,7 @@ def probe_transformers(args, io) -> int:
                       interval_ms=args.interval_ms, dtype=config.dtype, attn=args.attn, new_tokens=work.new_tokens,
                       kv_dtype=args.kv_dtype, cache=args.cache, command=config.command("probe", _probe_extra(args)),
                       max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size,
-                      gpu=_gpu(args))
+                      gpu=_probe_gpu(args))
     except ProbeInterrupted as exc:  # show what was measured before the signal, then exit 130 / 143
         _show_probe(exc.result, args)
         raise
@@ -387,7 +411,7 @@ def check_transformers(args, io) -> int:
               device=args.device, db=args.db, budget=budget, buffer=buffer, prefer=args.prefer,
               synthetic=args.synthetic, attn=args.attn, dtype=args.dtype, kv_dtype=args.kv_dtype, cache=args.cache,
               max_memory=max_memory, device_map=device_map, images=work.images, image_size=work.image_size,
-              gpu=_gpu(args))
+              gpu=_probe_gpu(args))
     _out(json.dumps(r.to_dict()) if args.json else present.check_table(r))
     return 0 if r.verdict.fits else 1
 
