@@ -347,3 +347,19 @@ def test_a_stopped_llamacpp_probe_is_recorded_with_its_last_stage(tmp_path, dens
         run = s.run(doc["run_id"])
         assert run.status == "interrupted" and run.outcome.last_stage == doc["last_stage"] is not None
         assert run.context.estimate["mode"] == "llama.cpp" and run.sample_count > 0
+
+
+def test_a_header_estimate_imports_no_numpy(dense):
+    """The gguf package's __init__ imports numpy with its reader and writer; a header estimate needs only
+    its constants (docs/performance.md: half of a fresh estimate's time), and equals the one made with the
+    whole package imported."""
+    code = ("import json, sys; from vramcal.estimator.llamacpp.buffers import LlamaArgs, estimate_llamacpp; "
+            "from vramcal.estimator.llamacpp.gguf_file import read_gguf; "
+            f"e = estimate_llamacpp(read_gguf({str(dense)!r}), LlamaArgs(ctx_size=1024, n_gpus=0)); "
+            "print(json.dumps([e.to_dict(), 'numpy' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    light, numpy_imported = json.loads(out.stdout)
+    assert numpy_imported is False
+    import gguf  # noqa: F401 -- now with the whole package imported
+    full = estimate_llamacpp(read_gguf(dense), LlamaArgs(ctx_size=1024, n_gpus=0)).to_dict()
+    assert json.loads(json.dumps(full)) == light

@@ -53,10 +53,11 @@ NOT_MODELLED_KV = ("deepseek2", "deepseek32", "glm-dsa", "minimax-m2", "qwen3nex
 
 def type_info(name: str) -> tuple[int, int]:
     """(values per block, bytes per block) of a ggml type by its name (F16, Q4_K, q8_0 ...)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from .gguf_file import ggml_types
 
+    t = ggml_types()
     try:
-        return GGML_QUANT_SIZES[GGMLQuantizationType[name.upper()]]
+        return t.GGML_QUANT_SIZES[t.GGMLQuantizationType[name.upper()]]
     except KeyError:
         raise UserError(f"unknown ggml type {name!r}: one of {', '.join(CACHE_TYPES)}") from None
 

@@ -10,12 +10,36 @@ parts are read together as llama.cpp loads them (``split.count`` in the first); 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import sys
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from ...errors import UserError
+
+@lru_cache(maxsize=1)
+def ggml_types():
+    """gguf-py's ``constants`` module (``GGMLQuantizationType``, ``GGML_QUANT_SIZES``, ``GGUFValueType``):
+    llama.cpp's own names and block sizes. The package's ``__init__`` also imports its reader, writer and
+    lazy tensors, numpy with them, which was over half of a header estimate's time in a fresh process
+    (docs/performance.md). The constants need only ``enum``, so unless ``gguf`` is imported already, the
+    installed file is loaded by itself under a name of ours (its enums are ``IntEnum``: they equal, hash
+    and index as the package's own)."""
+    if "gguf" in sys.modules:
+        return sys.modules["gguf"].constants
+    spec = importlib.util.find_spec("gguf")  # finds the package without running it
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("--engine llama.cpp reads GGUF headers with the gguf package (llama.cpp's gguf-py), "
+                        "which is not installed here: pip install gguf")
+    path = Path(next(iter(spec.submodule_search_locations))) / "constants.py"
+    const_spec = importlib.util.spec_from_file_location(f"{__name__}._gguf_constants", path)
+    module = importlib.util.module_from_spec(const_spec)
+    const_spec.loader.exec_module(module)
+    return module
+
 
 SPLIT = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 GGUF_MAGIC = b"GGUF"
@@ -226,8 +250,8 @@ def read_gguf(spec: str, file: str | None = None, hub=None) -> GgufModel:
     """The header of the GGUF ``spec`` names (every part of a split one). Bad input is one line. A Hub id
     not in the local cache (``owner/repo`` with ``file``, or ``owner/repo/FILE.gguf``) is read from the
     Hub, headers only (``hub``: :class:`vramcal.estimator.hub.HubOptions`)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
+    t = ggml_types()
+    GGML_QUANT_SIZES, GGMLQuantizationType = t.GGML_QUANT_SIZES, t.GGMLQuantizationType
     revision = None
     if file is not None and not _looks_like_hub_id(spec):
         raise UserError(f"--file picks one GGUF of a Hub repository; {spec} is not one: give the file itself")
