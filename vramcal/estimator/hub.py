@@ -243,10 +243,10 @@ def hub_metadata(repo_id: str, options: HubOptions = HubOptions()) -> HubMetadat
     return meta
 
 
-def _fetch(repo_id: str, revision: str, endpoint: str, progress) -> HubMetadata:
+def _repo_at(repo_id: str, revision: str, endpoint: str, progress):
+    """The client, the repository's file list at ``revision`` (``model_info`` with file sizes) and the commit
+    it is at."""
     from huggingface_hub import HfApi, constants
-
-    from .checkpoint import torch_dtype
 
     api = HfApi(endpoint=endpoint)
     _say(progress, f"asking {endpoint} for {repo_id} at {revision}")
@@ -255,6 +255,15 @@ def _fetch(repo_id: str, revision: str, endpoint: str, progress) -> HubMetadata:
     if not isinstance(commit, str) or not COMMIT.match(commit):
         raise UserError(f"{endpoint} gave no commit for {repo_id} at {revision}: is HF_ENDPOINT a Hugging Face "
                         "Hub or a mirror of one?")
+    return api, info, commit
+
+
+def _fetch(repo_id: str, revision: str, endpoint: str, progress) -> HubMetadata:
+    from huggingface_hub import constants
+
+    from .checkpoint import torch_dtype
+
+    api, info, commit = _repo_at(repo_id, revision, endpoint, progress)
     cached = load_metadata(repo_id, commit, endpoint)
     if cached is not None:  # the revision points where it did (or to a commit fetched before)
         return cached
@@ -354,15 +363,9 @@ def _cached_gguf(repo_id: str, repo_dir: Path, commit: str, filename: str) -> Gg
 
 
 def _fetch_gguf(repo_id, filename, revision, endpoint, repo_dir, progress) -> GgufHeader:
-    from huggingface_hub import HfApi, HfFileSystem, constants
+    from huggingface_hub import HfFileSystem
 
-    api = HfApi(endpoint=endpoint)
-    _say(progress, f"asking {endpoint} for {repo_id} at {revision}")
-    info = api.model_info(repo_id, revision=revision, files_metadata=True, timeout=constants.HF_HUB_ETAG_TIMEOUT)
-    commit = info.sha
-    if not isinstance(commit, str) or not COMMIT.match(commit):
-        raise UserError(f"{endpoint} gave no commit for {repo_id} at {revision}: is HF_ENDPOINT a Hugging Face "
-                        "Hub or a mirror of one?")
+    api, info, commit = _repo_at(repo_id, revision, endpoint, progress)
     sizes = {s.rfilename: s.size for s in (info.siblings or [])}
     ggufs = sorted(n for n in sizes if n.endswith(".gguf"))
     if filename is None:
