@@ -365,7 +365,7 @@ def _cached_gguf(repo_id: str, repo_dir: Path, commit: str, filename: str) -> Gg
 def _fetch_gguf(repo_id, filename, revision, endpoint, repo_dir, progress) -> GgufHeader:
     from huggingface_hub import HfFileSystem
 
-    api, info, commit = _repo_at(repo_id, revision, endpoint, progress)
+    _, info, commit = _repo_at(repo_id, revision, endpoint, progress)
     sizes = {s.rfilename: s.size for s in (info.siblings or [])}
     ggufs = sorted(n for n in sizes if n.endswith(".gguf"))
     if filename is None:
