@@ -141,6 +141,7 @@ class Hparams:
     n_ff: tuple[int, ...]
     n_swa: int
     is_swa: tuple[bool, ...]
+    n_ff_exp: int = 0  # expert_feed_forward_length: the experts' width where it differs from the dense one
 
     def n_embd_k_gqa(self, il: int) -> int:
         return self.n_embd_head_k * self.n_head_kv[il]
@@ -192,7 +193,8 @@ def hparams_of(m: GgufModel) -> Hparams:
                    n_vocab=int(n_vocab), n_expert=int(m.get(".expert_count", 0) or 0),
                    n_expert_used=int(m.get(".expert_used_count", 0) or 0),
                    n_ff=_per_layer(ff if ff is not None else 0, n_layer, "feed_forward_length"),
-                   n_swa=n_swa, is_swa=is_swa if any(is_swa) else (False,) * n_layer)
+                   n_swa=n_swa, is_swa=is_swa if any(is_swa) else (False,) * n_layer,
+                   n_ff_exp=int(m.get(".expert_feed_forward_length", 0) or 0))
 
 
 @dataclass(frozen=True)
