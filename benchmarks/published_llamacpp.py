@@ -153,6 +153,12 @@ def _layer_tensors(arch: str, h, il: int, n_ff_exp: int) -> list[tuple[str, tupl
         out += [(b + "attn_q.bias", (q,), False), (b + "attn_k.bias", (k,), False), (b + "attn_v.bias", (v,), False),
                 (b + "ffn_gate.weight", (E, h.n_ff[il]), True), (b + "ffn_down.weight", (h.n_ff[il], E), True),
                 (b + "ffn_up.weight", (E, h.n_ff[il]), True)]
+    elif arch == "gemma3":
+        F = h.n_ff[il]
+        out[5:5] = [(b + "attn_q_norm.weight", (hd_k,), False), (b + "attn_k_norm.weight", (hd_k,), False),
+                    (b + "post_attention_norm.weight", (E,), False)]
+        out += [(b + "ffn_gate.weight", (E, F), True), (b + "ffn_up.weight", (E, F), True),
+                (b + "ffn_down.weight", (F, E), True), (b + "post_ffw_norm.weight", (E,), False)]
     elif arch == "qwen3moe":
         f, n = n_ff_exp, h.n_expert
         out += [(b + "attn_q_norm.weight", (hd_k,), False), (b + "attn_k_norm.weight", (hd_k,), False),
@@ -177,7 +183,7 @@ def rebuilt_tensors(arch: str, meta: dict, logged) -> tuple[tuple, str]:
     if len(quant) != 1:
         return (), f"a mixed file ({', '.join(f'{n} {t}' for t, n in logged.tensor_types.items())}): which tensor " \
                    "has which type is llama.cpp's quantize choice, not in the log"
-    if arch not in ("qwen2", "qwen3moe"):
+    if arch not in ("qwen2", "qwen3moe", "gemma3"):
         return (), f"no tensor list for {arch} here"
     qtype = quant[0]
     h = hparams_of(GgufModel(path="log", files=("log",), file_bytes=(0,), arch=arch, metadata=meta))
@@ -185,21 +191,24 @@ def rebuilt_tensors(arch: str, meta: dict, logged) -> tuple[tuple, str]:
     specs = [("token_embd.weight", (h.n_embd, h.n_vocab), True)]
     for il in range(h.n_layer):
         specs += _layer_tensors(arch, h, il, n_ff_exp)
-    specs += [("output_norm.weight", (h.n_embd,), False), ("output.weight", (h.n_embd, h.n_vocab), True)]
-    tensors, offset = [], 0
-    for name, shape, quantized in specs:
-        tname = qtype if quantized else "F32"
-        rows = 1
-        for d in shape[1:]:
-            rows *= d
-        nbytes = rows * row_size(tname, shape[0])
-        tensors.append(GgufTensor(name, tname, 0, shape, nbytes, 0, offset))
-        offset += -(-nbytes // 32) * 32  # GGUF's default data alignment
-    counts = {"F32": sum(t.type_name == "F32" for t in tensors), qtype: sum(t.type_name == qtype for t in tensors)}
-    if counts != types or (logged.n_tensors is not None and logged.n_tensors != len(tensors)):
-        return (), f"the rebuilt tensor list ({counts}) is not the loader's ({types})"
-    return tuple(tensors), (f"rebuilt: {len(tensors)} tensors, {counts[qtype]} {qtype} + {counts['F32']} F32, as the "
-                            "loader counts them")
+    specs.append(("output_norm.weight", (h.n_embd,), False))
+    # an output matrix of its own, or a tied one (token_embd used again): the loader's counts say which
+    for tail, how in (([("output.weight", (h.n_embd, h.n_vocab), True)], "an output matrix"), ([], "a tied output")):
+        tensors, offset = [], 0
+        for name, shape, quantized in specs + tail:
+            tname = qtype if quantized else "F32"
+            rows = 1
+            for d in shape[1:]:
+                rows *= d
+            nbytes = rows * row_size(tname, shape[0])
+            tensors.append(GgufTensor(name, tname, 0, shape, nbytes, 0, offset))
+            offset += -(-nbytes // 32) * 32  # GGUF's default data alignment
+        counts = {"F32": sum(t.type_name == "F32" for t in tensors),
+                  qtype: sum(t.type_name == qtype for t in tensors)}
+        if counts == types and (logged.n_tensors is None or logged.n_tensors == len(tensors)):
+            return tuple(tensors), (f"rebuilt: {len(tensors)} tensors ({how}), {counts[qtype]} {qtype} + "
+                                    f"{counts['F32']} F32, as the loader counts them")
+    return (), f"the rebuilt tensor list ({counts}) is not the loader's ({types})"
 
 
 def args_of(row: dict):
@@ -218,16 +227,19 @@ def args_of(row: dict):
 GPU_NAME = re.compile(r"^(?!CPU)[A-Za-z]+?(?P<i>\d+)(?:_Mapped)?$")
 
 
-def device_of(name: str) -> str:
-    """GPU<i> for a device's own buffer (CUDA0, MTL0_Mapped, Vulkan0), host for every host buffer."""
+def device_of(name: str, rpc: tuple[str, ...] = ()) -> str:
+    """GPU<i> for a device's own buffer (CUDA0, MTL0_Mapped, Vulkan0; an RPC server, named by its address,
+    by its place in ``rpc``, the order the log names them), host for every host buffer."""
+    if name in rpc:
+        return f"GPU{rpc.index(name)}"
     m = GPU_NAME.match(name)
     return f"GPU{m['i']}" if m else "host"
 
 
-def by_device(buffers: dict[str, int]) -> dict[str, int]:
+def by_device(buffers: dict[str, int], rpc: tuple[str, ...] = ()) -> dict[str, int]:
     out: dict[str, int] = {}
     for name, b in buffers.items():
-        out[device_of(name)] = out.get(device_of(name), 0) + b
+        out[device_of(name, rpc)] = out.get(device_of(name, rpc), 0) + b
     return out
 
 
@@ -254,20 +266,23 @@ def run_row(row: dict, corpus_dir: Path) -> RowResult:
         return res
     res.notes = list(est.notes)
     rid = row["id"]
+    rpc = tuple(dict.fromkeys(n for d in (logged.model_buffer_bytes, logged.kv_buffer_bytes,
+                                          logged.compute_buffer_bytes) for n in d if n.startswith("RPC[")))
     if logged.n_ctx is not None:
         res.compared.append(Compared(rid, "n_ctx", "all", logged.n_ctx, est.n_ctx))
-    kv_logged, kv_pred = by_device(logged.kv_buffer_bytes), by_device(est.kv_buffer_bytes)
+    kv_logged, kv_pred = by_device(logged.kv_buffer_bytes, rpc), by_device(est.kv_buffer_bytes)
     for dev in sorted(kv_logged):
         res.compared.append(Compared(rid, "KV", dev, kv_logged[dev], kv_pred.get(dev, 0)))
     if not logged.kv_buffer_bytes and logged.kv_size_bytes:
         res.compared.append(Compared(rid, "KV", "all", logged.kv_size_bytes, sum(est.kv_buffer_bytes.values())))
     if logged.output_buffer_bytes is not None:
-        res.compared.append(Compared(rid, "output", device_of(logged.output_buffer), logged.output_buffer_bytes,
+        res.compared.append(Compared(rid, "output", device_of(logged.output_buffer, rpc), logged.output_buffer_bytes,
                                      est.output_buffer_bytes))
-    c_logged, c_pred = by_device(logged.compute_buffer_bytes), by_device(est.compute_buffer_bytes)
+    c_logged, c_pred = by_device(logged.compute_buffer_bytes, rpc), by_device(est.compute_buffer_bytes)
     for dev in sorted(c_logged):
-        res.compared.append(Compared(rid, "compute", dev, c_logged[dev], c_pred.get(dev)))
-    m_logged, m_pred = by_device(logged.model_buffer_bytes), by_device(est.model_buffer_bytes)
+        res.compared.append(Compared(rid, "compute", dev, c_logged[dev], c_pred.get(dev, 0),
+                                     "" if dev in c_pred else "vramcal prices no compute buffer on this device"))
+    m_logged, m_pred = by_device(logged.model_buffer_bytes, rpc), by_device(est.model_buffer_bytes)
     full_offload = est.n_gpu_layers == est.n_layer + 1 and not est.kv_buffer_bytes.get("CPU")
     for dev in sorted(m_logged):
         if not tensors:
@@ -346,16 +361,20 @@ def render(results: list[RowResult], sources_md: str) -> str:
     lines = ["## llama.cpp: startup logs others published", "",
              f"{len(results)} llama.cpp startups whose logs people pasted publicly "
              f"(`benchmarks/published/llamacpp/corpus.csv`, the verbatim excerpts in `logs/`, sources in "
-             f"`{sources_md}`), builds from early 2024 to 2026, on CUDA, Metal, Vulkan and the CPU. The GGUF "
+             f"`{sources_md}`), builds from early 2024 to 2026, on CUDA, Metal, Vulkan, RPC and the CPU. The GGUF "
              "files are not here: each header is rebuilt from what the log printed (the loader's metadata dump, "
              "`print_info`), or where an excerpt printed no hyper-parameters, from the model's config named in the "
              "row; vramcal's `estimate_llamacpp` prices it with the run's flags, and every buffer the log printed "
              "is compared device by device (GPU0, GPU1 ..., host). Generated by "
              "`python benchmarks/published_llamacpp.py`. Nothing is fitted to these rows.", "",
-             "| term | buffers compared | median abs error | worst |", "| --- | ---: | ---: | ---: |"]
+             "| term | buffers compared | equal (to the log's 0.01 MiB) | within 3 % | median abs error | worst |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    comps = [c for r in ok for c in r.compared if c.err_pct is not None]
     for t in TERMS:
         m, w, n = med[t]
-        lines.append(f"| {t} | {n} | {_pct(m)} | {_pct(w)} |")
+        eq = sum(1 for c in comps if c.term == t and c.err_pct == 0)
+        close = sum(1 for c in comps if c.term == t and abs(c.err_pct) <= 3.0)
+        lines.append(f"| {t} | {n} | {eq} | {close} | {_pct(m)} | {_pct(w)} |")
     not_model = sum(1 for r in ok for c in r.compared if c.term == "model" and c.predicted is None)
     lines += ["", f"Model buffers are compared only where the file is of one type (every matrix Q8_0 or Q6_K, F32 "
               f"norms) and its tensor list, rebuilt from the hyper-parameters, has the loader's own count per type; "
@@ -384,34 +403,40 @@ def render(results: list[RowResult], sources_md: str) -> str:
 # What the rows show, written from the table above and kept beside the code that prints it, so that a change
 # of the figures that contradicts a sentence shows in the same diff (tests/test_published_llamacpp.py pins them).
 MISSES = [
-    "- **n_ctx and KV**: every logged n_ctx, and 18 of the 20 KV buffers, equal to the log's 0.01 MiB -- "
+    "- **n_ctx and KV**: every logged n_ctx, and 21 of the 24 KV buffers, equal to the log's 0.01 MiB -- "
     "sliding-window caches (gemma2 on the CPU, gpt-oss on Metal), a q8_0 cache over two GPUs at `-ts 10,6` "
-    "(lc15), a split by free memory (lc13), a partial offload (lc03). The cache arithmetic has not changed since "
-    "2024, only the names of the functions that print it. The miss is lc02 (early 2024): `-ngl 25` then put 25 "
-    "*repeating* layers on the GPU and the output layer only past n_layer, where today the output layer counts "
-    "first (24 repeating layers + the output): one layer's KV on the other side of its two buffers (-4.0 % / "
-    "+14.3 %).",
-    "- **Output**: 12 of 15 equal. The three misses asked for embeddings beside the logits, `(n_vocab + "
+    "(lc15), splits by free memory over two GPUs (lc13) and two RPC servers (lc18), a partial offload (lc03). "
+    "The misses are versions: lc02 (early 2024), where `-ngl 25` put 25 *repeating* layers on the GPU and the "
+    "output layer only past n_layer, where today the output layer counts first (24 repeating layers + the "
+    "output), so one layer's KV sits on the other side of its two buffers (-4.0 % / +14.3 %); and lc17 (early "
+    "2025), whose build kept a full-size cache for gemma3's sliding-window layers, where today's keeps "
+    "`n_swa + n_ubatch` cells (-74 %).",
+    "- **Output**: 15 of 18 equal. The three misses asked for embeddings beside the logits, `(n_vocab + "
     "n_embd)` floats per output, which vramcal has no flag for: Ollama's runner (lc04: 4 x (128256 + 4096) x 4 "
     "bytes = 2.02 MiB), `--embedding` (lc05: 0.59 MiB), and GritLM, whose 2024 build also reserved a whole batch "
     "of outputs ((32000 + 4096) x 512 x 4 = 70.50 MiB). lc06's build printed an *input* buffer instead.",
-    "- **Model**: compared for the two single-type files only. Qwen3-Coder-30B Q8_0 on CUDA (lc01): 30,658.12 and "
-    "315.30 MiB, equal; DeepSeek-R1-Distill-Qwen-1.5B Q6_K on Vulkan (lc14): 11 KiB over (0.001 %) -- vramcal "
-    "applies CUDA's 512-value row padding, which the Vulkan backend does not. The 23 buffers of mixed K-quant "
-    "files are not compared: which tensor got which type is llama.cpp's quantize choice, not in the log.",
+    "- **Model**: compared for the three single-type files only. Qwen3-Coder-30B Q8_0 on CUDA (lc01): "
+    "30,658.12 and 315.30 MiB, equal; on Vulkan, gemma-3-1b Q8_0 with its tied output (lc17) 75 KiB over "
+    "(0.007 %) and DeepSeek-R1-Distill-Qwen-1.5B Q6_K (lc14) 11 KiB over (0.001 %): vramcal applies CUDA's "
+    "512-value row padding, which the Vulkan backend does not. The other logs' model buffers (mixed K-quant "
+    "files) are not compared: which tensor got which type is llama.cpp's quantize choice, not in the log.",
     "- **Compute, within 3 %**: the CPU (lc07 gemma2 with two caches: equal; lc08 +0.7 %, lc09 +1.4 %, lc11 "
-    "-1.7 %) and a full GPU offload on builds that lay the cache out as today's (lc01 qwen3moe +2.7 %, lc05 "
-    "-1.3 %, lc10 0.0 %, lc12 gpt-oss on Metal -2.7 %, lc13 -0.2 % on both GPUs, lc14 Vulkan +2.0 %, lc16 "
-    "+0.2 %). The GPU host's buffer is the graph's inputs (the f32 KQ mask above all): equal where the build has "
-    "today's inputs (lc01 132.01 MiB, lc05 -0.1 %, lc12 -2.1 %); builds before `set_rows` (mid-2025) show no KV "
-    "index inputs (their host buffers are the other inputs' sum to the 0.01 MiB), so without flash attention "
-    "vramcal is over by `n_ubatch x n_embd_v_gqa` int64 (lc10 +86 %, lc16 +19 %, lc13 +5.6 %, lc14 +5.3 %).",
+    "-1.7 %), two RPC servers and their host (lc18: all three equal), and a full GPU offload on builds that "
+    "lay the cache out as today's (lc01 qwen3moe +2.7 %, lc05 -1.3 %, lc10 0.0 %, lc12 gpt-oss on Metal "
+    "-2.7 %, lc13 -0.2 % on both GPUs, lc14 Vulkan +2.0 %, lc16 +0.2 %, lc17 +0.4 %). The GPU host's buffer is "
+    "the graph's inputs (the f32 KQ mask above all): equal where the build has today's inputs (lc01 132.01 "
+    "MiB, lc18, lc05 -0.1 %, lc12 -2.1 %); builds before `set_rows` (mid-2025) show no KV index inputs (their "
+    "host buffers are the other inputs' sum to the 0.01 MiB), so without flash attention vramcal is over by "
+    "`n_ubatch x n_embd_v_gqa` int64 (lc10 +86 %, lc16 +19 %, lc13 +5.6 %, lc14 +5.3 %).",
     "- **Compute, misses**: 2024 builds (lc02 +66 % / +29 %, with the old `-ngl` placement; lc06 +9.8 %, and "
-    "+250 % on the host, where that build kept a separate 13.02 MiB input buffer); a shared cache (lc04 -52 %: "
-    "that build kept one cache of 8192 cells for its 4 sequences, so each ubatch's KQ spans 8192 cells, where "
-    "vramcal prices today's 4 streams of 2048); pipeline parallelism (lc15, `n_copies=4`, not modelled: -50 % / "
-    "-33 % / -72 %); a partial offload (lc03: its GPU buffer +7.5 %, its host +208 %: vramcal replays the CPU "
-    "layers' whole graph on the host, llama.cpp's CPU split is smaller). These are left as misses.",
+    "+250 % on the host, where that build kept a separate 13.02 MiB input buffer); lc17's full-size sliding "
+    "window (both of its KQ masks 8192 cells wide: host -35 %); a shared cache (lc04 -52 %: that build kept one "
+    "cache of 8192 cells for its 4 sequences, so each ubatch's KQ spans 8192 cells, where vramcal prices "
+    "today's 4 streams of 2048); pipeline parallelism (lc15, `n_copies=4`, not modelled: -50 % / -33 % / "
+    "-72 %); a partial offload (lc03: its GPU buffer +7.5 %, its host +208 %: vramcal replays the CPU layers' "
+    "whole graph on the host, llama.cpp's CPU split is smaller); and no layer offloaded with a GPU present "
+    "(lc19: llama.cpp still reserves 24 MiB on the GPU and a host buffer for the weights it copies there for "
+    "large batches, which vramcal prices as none: -100 % / -45 %). These are left as misses.",
 ]
 
 

@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from ...units import MIB
 
 _NUM = r"[\d]+(?:[.,]\d+)?"
-_BUF = r"(?P<name>[A-Za-z_][\w]*)\s+{kind} buffer size\s*=\s*(?P<mib>" + _NUM + r")\s*MiB"
+_NAME = r"(?P<name>RPC\[[^\]]*\]|[A-Za-z_][\w]*)"  # a backend's buffer: CUDA0, CPU_Mapped, RPC[host:port] ...
+_BUF = _NAME + r"\s+{kind} buffer size\s*=\s*(?P<mib>" + _NUM + r")\s*MiB"
 MODEL = re.compile(_BUF.format(kind="model"))
 # llm_load_tensors before the word "model" (2024): "llm_load_tensors:        CPU buffer size = ..."
-MODEL_OLD = re.compile(r"load_tensors:\s+(?P<name>[A-Za-z_][\w]*)\s+buffer size\s*=\s*(?P<mib>" + _NUM + r")\s*MiB")
+MODEL_OLD = re.compile(r"load_tensors:\s+" + _NAME + r"\s+buffer size\s*=\s*(?P<mib>" + _NUM + r")\s*MiB")
 KV = re.compile(_BUF.format(kind="KV"))
 COMPUTE = re.compile(_BUF.format(kind="compute"))
 OUTPUT = re.compile(_BUF.format(kind="output"))
