@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .buffers import CPU_ALIGN, CUDA_ALIGN, Context, Hparams, LlamaArgs, Placement, row_size
+from .buffers import CPU_ALIGN, CUDA_ALIGN, Context, Hparams, LlamaArgs, Placement, row_size, swa_cells
 from .gguf_file import GgufModel
 
 F32, F16, I32, I64 = 4, 2, 4, 8
@@ -191,12 +191,9 @@ def build_graph(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, n_tokens: in
     # and never freed, as every graph input is
     g.input(E * T * F32)
     pos = g.input(T * I32)
-    swa = any(h.is_swa)
     n_kv_base = c.n_ctx_seq
-    n_kv_swa = None
-    if swa:
-        n_kv_swa = c.n_ctx_seq if a.swa_full else min(
-            c.n_ctx_seq, -(-(h.n_swa * (c.n_seq_max if a.kv_unified else 1) + c.n_ubatch) // 256) * 256)
+    n_kv_swa = swa_cells(h, a, c)
+    swa = n_kv_swa is not None
     streams = c.n_stream
     per_stream = T // streams if T % streams == 0 else T
 
@@ -325,12 +322,8 @@ def host_inputs(h: Hparams, a: LlamaArgs, c: Context, n_tokens: int, n_outputs: 
     T = n_tokens
     pad = lambda n: -(-n // CPU_ALIGN) * CPU_ALIGN  # noqa: E731
     total = pad(T * I32) * 2 + pad(h.n_embd * T * F32) + pad(n_outputs * I32)
-    swa = any(h.is_swa)
     v_max = max((h.n_embd_v_gqa(il) for il in range(h.n_layer)), default=0)
-    cells = [c.n_ctx_seq]
-    if swa:
-        cells.append(c.n_ctx_seq if a.swa_full else min(
-            c.n_ctx_seq, -(-(h.n_swa * (c.n_seq_max if a.kv_unified else 1) + c.n_ubatch) // 256) * 256))
+    cells = [n for n in (c.n_ctx_seq, swa_cells(h, a, c)) if n is not None]
     per_stream = T // c.n_stream if T % c.n_stream == 0 else T
     for n_kv in cells:
         total += pad(n_kv * per_stream * c.n_stream * F32)
