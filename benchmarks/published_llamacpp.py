@@ -220,7 +220,7 @@ def args_of(row: dict):
                      n_parallel=int(row["n_parallel"]), kv_unified=row["kv_unified"] == "True",
                      flash_attn=row["flash_attn"], cache_type_k=row["cache_type_k"], cache_type_v=row["cache_type_v"],
                      n_batch=int(row["n_batch"]), n_ubatch=int(row["n_ubatch"]), tensor_split=ts,
-                     overrides=overrides, n_gpus=int(row["n_gpus"]),
+                     overrides=overrides, n_gpus=int(row["n_gpus"]), use_mmap=row.get("use_mmap", "True") == "True",
                      gpu_backend=row["backend"] if row["backend"] != "CPU" else "CUDA")
 
 
@@ -346,6 +346,8 @@ def _flags(row: dict) -> str:
         a.append(f"-ts {row['tensor_split'].replace(';', ',')}")
     if row.get("overrides"):
         a.append(f"-ot {row['overrides']}")
+    if row.get("use_mmap") == "False":
+        a.append("--no-mmap")
     return " ".join(a)
 
 
@@ -403,17 +405,19 @@ def render(results: list[RowResult], sources_md: str) -> str:
 # What the rows show, written from the table above and kept beside the code that prints it, so that a change
 # of the figures that contradicts a sentence shows in the same diff (tests/test_published_llamacpp.py pins them).
 MISSES = [
-    "- **n_ctx and KV**: every logged n_ctx, and 21 of the 24 KV buffers, equal to the log's 0.01 MiB -- "
-    "sliding-window caches (gemma2 on the CPU, gpt-oss on Metal), a q8_0 cache over two GPUs at `-ts 10,6` "
-    "(lc15), splits by free memory over two GPUs (lc13) and two RPC servers (lc18), a partial offload (lc03). "
+    "- **n_ctx and KV**: every logged n_ctx, and 23 of the 26 KV buffers, equal to the log's 0.01 MiB -- "
+    "sliding-window caches (gemma2 on the CPU, gpt-oss on Metal), q8_0 caches over two GPUs at `-ts 10,6` "
+    "(lc15) and half on the CPU (lc20), splits by free memory over two GPUs (lc13) and two RPC servers (lc18), "
+    "a partial offload (lc03). "
     "The misses are versions: lc02 (early 2024), where `-ngl 25` put 25 *repeating* layers on the GPU and the "
     "output layer only past n_layer, where today the output layer counts first (24 repeating layers + the "
     "output), so one layer's KV sits on the other side of its two buffers (-4.0 % / +14.3 %); and lc17 (early "
     "2025), whose build kept a full-size cache for gemma3's sliding-window layers, where today's keeps "
     "`n_swa + n_ubatch` cells (-74 %).",
-    "- **Output**: 15 of 18 equal. The three misses asked for embeddings beside the logits, `(n_vocab + "
+    "- **Output**: 15 of 19 equal. The four misses asked for embeddings beside the logits, `(n_vocab + "
     "n_embd)` floats per output, which vramcal has no flag for: Ollama's runner (lc04: 4 x (128256 + 4096) x 4 "
-    "bytes = 2.02 MiB), `--embedding` (lc05: 0.59 MiB), and GritLM, whose 2024 build also reserved a whole batch "
+    "bytes = 2.02 MiB; lc20: 0.60 MiB), `--embedding` (lc05: 0.59 MiB), and GritLM, whose 2024 build also "
+    "reserved a whole batch "
     "of outputs ((32000 + 4096) x 512 x 4 = 70.50 MiB). lc06's build printed an *input* buffer instead.",
     "- **Model**: compared for the three single-type files only. Qwen3-Coder-30B Q8_0 on CUDA (lc01): "
     "30,658.12 and 315.30 MiB, equal; on Vulkan, gemma-3-1b Q8_0 with its tied output (lc17) 75 KiB over "
@@ -433,10 +437,12 @@ MISSES = [
     "window (both of its KQ masks 8192 cells wide: host -35 %); a shared cache (lc04 -52 %: that build kept one "
     "cache of 8192 cells for its 4 sequences, so each ubatch's KQ spans 8192 cells, where vramcal prices "
     "today's 4 streams of 2048); pipeline parallelism (lc15, `n_copies=4`, not modelled: -50 % / -33 % / "
-    "-72 %); a partial offload (lc03: its GPU buffer +7.5 %, its host +208 %: vramcal replays the CPU layers' "
-    "whole graph on the host, llama.cpp's CPU split is smaller); and no layer offloaded with a GPU present "
-    "(lc19: llama.cpp still reserves 24 MiB on the GPU and a host buffer for the weights it copies there for "
-    "large batches, which vramcal prices as none: -100 % / -45 %). These are left as misses.",
+    "-72 %); and op offload: with a GPU present, llama.cpp runs the matrix products of the layers left on the "
+    "CPU on the GPU for a ubatch of 32 tokens or more, copying their weights into the GPU's compute buffer, so "
+    "its CPU split is small and its GPU buffer bigger, where vramcal replays the CPU layers' graph on the host "
+    "(lc03: GPU +7.5 %, host +208 %; lc20, whose output matrix stayed on the CPU: GPU -65 %, host +707 %; "
+    "lc19, no layer offloaded: 24 MiB on the GPU that vramcal prices as none, host -45 %). These are "
+    "left as misses.",
 ]
 
 
