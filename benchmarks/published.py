@@ -239,10 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(ok)} of {len(rows)} rows: vramcal median {_pct(v[0])}, p95 {_pct(v[1])}; "
           f"formula median {_pct(f[0])}", file=sys.stderr)
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    if corpus.resolve() == DEFAULT_CORPUS.resolve():  # a full regeneration: the vLLM engine's corpus too
+    if corpus.resolve() == DEFAULT_CORPUS.resolve():  # a full regeneration: the vLLM and llama.cpp corpora too
+        import published_llamacpp
         import published_vllm
 
         published_vllm.main(["--out-dir", str(out)])
+        published_llamacpp.main(["--out-dir", str(out)])
     if not args.no_report:
         import report
 

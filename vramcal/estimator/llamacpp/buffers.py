@@ -142,6 +142,7 @@ class Hparams:
     n_ff: tuple[int, ...]
     n_swa: int
     is_swa: tuple[bool, ...]
+    n_ff_exp: int = 0  # expert_feed_forward_length: the experts' width where it differs from the dense one
 
     def n_embd_k_gqa(self, il: int) -> int:
         return self.n_embd_head_k * self.n_head_kv[il]
@@ -193,7 +194,8 @@ def hparams_of(m: GgufModel) -> Hparams:
                    n_vocab=int(n_vocab), n_expert=int(m.get(".expert_count", 0) or 0),
                    n_expert_used=int(m.get(".expert_used_count", 0) or 0),
                    n_ff=_per_layer(ff if ff is not None else 0, n_layer, "feed_forward_length"),
-                   n_swa=n_swa, is_swa=is_swa if any(is_swa) else (False,) * n_layer)
+                   n_swa=n_swa, is_swa=is_swa if any(is_swa) else (False,) * n_layer,
+                   n_ff_exp=int(m.get(".expert_feed_forward_length", 0) or 0))
 
 
 @dataclass(frozen=True)
@@ -438,18 +440,26 @@ def model_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, p: Placement) -> tuple
     return out, notes
 
 
+def swa_cells(h: Hparams, a: LlamaArgs, c: Context) -> int | None:
+    """The sliding-window cache's cells (llama-kv-cache-iswa.cpp): ``pad(min(cells, n_swa x (unified ? np : 1)
+    + n_ubatch), 256)``, every cell with ``--swa-full``; ``None`` for a model without sliding-window layers."""
+    if not any(h.is_swa):
+        return None
+    if a.swa_full:
+        return c.n_ctx_seq
+    return pad(min(c.n_ctx_seq, h.n_swa * (c.n_seq_max if a.kv_unified else 1) + c.n_ubatch), 256)
+
+
 def kv_buffers(h: Hparams, a: LlamaArgs, c: Context, p: Placement) -> tuple[dict[str, int], list[dict], list[str]]:
     """Each KV cache's buffers (llama_kv_cache per cache, one buffer per device)."""
     notes: list[str] = []
     if h.arch in RECURRENT_ARCHS or h.arch in NOT_MODELLED_KV:
         raise UserError(f"{h.arch}: its recurrent / latent-attention state is not modelled yet by vramcal's "
                         "llama.cpp engine (docs/llamacpp.md says which architectures are)")
-    swa = any(h.is_swa)
     caches = []
     groups = [("base", [il for il in range(h.n_layer) if not h.is_swa[il]], c.n_ctx_seq)]
-    if swa:
-        size_swa = c.n_ctx_seq if a.swa_full else \
-            pad(min(c.n_ctx_seq, h.n_swa * (c.n_seq_max if a.kv_unified else 1) + c.n_ubatch), 256)
+    size_swa = swa_cells(h, a, c)
+    if size_swa is not None:
         groups.append(("swa", [il for il in range(h.n_layer) if h.is_swa[il]], size_swa))
     total: dict[str, int] = {}
     for label, layers, cells in groups:

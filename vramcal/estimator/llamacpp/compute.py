@@ -17,15 +17,18 @@ without --, the KV row indices) are allocated first, as ggml allocates graph inp
 
 Where the graph runs on several devices (a partial -ngl, several GPUs) ggml's scheduler cuts it into
 splits per backend and copies tensors between them; that is priced as each device's own layers'
-graph, plus the CPU-side input buffer on the GPU host (``CUDA_Host``), and said in the notes as
-approximate (it has not been checked against a GPU log here).
+graph, plus the graph inputs the scheduler keeps on the GPU host (``CUDA_Host``, :func:`host_inputs`).
+Against published CUDA, Vulkan and Metal logs (docs/validation.md, the llama.cpp section) a full offload's
+GPU buffer is within 3 % wherever the build lays the cache and the ubatch out as today's (2024 builds and a
+shared multi-sequence cache differ); a partial offload's, and the scheduler's copies between devices (and
+pipeline parallelism's), remain approximate and the notes say so.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .buffers import CPU_ALIGN, CUDA_ALIGN, Context, Hparams, LlamaArgs, Placement, row_size
+from .buffers import CPU_ALIGN, CUDA_ALIGN, Context, Hparams, LlamaArgs, Placement, row_size, swa_cells
 from .gguf_file import GgufModel
 
 F32, F16, I32, I64 = 4, 2, 4, 8
@@ -188,12 +191,9 @@ def build_graph(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, n_tokens: in
     # and never freed, as every graph input is
     g.input(E * T * F32)
     pos = g.input(T * I32)
-    swa = any(h.is_swa)
     n_kv_base = c.n_ctx_seq
-    n_kv_swa = None
-    if swa:
-        n_kv_swa = c.n_ctx_seq if a.swa_full else min(
-            c.n_ctx_seq, -(-(h.n_swa * (c.n_seq_max if a.kv_unified else 1) + c.n_ubatch) // 256) * 256)
+    n_kv_swa = swa_cells(h, a, c)
+    swa = n_kv_swa is not None
     streams = c.n_stream
     per_stream = T // streams if T % streams == 0 else T
 
@@ -268,6 +268,7 @@ def build_graph(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, n_tokens: in
         x = g.op("mul", E * T * F32, x)
         F = h.n_ff[il]
         if h.n_expert:
+            F = h.n_ff_exp or F  # qwen2moe / qwen3moe / gpt-oss read expert_feed_forward_length (llama-model.cpp)
             k_used, n_exp = h.n_expert_used, h.n_expert
             logits = g.op("mul_mat", n_exp * T * F32, x)
             probs = g.op("soft_max", logits.nbytes, logits)
@@ -307,6 +308,29 @@ def build_graph(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, n_tokens: in
     return g
 
 
+def host_inputs(h: Hparams, a: LlamaArgs, c: Context, n_tokens: int, n_outputs: int) -> int:
+    """The GPU host's compute buffer when the layers are on the GPU: ggml's scheduler assigns every tensor
+    flagged as a graph input to the last backend, the CPU (ggml-backend.c ``ggml_backend_sched_split_graph``),
+    and copies it to the GPU from there; the token embeddings' ``get_rows`` runs beside ``token_embd``, which
+    stays on the CPU. So the host holds: the token ids and positions, the embeddings ``[n_embd, n_tokens]``
+    f32, the KV row indices, each KQ mask as llama-graph.cpp creates it -- f32 ``[n_kv, n_tokens]`` (flash
+    attention casts it to f16 on the device) --, and the output ids. Inputs are never freed, so the buffer
+    is their sum, each aligned to 32 bytes. Checked against published CUDA, Vulkan and Metal logs
+    (docs/validation.md, the llama.cpp section): equal to the log's 0.01 MiB on builds from late 2025; older
+    builds (before ``set_rows``, mid-2025) had no index inputs, which is up to ``n_tokens x n_embd_v_gqa``
+    int64 less without flash attention."""
+    T = n_tokens
+    pad = lambda n: -(-n // CPU_ALIGN) * CPU_ALIGN  # noqa: E731
+    total = pad(T * I32) * 2 + pad(h.n_embd * T * F32) + pad(n_outputs * I32)
+    v_max = max((h.n_embd_v_gqa(il) for il in range(h.n_layer)), default=0)
+    cells = [n for n in (c.n_ctx_seq, swa_cells(h, a, c)) if n is not None]
+    per_stream = T // c.n_stream if T % c.n_stream == 0 else T
+    for n_kv in cells:
+        total += pad(n_kv * per_stream * c.n_stream * F32)
+        total += pad(T * I64) + pad(T * (1 if c.flash_attn else v_max) * I64)
+    return total
+
+
 def compute_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, p: Placement) \
         -> tuple[dict[str, int], str, list[str]]:
     """Each backend's compute buffer, the method, notes."""
@@ -338,7 +362,7 @@ def compute_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, p: Place
         out[f"{a.gpu_backend}{g_idx}"] = peak(CUDA_ALIGN, layers, has_out)
     cpu_layers = [il for il in range(h.n_layer) if p.layers[il] is None]
     host_name = f"{a.gpu_backend}_Host"
-    host = h.n_embd * n_tokens * F32 + 2 * n_tokens * I32  # the input embeddings, tokens and positions
+    host = max(host_inputs(h, a, c, t, o) for t, o in ((n_tokens, n_outputs), (c.n_seq_max, c.n_seq_max)))
     if cpu_layers or p.output is None:
         host = max(host, peak(CPU_ALIGN, range(cpu_layers[0], cpu_layers[-1] + 1) if cpu_layers else range(0),
                               p.output is None))
@@ -346,6 +370,6 @@ def compute_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, p: Place
                      "copies between devices (and weights it offloads to the GPU for large batches) are not "
                      "priced -- approximate")
     out[host_name] = host
-    notes.append("GPU compute buffers follow the same replay with CUDA's 128-byte alignment; not yet checked "
-                 "against a GPU log")
+    notes.append("GPU compute buffers follow the same replay with CUDA's 128-byte alignment (held against "
+                 "published GPU logs: docs/validation.md, the llama.cpp section)")
     return out, method, notes
