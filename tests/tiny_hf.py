@@ -59,7 +59,8 @@ def write_tokenizer(folder: Path, n_vocab: int) -> None:
     tok.add_special_tokens(specials)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "pad_token": "</s>"}))  # every special token named: a class default (Qwen2's <|endoftext|>) would add one
 
 
 def save_model(folder: Path, config: dict) -> None:
