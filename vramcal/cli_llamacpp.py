@@ -212,6 +212,9 @@ def model_header(args, io=None):
 
     progress = io.progress() if io is not None else None
     type_name = getattr(args, "type_name", None)
+    if args.model is None:
+        raise UserError("--engine llama.cpp needs a GGUF file, or an HF config with --type: `vramcal estimate --engine "
+                        "llama.cpp FILE.gguf -c 8192 -ngl 99`, `... llama-3.1-8b --type Q4_K_M`")
     if type_name is None:
         if getattr(args, "imatrix", None):
             raise UserError("--imatrix goes with --type (a model priced from its config as a GGUF of that type)")
