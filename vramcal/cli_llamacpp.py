@@ -218,7 +218,16 @@ def model_header(args, io=None):
     if type_name is None:
         if getattr(args, "imatrix", None):
             raise UserError("--imatrix goes with --type (a model priced from its config as a GGUF of that type)")
-        return read_gguf(args.model, getattr(args, "file", None), hub_options(args, progress))
+        try:
+            return read_gguf(args.model, getattr(args, "file", None), hub_options(args, progress))
+        except UserError as exc:
+            from .estimator.resolve import catalog_names
+
+            p = Path(args.model).expanduser()
+            if args.model in catalog_names() or (p / "config.json").is_file() or p.name == "config.json":
+                raise UserError(f"{exc}; {args.model} is an HF config: add --type Q4_K_M (or Q8_0, IQ4_XS, F16 ...) "
+                                "to price it as that GGUF before download") from None
+            raise
     from .estimator.llamacpp.from_config import file_type, header_for
     from .estimator.resolve import resolve_model
 

@@ -645,7 +645,8 @@ def llamacpp_table(e) -> str:
             f"offloaded {e.n_gpu_layers}/{e.n_layer + 1} layers")
     rev = [f"revision {e.revision} (the Hub commit whose GGUF header was priced; no tensor data was read)"] \
         if e.revision and not e.priced_from else []
-    lines = [head, *rev, *priced_from_lines(e.priced_from, e.revision), "", "what llama.cpp will print"] + ["  " + ln for ln in e.log_lines()]
+    lines = [head, *rev, *priced_from_lines(e.priced_from, e.revision), "", "what llama.cpp will print"]
+    lines += ["  " + ln for ln in e.log_lines()]
     if e.kv_caches:
         lines += [f"  llama_kv_cache: {c['cache']}: {c['cells']:,} cells, {c['layers']} layers, "
                   f"{c['streams']} stream(s), K {c['k_bytes'] / MIB:.2f} MiB, V {c['v_bytes'] / MIB:.2f} MiB"
