@@ -43,6 +43,35 @@ CONFIGS = {
                  "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
 
+# the other modelled architectures, converted and compared only on request (VRAMCAL_HF2GGUF_ALL=1): each
+# was checked once this way (docs/llamacpp.md), the suite's time allows three
+MORE_CONFIGS = {
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 256,
+               "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 64, "vocab_size": 512, "max_position_embeddings": 4096, "sliding_window": 256,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 64},
+    "gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 256,
+               "intermediate_size": 512, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 1,
+               "head_dim": 64, "vocab_size": 512, "max_position_embeddings": 4096, "sliding_window": 256,
+               "query_pre_attn_scalar": 64},
+    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 256,
+                "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+                "vocab_size": 512, "max_position_embeddings": 4096, "sliding_window": None},
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 256,
+                "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+                "vocab_size": 512, "max_position_embeddings": 4096, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256,
+              "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 64, "vocab_size": 512, "max_position_embeddings": 4096, "tie_word_embeddings": True},
+    "qwen2moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 256,
+                 "intermediate_size": 512, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 512,
+                 "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
+                 "num_experts_per_tok": 2, "vocab_size": 512, "max_position_embeddings": 4096,
+                 "tie_word_embeddings": False},
+}
+MORE_JOBS = ("gemma2:Q4_K_M,IQ4_XS", "gemma3:Q4_K_M,Q5_K_S", "mistral:Q4_K_M,Q6_K", "mixtral:Q4_K_M,Q3_K_M",
+             "qwen3:Q4_K_M,Q5_K_M", "qwen2moe:Q4_K_M,Q4_K_S")
+
 
 def write_tokenizer(folder: Path, n_vocab: int) -> None:
     """A Llama-style BPE tokenizer.json (byte fallback, the Sequence decoder LlamaHfVocab looks for)."""
@@ -118,7 +147,7 @@ def main(out: str, src: str, *jobs: str) -> None:
         arch, _, types = job.partition(":")
         folder = root / arch
         folder.mkdir(parents=True, exist_ok=True)
-        save_model(folder, CONFIGS[arch])
+        save_model(folder, {**CONFIGS, **MORE_CONFIGS}[arch])
         f16 = root / f"{arch}-F16.gguf"
         convert(folder, f16, Path(src))
         for t in filter(None, types.split(",")):

@@ -195,7 +195,7 @@ def _layout(arch: str, tc: dict, n_vocab: int) -> tuple[list[_Spec], dict]:
             add(T.FFN_DOWN_EXP, (F_exp, E, n_exp), i)
             if arch == "qwen2moe" and tc.get("shared_expert_intermediate_size"):
                 Fs = int(tc["shared_expert_intermediate_size"])
-                add(T.FFN_GATE_INP_SHEXP, (E, 1), i)
+                add(T.FFN_GATE_INP_SHEXP, (E, 1), i)  # HF's [1, n_embd] gate
                 add(T.FFN_GATE_SHEXP, (E, Fs), i)
                 add(T.FFN_UP_SHEXP, (E, Fs), i)
                 add(T.FFN_DOWN_SHEXP, (Fs, E), i)
@@ -530,7 +530,10 @@ def header_for(config: dict, type_name: str, *, name: str | None = None, imatrix
         for d in s.shape[1:]:
             rows *= d
         nbytes = rows * row_size(t, s.shape[0])
-        tensors.append(GgufTensor(s.name, t, int(gguf.GGMLQuantizationType[t]), s.shape, nbytes, 0, offset))
+        # llama-quantize writes each tensor with ggml_n_dims dimensions (a trailing 1 dropped); the converter
+        # keeps the PyTorch shape
+        shape = s.shape if ftype in CONVERTER_TYPES else s.shape[:_n_dims(s.shape)]
+        tensors.append(GgufTensor(s.name, t, int(gguf.GGMLQuantizationType[t]), shape, nbytes, 0, offset))
         offset += (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
     label = name or str(config.get("_name_or_path") or arch)
     ft = gguf.LlamaFileType["ALL_F32" if ftype == "F32" else f"MOSTLY_{ftype}"]
