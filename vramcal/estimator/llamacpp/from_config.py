@@ -111,7 +111,7 @@ class _Spec:
 
 
 def _int(tc: dict, key: str, default=None) -> int:
-    v = tc.get(key, default)
+    v = tc.get(key) if tc.get(key) is not None else default
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise UserError(f"the config's {key} is {v!r}: the GGUF layout needs a whole number")
     return v
@@ -128,7 +128,7 @@ def _layout(arch: str, tc: dict, n_vocab: int) -> tuple[list[_Spec], dict]:
     import gguf
 
     T = gguf.MODEL_TENSOR
-    gt = gguf.MODEL_ARCH[{"qwen3moe": "QWEN3MOE", "qwen2moe": "QWEN2MOE"}.get(arch, arch.upper())]
+    gt = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     allowed = set(gguf.MODEL_TENSORS[gt])
     gemma = arch in ("gemma2", "gemma3")
     E = _int(tc, "hidden_size")
