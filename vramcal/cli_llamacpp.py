@@ -21,6 +21,7 @@ LLAMACPP_FLAGS = {
     "kv_unified": "--kv-unified", "cache_type_k": "--cache-type-k", "cache_type_v": "--cache-type-v",
     "flash_attn": "--flash-attn", "batch_size": "--batch-size", "ubatch_size": "--ubatch-size",
     "swa_full": "--swa-full", "no_kv_offload": "--no-kv-offload", "gpu_count": "--gpu-count",
+    "type_name": "--type", "imatrix": "--imatrix",
 }
 
 
@@ -70,6 +71,14 @@ def add_flags(p, command: str) -> None:
                    help="keep the KV cache in the CPU")
     g.add_argument("--gpu-count", dest="gpu_count", type=int, default=None, metavar="N",
                    help="vramcal's: the GPUs llama.cpp would see (default: -ts's length, else this machine's, else 1)")
+    if command in ("estimate", "fit", "probe", "check"):
+        g.add_argument("--type", dest="type_name", default=None, metavar="TYPE",
+                       help="vramcal's: price MODEL's HF config (a catalog name, a folder, a Hub id) as the GGUF of "
+                            "this llama.cpp file type -- Q4_K_M, Q8_0, IQ4_XS, F16 ... -- before any download, each "
+                            "tensor typed by llama-quantize's own rules")
+        g.add_argument("--imatrix", dest="imatrix", action="store_true", default=None,
+                       help="with --type: quantized with an importance matrix (as most published GGUFs are; it "
+                            "changes IQ4_XS, IQ4_NL, Q4_0, Q5_0 and IQ3_XXS choices, and the IQ1/IQ2 types need it)")
 
 
 def flags_used(args) -> list[str]:
@@ -174,14 +183,61 @@ def cmd_estimate(args, io) -> int:
                         "-ngl 99`")
     _refuse_others(args, "estimate")
     a, note = llama_args(args)
-    from .cli import hub_options
-    from .estimator.llamacpp.gguf_file import read_gguf
-
-    e = estimate_llamacpp(read_gguf(args.model, getattr(args, "file", None), hub_options(args, io.progress())), a)
+    e = estimate_llamacpp(model_header(args, io), a)
     if note:
         e.notes.append(note)
     io.out(json.dumps(present.llamacpp_json(e)) if args.json else present.llamacpp_table(e))
     return 0
+
+
+def _is_gguf(spec: str) -> bool:
+    """A path to a GGUF file (by its name, or its first bytes), or a folder holding GGUFs and no config.json."""
+    p = Path(spec).expanduser()
+    if spec.lower().endswith(".gguf"):
+        return True
+    try:
+        if p.is_file():
+            with open(p, "rb") as fh:
+                return fh.read(4) == b"GGUF"
+        return p.is_dir() and not (p / "config.json").exists() and any(p.glob("*.gguf"))
+    except OSError:
+        return False
+
+
+def model_header(args, io=None):
+    """MODEL's GGUF header: read from the file, or -- with --type -- derived from its HF config as
+    convert_hf_to_gguf.py + llama-quantize TYPE would write it (:func:`~.estimator.llamacpp.from_config.header_for`)."""
+    from .cli import hub_options
+    from .estimator.llamacpp.gguf_file import read_gguf
+
+    progress = io.progress() if io is not None else None
+    type_name = getattr(args, "type_name", None)
+    if args.model is None:
+        raise UserError("--engine llama.cpp needs a GGUF file, or an HF config with --type: `vramcal estimate --engine "
+                        "llama.cpp FILE.gguf -c 8192 -ngl 99`, `... llama-3.1-8b --type Q4_K_M`")
+    if type_name is None:
+        if getattr(args, "imatrix", None):
+            raise UserError("--imatrix goes with --type (a model priced from its config as a GGUF of that type)")
+        try:
+            return read_gguf(args.model, getattr(args, "file", None), hub_options(args, progress))
+        except UserError as exc:
+            from .estimator.resolve import catalog_names
+
+            p = Path(args.model).expanduser()
+            if args.model in catalog_names() or (p / "config.json").is_file() or p.name == "config.json":
+                raise UserError(f"{exc}; {args.model} is an HF config: add --type Q4_K_M (or Q8_0, IQ4_XS, F16 ...) "
+                                "to price it as that GGUF before download") from None
+            raise
+    from .estimator.llamacpp.from_config import file_type, header_for
+    from .estimator.resolve import resolve_model
+
+    file_type(type_name)  # an unknown type is said before anything is resolved
+    if getattr(args, "file", None) is not None or _is_gguf(args.model):
+        raise UserError(f"--type prices a model from its HF config; {getattr(args, 'file', None) or args.model} is a "
+                        "GGUF file, whose header already gives each tensor's type: drop --type")
+    source = resolve_model(args.model, hub_options(args, progress))
+    return header_for(source.config, type_name, name=source.name, imatrix=bool(getattr(args, "imatrix", False)),
+                      revision=f"{source.name}@{source.revision}" if source.origin == "hub" else None)
 
 
 def cmd_fit(args, io) -> int:
@@ -202,7 +258,7 @@ def cmd_fit(args, io) -> int:
     a, note = llama_args(args)
     if a.n_gpus == 0:
         raise UserError("fit --engine llama.cpp searches what fits the GPUs: drop --device cpu")
-    f = fit_llamacpp(args.model, a, budget - buffer, ctx_given=args.ctx_size is not None,
+    f = fit_llamacpp(model_header(args, io), a, budget - buffer, ctx_given=args.ctx_size is not None,
                      ngl_given=args.n_gpu_layers is not None)
     if note:
         f.notes.append(note)
@@ -224,6 +280,9 @@ def _probe(args, io, *, check: bool) -> int:
     preflight(a.n_gpus if a.n_gpu_layers != 0 else 0)
     if getattr(args, "synthetic", False):
         raise UserError("--synthetic belongs to transformers' probes: a llama.cpp probe loads the GGUF itself")
+    if getattr(args, "type_name", None) is not None or getattr(args, "imatrix", None):
+        raise UserError(f"--type prices a GGUF before download; a {verb} loads the file itself: convert and quantize "
+                        "the model, then give the .gguf (or use `vramcal estimate --engine llama.cpp ... --type`)")
     m = read_gguf(args.model)
     if m.revision is not None:  # only its header is here
         raise UserError(f"{args.model} is on the Hub, not on this machine: a probe loads the file; "

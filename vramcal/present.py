@@ -644,8 +644,9 @@ def llamacpp_table(e) -> str:
             f"n_batch={e.n_batch} n_ubatch={e.n_ubatch}  flash_attn={'on' if e.flash_attn else 'off'}  "
             f"offloaded {e.n_gpu_layers}/{e.n_layer + 1} layers")
     rev = [f"revision {e.revision} (the Hub commit whose GGUF header was priced; no tensor data was read)"] \
-        if e.revision else []
-    lines = [head, *rev, "", "what llama.cpp will print"] + ["  " + ln for ln in e.log_lines()]
+        if e.revision and not e.priced_from else []
+    lines = [head, *rev, *priced_from_lines(e.priced_from, e.revision), "", "what llama.cpp will print"]
+    lines += ["  " + ln for ln in e.log_lines()]
     if e.kv_caches:
         lines += [f"  llama_kv_cache: {c['cache']}: {c['cells']:,} cells, {c['layers']} layers, "
                   f"{c['streams']} stream(s), K {c['k_bytes'] / MIB:.2f} MiB, V {c['v_bytes'] / MIB:.2f} MiB"
@@ -659,8 +660,24 @@ def llamacpp_table(e) -> str:
     return "\n".join(lines)
 
 
+def priced_from_lines(p: dict | None, revision: str | None = None) -> list[str]:
+    """A GGUF priced from its HF config: what it was derived from, and the file's size."""
+    if not p:
+        return []
+    lines = [f"priced from its config, before download: the GGUF convert_hf_to_gguf.py + llama-quantize {p['type']}"
+             f"{' (with an importance matrix)' if p['imatrix'] else ''} would write, each tensor typed by llama.cpp's "
+             f"own per-tensor choice (src/llama-quant.cpp); file {_g(p['file_bytes'])} of tensor data (the header "
+             "adds the vocabulary)"]
+    if revision:
+        lines.append(f"config of {revision} (the Hub commit read)")
+    if p["fallbacks"]:
+        lines.append(f"{len(p['fallbacks'])} tensor(s) fell back to another type (a row not divisible by the "
+                     f"block): {p['fallbacks'][0]}{' ...' if len(p['fallbacks']) > 1 else ''}")
+    return lines
+
+
 def llamacpp_fit_table(f, budget: int, buffer: int) -> str:
-    lines = [f"{f.model}  budget {_g(budget)} per GPU, {_g(buffer)} kept free"]
+    lines = [f"{f.model}  budget {_g(budget)} per GPU, {_g(buffer)} kept free", *priced_from_lines(f.priced_from)]
     if not f.fits:
         lines.append("  nothing fits: " + (f.note or ""))
     else:

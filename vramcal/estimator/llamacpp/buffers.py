@@ -307,6 +307,8 @@ class LlamaEstimate:
     notes: list[str] = field(default_factory=list)
     estimator_model: str = MODEL_ID
     revision: str | None = None  # owner/repo@commit of a GGUF sized from its Hub header alone
+    # a GGUF not read but derived from an HF config and a file type (.from_config.PricedFrom.to_dict())
+    priced_from: dict | None = None
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes per device (CUDA0 ..., "CPU" for host memory: CPU, CPU_Mapped, CUDA_Host, the output)."""
@@ -329,7 +331,7 @@ class LlamaEstimate:
                 "output_buffer_bytes": self.output_buffer_bytes, "output_buffer": self.output_buffer,
                 "compute_method": self.compute_method, "weights_bytes": self.weights_bytes,
                 "weight_types": dict(self.weight_types), "device_bytes": self.device_bytes(),
-                "notes": list(self.notes), "estimator_model": self.estimator_model}
+                "notes": list(self.notes), "estimator_model": self.estimator_model, "priced_from": self.priced_from}
 
     def log_lines(self) -> list[str]:
         """The buffer lines as llama.cpp prints them (MiB, two decimals)."""
@@ -514,4 +516,5 @@ def estimate_llamacpp(spec: str | GgufModel, args: LlamaArgs | None = None) -> L
                          n_gpu_layers=n_gpu, n_layer=h.n_layer, model_buffer_bytes=model, kv_buffer_bytes=kv,
                          kv_caches=caches, compute_buffer_bytes=compute, output_buffer_bytes=out_bytes,
                          output_buffer=out_name, compute_method=method, weights_bytes=m.tensor_bytes,
-                         weight_types=types, notes=[*c.notes, *notes, *kv_notes, *c_notes], revision=m.revision)
+                         weight_types=types, notes=[*c.notes, *notes, *kv_notes, *c_notes], revision=m.revision,
+                         priced_from=m.priced_from.to_dict() if m.priced_from is not None else None)

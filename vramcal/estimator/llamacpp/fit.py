@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from ..runtime import CUDA_DEFAULT
 from .buffers import LlamaArgs, estimate_llamacpp
-from .gguf_file import read_gguf
+from .gguf_file import GgufModel, read_gguf
 
 MIN_CTX = 4096  # llama.cpp's fit_params_min_ctx: the context its own --fit will not go below
 GPU_BUFFER = re.compile(r"^[A-Za-z]+\d+$")
@@ -32,6 +32,7 @@ class LlamaFit:
     args: list[str]
     note: str | None = None
     notes: list[str] = field(default_factory=list)
+    priced_from: dict | None = None  # a GGUF priced from its HF config (.from_config.PricedFrom.to_dict)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -46,8 +47,9 @@ def gpu_totals(e) -> dict[str, int]:
     return out
 
 
-def fit_llamacpp(spec: str, args: LlamaArgs, budget_bytes: int, *, ctx_given: bool, ngl_given: bool) -> LlamaFit:
-    m = read_gguf(spec)
+def fit_llamacpp(spec, args: LlamaArgs, budget_bytes: int, *, ctx_given: bool, ngl_given: bool) -> LlamaFit:
+    """``spec``: a GGUF path (or Hub id) to read, or a :class:`~.gguf_file.GgufModel` already read or derived."""
+    m = spec if isinstance(spec, GgufModel) else read_gguf(spec)
     base = estimate_llamacpp(m, replace(args, ctx_size=256))
     n_layer = base.n_layer
     n_ctx_train = max(256, (base.n_ctx if args.ctx_size else 0) or _ctx_train(m))
@@ -84,12 +86,12 @@ def fit_llamacpp(spec: str, args: LlamaArgs, budget_bytes: int, *, ctx_given: bo
     if chosen is None:
         return LlamaFit(m.name, m.path, False, None, None, n_layer, None, None, {}, "", [],
                         note=f"not even -ngl 0 -c 256 fits {budget_bytes / 1024**3:.2f} GiB per GPU: the compute "
-                             "and the CUDA context alone are more")
+                             "and the CUDA context alone are more", priced_from=base.priced_from)
     ngl, ctx = chosen
     _, e, totals = fits(ngl, ctx)
     argv = ["llama-server", "-m", m.path, "-c", str(ctx), "-ngl", str(ngl)] + _flags(args)
     return LlamaFit(m.name, m.path, True, ngl, e.n_gpu_layers, n_layer, ctx, max(totals.values(), default=0), totals,
-                    shlex.join(argv), argv[1:], notes=list(e.notes))
+                    shlex.join(argv), argv[1:], notes=list(e.notes), priced_from=e.priced_from)
 
 
 def _ctx_train(m) -> int:

@@ -70,6 +70,8 @@ class GgufModel:
     metadata: dict = field(hash=False)  # scalar and short-array fields; tokenizer arrays by length only
     tensors: tuple[GgufTensor, ...] = field(hash=False, default=())
     revision: str | None = None  # owner/repo@commit of a GGUF read from the Hub by its header alone
+    # a header derived from an HF config and a file type, not read from a file (.from_config.PricedFrom)
+    priced_from: object | None = field(default=None, hash=False, compare=False)
 
     def get(self, key: str, default=None):
         """``{arch}.key`` for a key starting with ``.``, else the key itself."""
