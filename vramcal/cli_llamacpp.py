@@ -140,7 +140,7 @@ def llama_args(args, **over):
     """The command line's flags as :class:`LlamaArgs` (validated there; one line on bad input)."""
     from .estimator.llamacpp.buffers import LlamaArgs
 
-    n_gpus, note = _gpu_count(args)
+    n_gpus, note = (over["n_gpus"], None) if "n_gpus" in over else _gpu_count(args)
     a = LlamaArgs(
         ctx_size=0 if args.ctx_size is None else args.ctx_size, n_gpu_layers=_ngl(args.n_gpu_layers),
         tensor_split=_split(args.tensor_split) if args.tensor_split else None, split_mode=args.split_mode or "layer",
@@ -155,6 +155,42 @@ def llama_args(args, **over):
     from dataclasses import replace
 
     return replace(a, **over).validated(), note
+
+
+def cmd_plan(args, io) -> int:
+    """``plan --engine llama.cpp``: the llama-server flags (file, -ngl, --n-cpu-moe, -ts, -ctk/-ctv, -c) for
+    the machine of --hardware (or this one); calibrate/plan_llamacpp.py searches, present.py says it."""
+    from . import present
+    from .calibrate.check import DEFAULT_BUFFER
+    from .calibrate.plan_llamacpp import plan_llamacpp
+    from .cli import _progress
+    from .cli_plan import machine
+    from .units import size_option
+    from .workload import GOALS, choice
+
+    choice(args.goal, GOALS, "--goal")
+    if args.model is None:
+        raise UserError("plan --engine llama.cpp needs a GGUF file or a folder of them")
+    others = [f for f, given in (("--ctx", args.ctx is not None), ("--prompt", args.prompt is not None),
+                                 ("--new-tokens", args.new_tokens is not None), ("--batch", args.batch != 1),
+                                 ("--attn", args.attn != "auto"), ("--db", args.db is not None),
+                                 ("--images", bool(getattr(args, "images", 0))),
+                                 ("--image-size", getattr(args, "image_size", None) is not None),
+                                 ("--gpu-count", args.gpu_count is not None)) if given]
+    if others:
+        raise UserError(f"--engine llama.cpp does not use {', '.join(others)} in plan: its context is -c/--ctx-size, "
+                        "its parallel sequences -np, and its GPUs those of --hardware (or this machine's)")
+    hardware = machine(args, cpu_bandwidth=True)
+    buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
+    a, _ = llama_args(args, n_gpus=len(hardware.gpus))
+    pinned = frozenset(k for k, on in (("ctx", args.ctx_size is not None), ("ngl", args.n_gpu_layers is not None),
+                                       ("moe", args.n_cpu_moe is not None or bool(args.cpu_moe)),
+                                       ("split", args.tensor_split is not None)) if on)
+    result = plan_llamacpp(args.model, hardware, buffer=buffer, goal=args.goal, args=a, pinned=pinned,
+                           kv_pinned=args.cache_type_k is not None or args.cache_type_v is not None,
+                           progress=_progress(args))
+    io.out(json.dumps(result.to_dict()) if args.json else present.llamacpp_plan_text(result))
+    return 0 if result.plans else 1
 
 
 def _refuse_others(args, command: str) -> None:
@@ -203,7 +239,7 @@ def cmd_fit(args, io) -> int:
     if a.n_gpus == 0:
         raise UserError("fit --engine llama.cpp searches what fits the GPUs: drop --device cpu")
     f = fit_llamacpp(args.model, a, budget - buffer, ctx_given=args.ctx_size is not None,
-                     ngl_given=args.n_gpu_layers is not None)
+                     ngl_given=args.n_gpu_layers is not None, moe_given=args.n_cpu_moe is not None)
     if note:
         f.notes.append(note)
     io.out(json.dumps(f.to_dict()) if args.json else present.llamacpp_fit_table(f, budget, buffer))

@@ -372,17 +372,19 @@ def _repacked(t: GgufTensor, a: LlamaArgs) -> bool:
     return (dims == 3 if experts else dims == 2) and t.shape[1] % 8 == 0
 
 
-def model_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, p: Placement) -> tuple[dict[str, int], list[str]]:
-    """Each model buffer llama.cpp logs ("CPU_Mapped model buffer size = ..."), in bytes."""
-    notes: list[str] = []
+def placed_tensors(m: GgufModel, h: Hparams, a: LlamaArgs, p: Placement) -> list[tuple[GgufTensor, str, str]]:
+    """Every tensor llama.cpp creates, with the buffer it goes to and its role: ``"input"`` (the embedding
+    lookups, which read their tokens' rows), ``"output"`` (a tied output's second copy of ``token_embd``,
+    read whole by the output matmul), ``"weight"`` (the rest). llama-model.cpp ``load_tensors``: the input
+    layer on the CPU, each layer on its device, the output layer on its own; ``-ot`` / ``--cpu-moe`` /
+    ``--n-cpu-moe`` move what they match (first match wins)."""
     rules = _overrides(a, h)
     gpu_names = {f"{a.gpu_backend}{g}" for g in p.gpus}
     for pattern, target in rules:  # common/arg.cpp refuses an unknown buffer type name when it parses -ot
         if target.upper() != "CPU" and target not in gpu_names:
             raise UserError(f"-ot {pattern.pattern}={target}: llama.cpp has no buffer type {target!r} here "
                             f"(CPU{', ' + ', '.join(sorted(gpu_names)) if gpu_names else ''})")
-    host = "CPU" if not p.gpus else f"{a.gpu_backend}_Host"
-    placed: list[tuple[GgufTensor, str, bool]] = []  # (tensor, buffer, used by a MUL_MAT)
+    placed: list[tuple[GgufTensor, str, str]] = []
     tensors = list(m.tensors)
     names = {t.name for t in tensors}
     tied = "output.weight" not in names and "token_embd.weight" in names
@@ -401,14 +403,21 @@ def model_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, p: Placement) -> tuple
             if pattern.search(t.name):
                 buf = "CPU" if target.upper() == "CPU" else target
                 break
-        placed.append((t, buf, not t.name.startswith(INPUT_TENSORS)))
+        placed.append((t, buf, "input" if t.name.startswith(INPUT_TENSORS) else "weight"))
     if tied:
         emb = next(t for t in tensors if t.name == "token_embd.weight")
-        placed.append((emb, p.name(p.output, a.gpu_backend), True))  # TENSOR_DUPLICATED: the output's copy
+        placed.append((emb, p.name(p.output, a.gpu_backend), "output"))  # TENSOR_DUPLICATED: the output's copy
     for t in rope:
         for il in range(h.n_layer):
-            placed.append((t, p.name(p.layers[il], a.gpu_backend), False))
+            placed.append((t, p.name(p.layers[il], a.gpu_backend), "weight"))
+    return placed
 
+
+def model_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, p: Placement) -> tuple[dict[str, int], list[str]]:
+    """Each model buffer llama.cpp logs ("CPU_Mapped model buffer size = ..."), in bytes."""
+    notes: list[str] = []
+    host = "CPU" if not p.gpus else f"{a.gpu_backend}_Host"
+    placed = [(t, buf, role != "input") for t, buf, role in placed_tensors(m, h, a, p)]  # (.., used by a MUL_MAT)
     out: dict[str, int] = {}
     mapped: dict[int, list[GgufTensor]] = {}
     seen: set[tuple[str, str]] = set()
@@ -478,6 +487,67 @@ def output_buffer(h: Hparams, a: LlamaArgs, c: Context, p: Placement) -> tuple[s
     """``output_reserve(n_seq_max)`` at context creation: the logits of one output per sequence."""
     name = "CPU" if p.output is None else f"{a.gpu_backend}_Host"
     return name, h.n_vocab * c.n_seq_max * 4
+
+
+@dataclass(frozen=True)
+class TokenReads:
+    """The bytes one generated token reads, per device (``CPU``, ``CUDA0`` ...): the weights of the layers
+    placed there and the KV cache at the context (:func:`token_reads`). What the decode bound divides by each
+    device's memory bandwidth (:func:`vramcal.estimator.speed.sequential_bound`)."""
+
+    weights_bytes: dict[str, int]
+    kv_bytes: dict[str, int]
+    n_ctx_seq: int  # the positions a full-attention layer reads: the context of one sequence
+    expert_share: tuple[int, int] | None  # (expert_used_count, expert_count) of a MoE model
+
+    def by_device(self) -> dict[str, int]:
+        out = dict(self.weights_bytes)
+        for dev, b in self.kv_bytes.items():
+            out[dev] = out.get(dev, 0) + b
+        return {d: b for d, b in out.items() if b > 0}
+
+
+def token_reads(spec: str | GgufModel, args: LlamaArgs | None = None) -> TokenReads:
+    """What one decode step of one sequence reads, at the end of a full context, for ``args``:
+
+    - every weight once, where :func:`placed_tensors` puts it (``CPU_REPACK`` and the host buffers count as
+      the CPU), except the embedding lookups, which read one row (not counted); a tied output's copy of
+      ``token_embd`` is read whole by the output matmul;
+    - of a MoE layer's routed experts (``ffn_*_exps``, :data:`EXPS`) only the ``expert_used_count`` of
+      ``expert_count`` that each token is routed to (the router ``ffn_gate_inp`` and shared experts whole);
+    - each attention layer's K and V rows at every position it attends to: the sequence's context
+      (``n_ctx_seq`` cells) for a full-attention layer, ``min(n_ctx_seq, n_swa)`` for a sliding-window one,
+      on the layer's device (``-nkvo``: the CPU).
+    """
+    from .gguf_file import read_gguf
+
+    a = (args or LlamaArgs()).validated()
+    m = spec if isinstance(spec, GgufModel) else read_gguf(spec)
+    h = hparams_of(m)
+    c = context_of(h, a)
+    p = placement_of(h, a)
+
+    def device(buf: str) -> str:
+        return buf if re.fullmatch(r"[A-Za-z]+\d+", buf) and not buf.startswith("CPU") else "CPU"
+
+    weights: dict[str, int] = {}
+    for t, buf, role in placed_tensors(m, h, a, p):
+        if role == "input":
+            continue  # get_rows: the tokens' rows, not the table
+        n = t.nbytes
+        if h.n_expert and EXPS.search(t.name):
+            n = n * h.n_expert_used // h.n_expert
+        weights[device(buf)] = weights.get(device(buf), 0) + n
+    kv: dict[str, int] = {}
+    for il in range(h.n_layer):
+        if h.n_head_kv[il] == 0:
+            continue
+        cells = min(c.n_ctx_seq, h.n_swa) if h.is_swa[il] and h.n_swa > 0 else c.n_ctx_seq
+        dev = p.name(p.layers[il] if a.offload_kqv else None, a.gpu_backend)
+        row = row_size(a.cache_type_k, h.n_embd_k_gqa(il)) + row_size(a.cache_type_v, h.n_embd_v_gqa(il))
+        kv[dev] = kv.get(dev, 0) + row * cells
+    share = (h.n_expert_used, h.n_expert) if h.n_expert else None
+    return TokenReads(weights, kv, c.n_ctx_seq, share)
 
 
 def estimate_llamacpp(spec: str | GgufModel, args: LlamaArgs | None = None) -> LlamaEstimate:
