@@ -270,10 +270,13 @@ class LayoutSearch:
     def run(self, want: int, limit: int, *, ladder: bool = True) -> Found | None:
         """The configuration of the module's doc: layers sized for ``want`` (else the ladder below it), then the
         largest context up to ``limit`` they hold."""
-        for c in (ctx_ladder(want) if ladder else [want]):
+        points = ctx_ladder(want) if ladder else [want]
+        for i, c in enumerate(points):
             found = self.layers(c)
             if found is not None:
                 return self.largest_ctx(found, limit) if limit > c else found
+            if i == 0 and len(points) > 2 and self.layers(points[-1]) is None:
+                return None  # not even the shortest point: nothing between either (every buffer grows with -c)
         return None
 
 
