@@ -24,6 +24,9 @@ def add_plan(sub, func) -> None:
                     "  --goal quality  reaches the context, on the GPUs alone if possible, highest precision (default)\n"
                     "  --goal context  the longest context\n"
                     "  --goal speed    reaches the context, the highest decode bound\n\n"
+                    "--engine vllm / --engine llama.cpp: the `vllm serve` / `llama-server` flags instead (for llama.cpp: "
+                    "which GGUF of a\nfolder, -ngl, --n-cpu-moe, -ts, -ctk/-ctv and -c; the RAM's bandwidth from "
+                    "--bandwidth cpu=RATE).\n\n"
                     "Exit code 0 with plans, 1 when nothing fits (what is missing is said), 2 for bad input.")
     p.add_argument("model")
     p.add_argument("--hardware", default=None, metavar="DEV=SIZE,...",

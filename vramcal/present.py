@@ -640,8 +640,9 @@ def llamacpp_plan_text(r) -> str:
     gpus = ", ".join(f"{g.device} {fmt_gib_gb(g.memory_bytes)}" + (f" ({g.name})" if g.name else "")
                      + (f" [{g.held_by}]" if g.held_by else "") for g in hw.gpus)
     ctx = f"-c {r.target_ctx:,}" if r.asked else f"the largest -c (at least {r.target_ctx:,} sought)"
-    files = f"{len(r.files)} GGUF files" if len(r.files) > 1 else Path(r.files[0][0]).name
-    lines = [f"llama.cpp plan for {r.model} ({files}) on {gpus}; RAM {fmt_gib_gb(hw.cpu_bytes)} -- {hw.source}",
+    files = f" ({len(r.files)} GGUF files)" if len(r.files) > 1 else \
+        "" if Path(r.files[0][0]).name == r.model else f" ({Path(r.files[0][0]).name})"
+    lines = [f"llama.cpp plan for {r.model}{files} on {gpus}; RAM {fmt_gib_gb(hw.cpu_bytes)} -- {hw.source}",
              f"  buffer {fmt_gib_gb(r.buffer)} per GPU and of the RAM, goal {r.goal}, {ctx}"]
     if not r.plans:
         lines += ["", "nothing fits: " + (r.shortfall or "no configuration fits")]
