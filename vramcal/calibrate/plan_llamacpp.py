@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import UserError
 from ..estimator.llamacpp.buffers import LlamaArgs, hparams_of, token_reads
-from ..estimator.llamacpp.fit import MIN_CTX, LayoutSearch, ctx_limit, gpu_totals, host_total, server_argv
+from ..estimator.llamacpp.fit import (MIN_CTX, LayoutSearch, ctx_limit, gpu_totals, host_total, server_argv,
+                                      split_list)
 from ..estimator.llamacpp.gguf_file import GgufModel, gguf_models, read_gguf
 from ..estimator.speed import DecodeBound, sequential_bound
 from ..units import fmt_gib_gb
@@ -90,7 +91,10 @@ class LlamaPlan:
     def where(self) -> str:
         if self.on_gpus:
             return f"all {self.n_layer + 1} on GPU"
-        moe = f", experts of {self.n_cpu_moe} in RAM" if self.n_cpu_moe else ""
+        if self.n_gpu_layers == 0:
+            return "none on GPU"
+        moe = "" if not self.n_cpu_moe else ", every expert in RAM" if self.n_cpu_moe >= self.n_layer else \
+            f", experts of {self.n_cpu_moe} in RAM"
         return f"{self.n_gpu_layers}/{self.n_layer + 1} on GPU{moe}"
 
     def to_dict(self) -> dict:
@@ -270,9 +274,8 @@ def _plan(m: GgufModel, s: LayoutSearch, found, target: int, hardware, bw) -> Ll
     reads = token_reads(m, a)
     read = {("cpu" if d == "CPU" else names.get(d, d)): b for d, b in reads.by_device().items()}
     speed = sequential_bound(read, bw, 1)
-    ts = [int(x) for x in a.tensor_split] if a.tensor_split and all(float(x).is_integer() for x in a.tensor_split) \
-        else None
-    argv = server_argv(m.path, a)
+    ts = split_list(a)
+    argv = server_argv(m.path, a, s.n_layer)
     verify = shlex.join(["vramcal", "estimate", "--engine", "llama.cpp", *argv[2:], "--gpu-count", str(len(gpus))])
     return LlamaPlan(m.path, bits_per_weight(m), a.cache_type_k, a.cache_type_v, a.ctx_size, a.n_gpu_layers,
                      s.n_layer, a.n_cpu_moe, ts, a.ctx_size >= target, totals, host_total(e),

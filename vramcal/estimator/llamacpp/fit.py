@@ -286,8 +286,15 @@ def ctx_limit(m: GgufModel) -> int:
     return max(SHORTEST_CTX, int(v) if isinstance(v, int) else 0)
 
 
-def server_argv(path: str, a: LlamaArgs) -> list[str]:
-    """``llama-server -m FILE -c N -ngl N ...``: the flags of ``a`` that differ from llama.cpp's defaults."""
+def server_argv(path: str, a: LlamaArgs, n_layer: int | None = None) -> list[str]:
+    """``llama-server -m FILE -c N -ngl N ...``: the flags of ``a`` that differ from llama.cpp's defaults.
+    With ``n_layer``, the MoE flags as a person writes them: ``--cpu-moe`` for every layer's experts, none
+    with no layer on a GPU (the experts are in the CPU anyway); the same placement either way."""
+    if n_layer is not None and a.n_cpu_moe and not a.overrides:
+        if a.n_gpu_layers == 0:
+            a = replace(a, n_cpu_moe=0, cpu_moe=False)
+        elif a.n_cpu_moe >= n_layer:
+            a = replace(a, n_cpu_moe=0, cpu_moe=True)
     return ["llama-server", "-m", path, "-c", str(a.ctx_size), "-ngl", str(a.n_gpu_layers)] + _flags(a)
 
 
@@ -315,12 +322,18 @@ def fit_llamacpp(spec: str, args: LlamaArgs, budget_bytes: int, *, ctx_given: bo
 def fit_of(m: GgufModel, s: LayoutSearch, found: Found) -> LlamaFit:
     a, e = found.args, found.estimate
     totals = gpu_totals(e, len(s.budgets), a.gpu_backend)
-    argv = server_argv(m.path, a)
-    ts = [int(x) for x in a.tensor_split] if a.tensor_split and all(float(x).is_integer() for x in a.tensor_split) \
-        else (list(a.tensor_split) if a.tensor_split else None)
+    argv = server_argv(m.path, a, s.n_layer)
+    ts = split_list(a)
     return LlamaFit(m.name, m.path, True, a.n_gpu_layers, e.n_gpu_layers, s.n_layer, a.ctx_size,
                     max(totals.values(), default=0), totals, shlex.join(argv), argv[1:], notes=list(e.notes),
                     n_cpu_moe=a.n_cpu_moe, tensor_split=ts, host_bytes=host_total(e), llama_args=a, estimate=e)
+
+
+def split_list(a: LlamaArgs) -> list | None:
+    """``-ts`` for JSON: whole layers as integers, other shares as given."""
+    if not a.tensor_split:
+        return None
+    return [int(x) if float(x).is_integer() else x for x in a.tensor_split]
 
 
 def _flags(a: LlamaArgs) -> list[str]:
