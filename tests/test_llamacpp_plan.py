@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_gguf import write_sparse_header, write_tiny  # noqa: E402
 
 from vramcal.calibrate.plan_llamacpp import plan_llamacpp  # noqa: E402
-from vramcal.estimator.llamacpp.buffers import LlamaArgs, estimate_llamacpp, token_reads  # noqa: E402
+from vramcal.estimator.llamacpp.buffers import DraftArgs, LlamaArgs, estimate_llamacpp, token_reads  # noqa: E402
 from vramcal.estimator.runtime import CUDA_DEFAULT  # noqa: E402
 from vramcal.estimator.speed import sequential_bound  # noqa: E402
 from vramcal.probes.hardware import Bandwidth, described, parse_hardware  # noqa: E402
@@ -274,3 +274,36 @@ def test_the_ram_bandwidth_is_refused_where_it_means_nothing(capsys):
     assert rc == 2 and "only --engine llama.cpp reads" in err
     rc, _, err = _cli(capsys, "plan", "llama-3.1-8b", "--hardware", "cuda:0=24GiB", "-c", "4096")
     assert rc == 2 and "--engine llama.cpp" in err
+
+
+# ------------------------------------------------------------------------------------ a draft model (-md)
+
+def test_a_draft_model_is_priced_on_the_same_devices_in_estimate_fit_and_plan(models, capsys):
+    """-md: the draft's own model, KV (its -ctkd/-ctvd, the target's -c) and compute buffers, added per device;
+    a plan keeps it, leaves it out of the files it ranks, and its printed flags priced again fit."""
+    folder = Path(models["root"]) / "with-draft"
+    folder.mkdir()
+    target = write_tiny(folder / "target-F16.gguf", n_layer=4)
+    draft = write_tiny(folder / "draft-F16.gguf", n_layer=1, n_embd=128, n_head=2, n_head_kv=1, n_ff=256)
+    a = LlamaArgs(ctx_size=2048, n_gpu_layers=99, flash_attn="on", draft=DraftArgs(draft, cache_type_k="q8_0",
+                                                                                   cache_type_v="q8_0"))
+    both = estimate_llamacpp(target, a)
+    alone = estimate_llamacpp(target, LlamaArgs(ctx_size=2048, n_gpu_layers=99, flash_attn="on"))
+    d = estimate_llamacpp(draft, LlamaArgs(ctx_size=2048, n_gpu_layers=99, flash_attn="on", cache_type_k="q8_0",
+                                           cache_type_v="q8_0"))
+    assert d.kv_buffer_bytes == {"CUDA0": 2 * (64 // 32 * 34) * 2048}  # 1 layer, 1 KV head of 64, K and V in q8_0
+    assert both.device_bytes() == {k: alone.device_bytes()[k] + d.device_bytes()[k] for k in alone.device_bytes()}
+    sizes = {"cuda:0": CONTEXT + 16 * MIB + 24 * MIB, "cpu": 64 * MIB}
+    rc, doc = _plan_json(capsys, str(folder), f"cuda:0={sizes['cuda:0']}B,cpu=64MiB", "--buffer", "16MiB", "-md",
+                         draft, "-ctkd", "q8_0", "-ctvd", "q8_0")
+    assert rc == 0 and [f["file"] for f in doc["files"]] == [target]
+    assert all(p["args"][-6:] == ["-md", draft, "-ctkd", "q8_0", "-ctvd", "q8_0"] for p in doc["plans"])
+    _assert_fits(capsys, doc, sizes)
+    rc, out, _ = _cli(capsys, "fit", "--engine", "llama.cpp", target, "--budget", f"{sizes['cuda:0']}B", "--buffer",
+                      "16MiB", "-md", draft, "--json")
+    f = json.loads(out)
+    assert rc == 0 and "-md" in f["args"] and f["peak_bytes"] <= sizes["cuda:0"] - 16 * MIB
+    for argv, needle in ((["estimate", "--engine", "llama.cpp", target, "-ngld", "2"], "give the draft with -md"),
+                         (["probe", "--engine", "llama.cpp", target, "-md", draft], "loads the target model only")):
+        rc, _, err = _cli(capsys, *argv)
+        assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err

@@ -21,7 +21,13 @@ LLAMACPP_FLAGS = {
     "kv_unified": "--kv-unified", "cache_type_k": "--cache-type-k", "cache_type_v": "--cache-type-v",
     "flash_attn": "--flash-attn", "batch_size": "--batch-size", "ubatch_size": "--ubatch-size",
     "swa_full": "--swa-full", "no_kv_offload": "--no-kv-offload", "gpu_count": "--gpu-count",
+    "model_draft": "--model-draft", "n_gpu_layers_draft": "--gpu-layers-draft",
+    "cache_type_k_draft": "--cache-type-k-draft", "cache_type_v_draft": "--cache-type-v-draft",
+    "override_tensor_draft": "--override-tensor-draft", "cpu_moe_draft": "--cpu-moe-draft",
+    "n_cpu_moe_draft": "--n-cpu-moe-draft",
 }
+DRAFT_ONLY = ("n_gpu_layers_draft", "cache_type_k_draft", "cache_type_v_draft", "override_tensor_draft",
+              "cpu_moe_draft", "n_cpu_moe_draft")
 
 
 def add_flags(p, command: str) -> None:
@@ -68,6 +74,21 @@ def add_flags(p, command: str) -> None:
                    help="full-size sliding-window caches")
     g.add_argument("-nkvo", "--no-kv-offload", dest="no_kv_offload", action="store_true", default=None,
                    help="keep the KV cache in the CPU")
+    g.add_argument("-md", "--model-draft", dest="model_draft", default=None, metavar="FILE.gguf",
+                   help="a draft model for speculative decoding: its buffers and KV on the same devices, with the "
+                        "target's -c, -np, -fa, -ts (llama-server's common_base_params_to_speculative)")
+    g.add_argument("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", dest="n_gpu_layers_draft", default=None,
+                   metavar="N", help="the draft's layers in VRAM (default auto: all here)")
+    g.add_argument("-ctkd", "--cache-type-k-draft", dest="cache_type_k_draft", default=None, metavar="TYPE",
+                   help="the draft's K cache type (default f16)")
+    g.add_argument("-ctvd", "--cache-type-v-draft", dest="cache_type_v_draft", default=None, metavar="TYPE",
+                   help="the draft's V cache type (default f16)")
+    g.add_argument("-otd", "--override-tensor-draft", dest="override_tensor_draft", action="append", default=None,
+                   metavar="PATTERN=BUFFER,...", help="as -ot, for the draft's tensors")
+    g.add_argument("-cmoed", "--cpu-moe-draft", dest="cpu_moe_draft", action="store_true", default=None,
+                   help="every expert weight of the draft in the CPU")
+    g.add_argument("-ncmoed", "--n-cpu-moe-draft", dest="n_cpu_moe_draft", type=int, default=None, metavar="N",
+                   help="the draft's expert weights of its first N layers in the CPU")
     g.add_argument("--gpu-count", dest="gpu_count", type=int, default=None, metavar="N",
                    help="vramcal's: the GPUs llama.cpp would see (default: -ts's length, else this machine's, else 1)")
 
@@ -132,6 +153,23 @@ def _overrides(values) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _draft(args):
+    """-md and the draft's own flags as :class:`DraftArgs` (None without -md; its flags alone are refused)."""
+    from .estimator.llamacpp.buffers import DraftArgs
+
+    if getattr(args, "model_draft", None) is None:
+        given = [LLAMACPP_FLAGS[d] for d in DRAFT_ONLY if getattr(args, d, None) is not None]
+        if given:
+            raise UserError(f"{', '.join(given)} set{'s' * (len(given) == 1)} the draft model's flags: give the draft "
+                            "with -md FILE.gguf, or drop them")
+        return None
+    return DraftArgs(path=args.model_draft, n_gpu_layers=_ngl(args.n_gpu_layers_draft),
+                     cache_type_k=(args.cache_type_k_draft or "f16").lower(),
+                     cache_type_v=(args.cache_type_v_draft or "f16").lower(),
+                     overrides=_overrides(args.override_tensor_draft), n_cpu_moe=_or(args.n_cpu_moe_draft, 0),
+                     cpu_moe=bool(args.cpu_moe_draft))
+
+
 def _or(value, default):
     return default if value is None else value
 
@@ -151,7 +189,7 @@ def llama_args(args, **over):
         kv_unified=bool(args.kv_unified), cache_type_k=(args.cache_type_k or "f16").lower(),
         cache_type_v=(args.cache_type_v or "f16").lower(), flash_attn=args.flash_attn or "auto",
         n_batch=_or(args.batch_size, 2048), n_ubatch=_or(args.ubatch_size, 512), swa_full=bool(args.swa_full),
-        offload_kqv=not args.no_kv_offload, n_gpus=n_gpus)
+        offload_kqv=not args.no_kv_offload, n_gpus=n_gpus, draft=_draft(args))
     from dataclasses import replace
 
     return replace(a, **over).validated(), note
@@ -257,6 +295,9 @@ def _probe(args, io, *, check: bool) -> int:
     verb = "check" if check else "probe"
     _refuse_others(args, verb)
     a, note = llama_args(args)
+    if a.draft is not None:
+        raise UserError(f"a {verb} loads the target model only: -md is priced by `vramcal estimate --engine llama.cpp`"
+                        ", not run yet; drop -md to probe the target")
     preflight(a.n_gpus if a.n_gpu_layers != 0 else 0)
     if getattr(args, "synthetic", False):
         raise UserError("--synthetic belongs to transformers' probes: a llama.cpp probe loads the GGUF itself")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import shlex
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from ..errors import UserError
 from ..estimator.llamacpp.buffers import LlamaArgs, hparams_of, token_reads
@@ -180,7 +181,11 @@ def plan_llamacpp(spec: str, hardware, *, buffer: int, goal: str = "quality", ar
         raise UserError(f"-ts {','.join(f'{x:g}' for x in base.tensor_split)} gives {len(base.tensor_split)} shares "
                         f"for the {len(gpus)} GPU(s) of the machine: give one per GPU")
 
-    models = [read_gguf(f) for f in gguf_models(spec)]
+    draft = None if base.draft is None else str(Path(base.draft.path).expanduser().resolve())
+    files = [f for f in gguf_models(spec) if draft is None or str(Path(f).expanduser().resolve()) != draft]
+    if not files:
+        raise UserError(f"{spec} holds no GGUF but the draft model (-md): give the target model too")
+    models = [read_gguf(f) for f in files]
     models.sort(key=lambda m: -bits_per_weight(m))
     name = models[0].name
     notes: list[str] = []
@@ -249,7 +254,11 @@ def plan_llamacpp(spec: str, hardware, *, buffer: int, goal: str = "quality", ar
         result.notes.append("RAM counts every host buffer llama.cpp logs, CPU_Mapped (the file's range the CPU's "
                             "tensors span, under mmap) included: the CPU reads it at every token, so it must stay "
                             "in the page cache")
-    if any(p.speed.why_none for p in plans):
+    if base.draft is not None:
+        result.notes.append("the draft model (-md) is on the same devices, priced in each plan's GPUs and RAM; the "
+                            "decode bound is the target's alone (speculative decoding's speed rests on how many "
+                            "drafted tokens are accepted)")
+    if any("cpu's memory bandwidth" in (p.speed.why_none or "") for p in plans):
         result.notes.append("a plan with layers or experts in RAM has its decode bound unknown until the RAM's "
                             "bandwidth is given (--bandwidth cpu=RATE)")
     odd = [p.speed.implausible for p in plans if p.speed.implausible]
@@ -261,8 +270,6 @@ def plan_llamacpp(spec: str, hardware, *, buffer: int, goal: str = "quality", ar
 
 
 def _short(m: GgufModel) -> str:
-    from pathlib import Path
-
     return Path(m.path).name
 
 

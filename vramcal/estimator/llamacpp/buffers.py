@@ -24,7 +24,8 @@ tree llama-cpp-python 0.3.36 vendors; docs/llamacpp.md has each rule with its fi
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from ...errors import UserError
 from ...units import MIB
@@ -72,6 +73,24 @@ def pad(n: int, to: int) -> int:
 
 
 @dataclass(frozen=True)
+class DraftArgs:
+    """``-md FILE`` and the flags that are the draft model's own. llama-server loads the draft with a copy of
+    the target's parameters -- its context (``-c``, ``-np``, ``-kvu``, ``-b``, ``-ub``, ``-fa``,
+    ``--swa-full``), its split (``-ts``, ``-sm``, ``-mg``), mmap and ``-nkvo`` -- and replaces only the model,
+    ``-ngl`` (``-ngld``), the tensor overrides (``-otd``, ``-cmoed``, ``-ncmoed``) and the KV types
+    (``-ctkd/-ctvd``, default f16) (common/speculative.cpp ``common_base_params_to_speculative``, llama.cpp as
+    llama-cpp-python 0.3.36 vendors it)."""
+
+    path: str
+    n_gpu_layers: int = -1  # -ngld; -1 auto, -2 all: every layer, as for the target
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    overrides: tuple[tuple[str, str], ...] = ()
+    n_cpu_moe: int = 0
+    cpu_moe: bool = False
+
+
+@dataclass(frozen=True)
 class LlamaArgs:
     """The flags of a llama-server / llama-cli command (llama.cpp's spellings; ``None``: its default)."""
 
@@ -98,6 +117,7 @@ class LlamaArgs:
     # ggml types a CPU-only build repacks into CPU_REPACK (ggml-cpu/repack.cpp for x86 AVX2: Q4_0, Q4_K,
     # IQ4_NL, MXFP4 with rows a multiple of 8; AVX-512 adds Q2_K); with a GPU, CPU weights go CUDA_Host -> CPU
     cpu_repack: tuple[str, ...] = ("Q4_0", "Q4_K", "IQ4_NL", "MXFP4")
+    draft: DraftArgs | None = None  # -md: a draft model for speculative decoding, loaded beside the target
 
     def validated(self) -> LlamaArgs:
         for flag, v in (("-c/--ctx-size", self.ctx_size),):
@@ -122,7 +142,22 @@ class LlamaArgs:
             raise UserError("--gpu-count must be 0 (a CPU-only llama.cpp) or more")
         if self.split_mode == "none" and self.n_gpus and not 0 <= self.main_gpu < self.n_gpus:
             raise UserError(f"-mg/--main-gpu {self.main_gpu}: there are {self.n_gpus} GPUs (0 to {self.n_gpus - 1})")
+        d = self.draft
+        if d is not None:
+            for flag, t in (("-ctkd/--cache-type-k-draft", d.cache_type_k), ("-ctvd/--cache-type-v-draft",
+                                                                             d.cache_type_v)):
+                if t.lower() not in CACHE_TYPES:
+                    raise UserError(f"{flag} {t!r} is not a cache type llama.cpp accepts: {', '.join(CACHE_TYPES)}")
+            if d.n_cpu_moe < 0:
+                raise UserError(f"--n-cpu-moe-draft must be 0 or more, got {d.n_cpu_moe}")
         return self
+
+    def for_draft(self) -> LlamaArgs:
+        """The draft model's flags: the target's, with the draft's own in place (:class:`DraftArgs`)."""
+        d = self.draft
+        return replace(self, draft=None, n_gpu_layers=d.n_gpu_layers, cache_type_k=d.cache_type_k.lower(),
+                       cache_type_v=d.cache_type_v.lower(), overrides=d.overrides, n_cpu_moe=d.n_cpu_moe,
+                       cpu_moe=d.cpu_moe)
 
 
 @dataclass(frozen=True)
@@ -304,10 +339,12 @@ class LlamaEstimate:
     notes: list[str] = field(default_factory=list)
     estimator_model: str = MODEL_ID
     revision: str | None = None  # owner/repo@commit of a GGUF sized from its Hub header alone
+    draft: LlamaEstimate | None = None  # -md: the draft model's own buffers, on the same devices
 
     def device_bytes(self) -> dict[str, int]:
-        """Bytes per device (CUDA0 ..., "CPU" for host memory: CPU, CPU_Mapped, CUDA_Host, the output)."""
-        out: dict[str, int] = {}
+        """Bytes per device (CUDA0 ..., "CPU" for host memory: CPU, CPU_Mapped, CUDA_Host, the output), a draft
+        model's (-md) included."""
+        out: dict[str, int] = dict(self.draft.device_bytes()) if self.draft is not None else {}
         for d in (self.model_buffer_bytes, self.kv_buffer_bytes, self.compute_buffer_bytes,
                   {self.output_buffer: self.output_buffer_bytes}):
             for name, b in d.items():
@@ -326,7 +363,8 @@ class LlamaEstimate:
                 "output_buffer_bytes": self.output_buffer_bytes, "output_buffer": self.output_buffer,
                 "compute_method": self.compute_method, "weights_bytes": self.weights_bytes,
                 "weight_types": dict(self.weight_types), "device_bytes": self.device_bytes(),
-                "notes": list(self.notes), "estimator_model": self.estimator_model}
+                "notes": list(self.notes), "estimator_model": self.estimator_model,
+                "draft": self.draft.to_dict() if self.draft is not None else None}
 
     def log_lines(self) -> list[str]:
         """The buffer lines as llama.cpp prints them (MiB, two decimals)."""
@@ -339,6 +377,8 @@ class LlamaEstimate:
                 lines.append(f"llama_kv_cache: {name:>10} KV buffer size = {b / MIB:8.2f} MiB")
         lines += [f"sched_reserve: {name:>10} compute buffer size = {b / MIB:8.2f} MiB"
                   for name, b in self.compute_buffer_bytes.items()]
+        if self.draft is not None:
+            lines += [f"(the draft model, -md {self.draft.model})"] + self.draft.log_lines()
         return lines
 
 
@@ -568,9 +608,37 @@ def estimate_llamacpp(spec: str | GgufModel, args: LlamaArgs | None = None) -> L
     for t in m.tensors:
         types[t.type_name] = types.get(t.type_name, 0) + t.nbytes
     n_gpu = sum(1 for d in p.layers if d is not None) + (p.output is not None)
+    draft = None
+    if a.draft is not None:
+        try:
+            draft = estimate_llamacpp(_draft_model(a.draft.path), a.for_draft())
+        except UserError as exc:
+            raise UserError(f"the draft model (-md {a.draft.path}): {exc}") from None
+        notes.append("the draft model's buffers (-md) are on the same devices, added to each: llama-server loads it "
+                     "with the target's -c, -np, -b, -ub, -fa and -ts and its own -ngld, -ctkd/-ctvd, -otd "
+                     "(common/speculative.cpp); its vocabulary is not checked against the target's")
     return LlamaEstimate(model=m.name, arch=m.arch, files=list(m.files), n_ctx=c.n_ctx, n_ctx_seq=c.n_ctx_seq,
                          n_seq_max=c.n_seq_max, n_batch=c.n_batch, n_ubatch=c.n_ubatch, flash_attn=c.flash_attn,
                          n_gpu_layers=n_gpu, n_layer=h.n_layer, model_buffer_bytes=model, kv_buffer_bytes=kv,
                          kv_caches=caches, compute_buffer_bytes=compute, output_buffer_bytes=out_bytes,
                          output_buffer=out_name, compute_method=method, weights_bytes=m.tensor_bytes,
-                         weight_types=types, notes=[*c.notes, *notes, *kv_notes, *c_notes], revision=m.revision)
+                         weight_types=types, notes=[*c.notes, *notes, *kv_notes, *c_notes], revision=m.revision,
+                         draft=draft)
+
+
+def _draft_model(path: str) -> GgufModel:
+    """A draft model's header, read once per file as it is (a search prices it at every step)."""
+    import os
+
+    from .gguf_file import locate
+
+    f = locate(path)
+    st = os.stat(f)
+    return _read_once(str(f), st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=8)
+def _read_once(path: str, mtime_ns: int, size: int) -> GgufModel:
+    from .gguf_file import read_gguf
+
+    return read_gguf(path)

@@ -371,4 +371,19 @@ def _flags(a: LlamaArgs) -> list[str]:
         out.append("--swa-full")
     if not a.offload_kqv:
         out.append("-nkvo")
+    d = a.draft
+    if d is not None:
+        out += ["-md", d.path]
+        if d.n_gpu_layers != -1:
+            out += ["-ngld", "all" if d.n_gpu_layers == -2 else str(d.n_gpu_layers)]
+        if d.cache_type_k != "f16":
+            out += ["-ctkd", d.cache_type_k]
+        if d.cache_type_v != "f16":
+            out += ["-ctvd", d.cache_type_v]
+        if d.n_cpu_moe:
+            out += ["-ncmoed", str(d.n_cpu_moe)]
+        if d.cpu_moe:
+            out.append("-cmoed")
+        for p, b in d.overrides:
+            out += ["-otd", f"{p}={b}"]
     return out
