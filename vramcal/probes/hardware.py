@@ -28,8 +28,8 @@ from ..units import GB, parse_size
 from ..workload import parse_device
 
 MAX_DEVICE_BYTES = 1 << 50  # 1 PiB: no GPU, RAM or offload disk a plan is for is larger
-# Per lane and direction, after line encoding (8b/10b to Gen2, 128b/130b from Gen3; Gen6's FLIT mode)
 CPU_BANDWIDTH_UNKNOWN = "the RAM's bandwidth is not known here: give --bandwidth cpu=RATE (e.g. cpu=80GB)"
+# Per lane and direction, after line encoding (8b/10b to Gen2, 128b/130b from Gen3; Gen6's FLIT mode)
 PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 
 
