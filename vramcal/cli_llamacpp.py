@@ -221,7 +221,8 @@ def cmd_plan(args, io) -> int:
     hardware = machine(args, cpu_bandwidth=True)
     buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
     a, _ = llama_args(args, n_gpus=len(hardware.gpus))
-    pinned = frozenset(k for k, on in (("ctx", args.ctx_size is not None), ("ngl", args.n_gpu_layers is not None),
+    pinned = frozenset(k for k, on in (("ctx", args.ctx_size is not None),
+                                       ("ngl", args.n_gpu_layers not in (None, "auto")),  # auto: llama.cpp's --fit
                                        ("moe", args.n_cpu_moe is not None or bool(args.cpu_moe)),
                                        ("split", args.tensor_split is not None)) if on)
     result = plan_llamacpp(args.model, hardware, buffer=buffer, goal=args.goal, args=a, pinned=pinned,
@@ -277,7 +278,7 @@ def cmd_fit(args, io) -> int:
     if a.n_gpus == 0:
         raise UserError("fit --engine llama.cpp searches what fits the GPUs: drop --device cpu")
     f = fit_llamacpp(args.model, a, budget - buffer, ctx_given=args.ctx_size is not None,
-                     ngl_given=args.n_gpu_layers is not None, moe_given=args.n_cpu_moe is not None)
+                     ngl_given=args.n_gpu_layers not in (None, "auto"), moe_given=args.n_cpu_moe is not None)
     if note:
         f.notes.append(note)
     io.out(json.dumps(f.to_dict()) if args.json else present.llamacpp_fit_table(f, budget, buffer))
