@@ -713,7 +713,10 @@ def llamacpp_fit_table(f, budget: int, buffer: int) -> str:
     if not f.fits:
         lines.append("  nothing fits: " + (f.note or ""))
     else:
-        lines += [f"  -ngl {f.n_gpu_layers}  -c {f.ctx_size:,}   ({f.gpu_layers}/{f.n_layer + 1} layers on the GPUs)",
+        moe = f"  --n-cpu-moe {f.n_cpu_moe}" if f.n_cpu_moe else ""
+        ts = f"  -ts {','.join(str(x) for x in f.tensor_split)}" if f.tensor_split else ""
+        lines += [f"  -ngl {f.n_gpu_layers}{moe}{ts}  -c {f.ctx_size:,}   ({f.gpu_layers}/{f.n_layer + 1} layers on "
+                  "the GPUs)",
                   f"  largest GPU total {_g(f.peak_bytes)} (buffers + the CUDA context)",
                   "", "  " + f.command]
     if f.notes:
