@@ -307,3 +307,20 @@ def test_a_draft_model_is_priced_on_the_same_devices_in_estimate_fit_and_plan(mo
                          (["probe", "--engine", "llama.cpp", target, "-md", draft], "loads the target model only")):
         rc, _, err = _cli(capsys, *argv)
         assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_folder_of_quantizations_lists_each_model_once(tmp_path):
+    """Its files and its sub-folders' (a split GGUF by its first part), never a projector; a folder with none
+    is one line."""
+    from vramcal.errors import UserError
+    from vramcal.estimator.llamacpp.gguf_file import gguf_models
+
+    for name in ("m-Q4_K_M.gguf", "mmproj-m-F16.gguf", "Q8_0/m-Q8_0-00001-of-00002.gguf",
+                 "Q8_0/m-Q8_0-00002-of-00002.gguf", "notes.txt"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"GGUF")
+    assert [Path(f).relative_to(tmp_path).as_posix() for f in gguf_models(str(tmp_path))] == \
+        ["Q8_0/m-Q8_0-00001-of-00002.gguf", "m-Q4_K_M.gguf"]
+    (tmp_path / "none").mkdir()
+    with pytest.raises(UserError, match="no .gguf file"):
+        gguf_models(str(tmp_path / "none"))
