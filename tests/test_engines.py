@@ -42,7 +42,7 @@ def test_commands_do_not_name_an_engine():
     (["estimate", "x.gguf", "-ngl", "99"], "belongs to --engine llama.cpp"),
     (["estimate", "x.gguf", "--engine", "llama.cpp", "--max-num-seqs", "4"], "belongs to --engine vllm"),
     (["estimate", "x.gguf", "--engine", "llama.cpp", "--quant", "nf4"], "--engine llama.cpp does not use --quant"),
-    (["plan", "x.gguf", "--engine", "llama.cpp"], "is not built yet"),
+    (["plan", "x.gguf", "-ngl", "99", "--hardware", "cuda:0=24GiB"], "belongs to --engine llama.cpp"),
 ])
 def test_flags_of_another_engine_are_one_line_and_exit_2(argv, needle, capsys):
     assert main(argv) == 2

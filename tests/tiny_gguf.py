@@ -98,3 +98,68 @@ def write_tiny(path, *, arch: str = "llama", n_layer: int = 2, n_embd: int = 256
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def write_sparse_header(path, *, n_layer: int = 80, n_embd: int = 8192, n_ff: int = 28672, n_head: int = 64,
+                        n_head_kv: int = 8, n_vocab: int = 128256, n_ctx_train: int = 131072, n_expert: int = 0,
+                        n_expert_used: int = 0) -> str:
+    """A big model's GGUF as its header alone, then a hole as long as its tensors (a sparse file): llama.cpp's
+    Q4_K_M mix (Q4_K matrices, Q6_K for attn_v, ffn_down and the output, F32 norms), by default a
+    Llama-3.1-70B shape. The vocabulary is counted, not spelt (filler tokens, no merges): the estimate reads its
+    length only. Return its path."""
+    import os
+
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(n_layer)
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    if n_expert:
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(n_vocab)])
+    data = 0
+    hd = n_embd // n_head
+
+    def info(name, shape, t):
+        nonlocal data
+        block, size = gguf.GGML_QUANT_SIZES[t]
+        n = int(np.prod(shape)) // block * size
+        byte_shape = shape if t == Q.F32 else (*shape[:-1], shape[-1] // block * size)
+        w.add_tensor_info(name, byte_shape, np.dtype(np.float32 if t == Q.F32 else np.uint8), n, raw_dtype=t)
+        data += (n + 31) // 32 * 32
+
+    info("token_embd.weight", (n_vocab, n_embd), Q.Q4_K)
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        info(b + "attn_norm.weight", (n_embd,), Q.F32)
+        info(b + "ffn_norm.weight", (n_embd,), Q.F32)
+        info(b + "attn_q.weight", (n_head * hd, n_embd), Q.Q4_K)
+        info(b + "attn_k.weight", (n_head_kv * hd, n_embd), Q.Q4_K)
+        info(b + "attn_v.weight", (n_head_kv * hd, n_embd), Q.Q6_K)
+        info(b + "attn_output.weight", (n_embd, n_head * hd), Q.Q4_K)
+        if n_expert:
+            info(b + "ffn_gate_inp.weight", (n_expert, n_embd), Q.F32)
+            info(b + "ffn_gate_exps.weight", (n_expert, n_ff, n_embd), Q.Q4_K)
+            info(b + "ffn_up_exps.weight", (n_expert, n_ff, n_embd), Q.Q4_K)
+            info(b + "ffn_down_exps.weight", (n_expert, n_embd, n_ff), Q.Q6_K)
+        else:
+            info(b + "ffn_gate.weight", (n_ff, n_embd), Q.Q4_K)
+            info(b + "ffn_up.weight", (n_ff, n_embd), Q.Q4_K)
+            info(b + "ffn_down.weight", (n_embd, n_ff), Q.Q6_K)
+    info("output_norm.weight", (n_embd,), Q.F32)
+    info("output.weight", (n_vocab, n_embd), Q.Q6_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    size = os.path.getsize(path)
+    os.truncate(path, (size + 31) // 32 * 32 + data)
+    return str(path)

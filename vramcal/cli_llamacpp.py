@@ -22,7 +22,13 @@ LLAMACPP_FLAGS = {
     "flash_attn": "--flash-attn", "batch_size": "--batch-size", "ubatch_size": "--ubatch-size",
     "swa_full": "--swa-full", "no_kv_offload": "--no-kv-offload", "gpu_count": "--gpu-count",
     "type_name": "--type", "imatrix": "--imatrix",
+    "model_draft": "--model-draft", "n_gpu_layers_draft": "--gpu-layers-draft",
+    "cache_type_k_draft": "--cache-type-k-draft", "cache_type_v_draft": "--cache-type-v-draft",
+    "override_tensor_draft": "--override-tensor-draft", "cpu_moe_draft": "--cpu-moe-draft",
+    "n_cpu_moe_draft": "--n-cpu-moe-draft",
 }
+DRAFT_ONLY = ("n_gpu_layers_draft", "cache_type_k_draft", "cache_type_v_draft", "override_tensor_draft",
+              "cpu_moe_draft", "n_cpu_moe_draft")
 
 
 def add_flags(p, command: str) -> None:
@@ -69,6 +75,21 @@ def add_flags(p, command: str) -> None:
                    help="full-size sliding-window caches")
     g.add_argument("-nkvo", "--no-kv-offload", dest="no_kv_offload", action="store_true", default=None,
                    help="keep the KV cache in the CPU")
+    g.add_argument("-md", "--model-draft", dest="model_draft", default=None, metavar="FILE.gguf",
+                   help="a draft model for speculative decoding: its buffers and KV on the same devices, with the "
+                        "target's -c, -np, -fa, -ts (llama-server's common_base_params_to_speculative)")
+    g.add_argument("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", dest="n_gpu_layers_draft", default=None,
+                   metavar="N", help="the draft's layers in VRAM (default auto: all here)")
+    g.add_argument("-ctkd", "--cache-type-k-draft", dest="cache_type_k_draft", default=None, metavar="TYPE",
+                   help="the draft's K cache type (default f16)")
+    g.add_argument("-ctvd", "--cache-type-v-draft", dest="cache_type_v_draft", default=None, metavar="TYPE",
+                   help="the draft's V cache type (default f16)")
+    g.add_argument("-otd", "--override-tensor-draft", dest="override_tensor_draft", action="append", default=None,
+                   metavar="PATTERN=BUFFER,...", help="as -ot, for the draft's tensors")
+    g.add_argument("-cmoed", "--cpu-moe-draft", dest="cpu_moe_draft", action="store_true", default=None,
+                   help="every expert weight of the draft in the CPU")
+    g.add_argument("-ncmoed", "--n-cpu-moe-draft", dest="n_cpu_moe_draft", type=int, default=None, metavar="N",
+                   help="the draft's expert weights of its first N layers in the CPU")
     g.add_argument("--gpu-count", dest="gpu_count", type=int, default=None, metavar="N",
                    help="vramcal's: the GPUs llama.cpp would see (default: -ts's length, else this machine's, else 1)")
     if command in ("estimate", "fit", "probe", "check"):
@@ -141,6 +162,23 @@ def _overrides(values) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _draft(args):
+    """-md and the draft's own flags as :class:`DraftArgs` (None without -md; its flags alone are refused)."""
+    from .estimator.llamacpp.buffers import DraftArgs
+
+    if getattr(args, "model_draft", None) is None:
+        given = [LLAMACPP_FLAGS[d] for d in DRAFT_ONLY if getattr(args, d, None) is not None]
+        if given:
+            raise UserError(f"{', '.join(given)} set{'s' * (len(given) == 1)} the draft model's flags: give the draft "
+                            "with -md FILE.gguf, or drop them")
+        return None
+    return DraftArgs(path=args.model_draft, n_gpu_layers=_ngl(args.n_gpu_layers_draft),
+                     cache_type_k=(args.cache_type_k_draft or "f16").lower(),
+                     cache_type_v=(args.cache_type_v_draft or "f16").lower(),
+                     overrides=_overrides(args.override_tensor_draft), n_cpu_moe=_or(args.n_cpu_moe_draft, 0),
+                     cpu_moe=bool(args.cpu_moe_draft))
+
+
 def _or(value, default):
     return default if value is None else value
 
@@ -149,7 +187,7 @@ def llama_args(args, **over):
     """The command line's flags as :class:`LlamaArgs` (validated there; one line on bad input)."""
     from .estimator.llamacpp.buffers import LlamaArgs
 
-    n_gpus, note = _gpu_count(args)
+    n_gpus, note = (over["n_gpus"], None) if "n_gpus" in over else _gpu_count(args)
     a = LlamaArgs(
         ctx_size=0 if args.ctx_size is None else args.ctx_size, n_gpu_layers=_ngl(args.n_gpu_layers),
         tensor_split=_split(args.tensor_split) if args.tensor_split else None, split_mode=args.split_mode or "layer",
@@ -160,10 +198,47 @@ def llama_args(args, **over):
         kv_unified=bool(args.kv_unified), cache_type_k=(args.cache_type_k or "f16").lower(),
         cache_type_v=(args.cache_type_v or "f16").lower(), flash_attn=args.flash_attn or "auto",
         n_batch=_or(args.batch_size, 2048), n_ubatch=_or(args.ubatch_size, 512), swa_full=bool(args.swa_full),
-        offload_kqv=not args.no_kv_offload, n_gpus=n_gpus)
+        offload_kqv=not args.no_kv_offload, n_gpus=n_gpus, draft=_draft(args))
     from dataclasses import replace
 
     return replace(a, **over).validated(), note
+
+
+def cmd_plan(args, io) -> int:
+    """``plan --engine llama.cpp``: the llama-server flags (file, -ngl, --n-cpu-moe, -ts, -ctk/-ctv, -c) for
+    the machine of --hardware (or this one); calibrate/plan_llamacpp.py searches, present.py says it."""
+    from . import present
+    from .calibrate.check import DEFAULT_BUFFER
+    from .calibrate.plan_llamacpp import plan_llamacpp
+    from .cli import _progress
+    from .cli_plan import machine
+    from .units import size_option
+    from .workload import GOALS, choice
+
+    choice(args.goal, GOALS, "--goal")
+    if args.model is None:
+        raise UserError("plan --engine llama.cpp needs a GGUF file or a folder of them")
+    others = [f for f, given in (("--ctx", args.ctx is not None), ("--prompt", args.prompt is not None),
+                                 ("--new-tokens", args.new_tokens is not None), ("--batch", args.batch != 1),
+                                 ("--attn", args.attn != "auto"), ("--db", args.db is not None),
+                                 ("--images", bool(getattr(args, "images", 0))),
+                                 ("--image-size", getattr(args, "image_size", None) is not None),
+                                 ("--gpu-count", args.gpu_count is not None)) if given]
+    if others:
+        raise UserError(f"--engine llama.cpp does not use {', '.join(others)} in plan: its context is -c/--ctx-size, "
+                        "its parallel sequences -np, and its GPUs those of --hardware (or this machine's)")
+    hardware = machine(args, cpu_bandwidth=True)
+    buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
+    a, _ = llama_args(args, n_gpus=len(hardware.gpus))
+    pinned = frozenset(k for k, on in (("ctx", args.ctx_size is not None),
+                                       ("ngl", args.n_gpu_layers not in (None, "auto")),  # auto: llama.cpp's --fit
+                                       ("moe", args.n_cpu_moe is not None or bool(args.cpu_moe)),
+                                       ("split", args.tensor_split is not None)) if on)
+    result = plan_llamacpp(args.model, hardware, buffer=buffer, goal=args.goal, args=a, pinned=pinned,
+                           kv_pinned=args.cache_type_k is not None or args.cache_type_v is not None,
+                           progress=_progress(args))
+    io.out(json.dumps(result.to_dict()) if args.json else present.llamacpp_plan_text(result))
+    return 0 if result.plans else 1
 
 
 def _refuse_others(args, command: str) -> None:
@@ -259,7 +334,7 @@ def cmd_fit(args, io) -> int:
     if a.n_gpus == 0:
         raise UserError("fit --engine llama.cpp searches what fits the GPUs: drop --device cpu")
     f = fit_llamacpp(model_header(args, io), a, budget - buffer, ctx_given=args.ctx_size is not None,
-                     ngl_given=args.n_gpu_layers is not None)
+                     ngl_given=args.n_gpu_layers not in (None, "auto"), moe_given=args.n_cpu_moe is not None)
     if note:
         f.notes.append(note)
     io.out(json.dumps(f.to_dict()) if args.json else present.llamacpp_fit_table(f, budget, buffer))
@@ -277,6 +352,9 @@ def _probe(args, io, *, check: bool) -> int:
     verb = "check" if check else "probe"
     _refuse_others(args, verb)
     a, note = llama_args(args)
+    if a.draft is not None:
+        raise UserError(f"a {verb} loads the target model only: -md is priced by `vramcal estimate --engine llama.cpp`"
+                        ", not run yet; drop -md to probe the target")
     preflight(a.n_gpus if a.n_gpu_layers != 0 else 0)
     if getattr(args, "synthetic", False):
         raise UserError("--synthetic belongs to transformers' probes: a llama.cpp probe loads the GGUF itself")

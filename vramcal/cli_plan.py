@@ -24,6 +24,9 @@ def add_plan(sub, func) -> None:
                     "  --goal quality  reaches the context, on the GPUs alone if possible, highest precision (default)\n"
                     "  --goal context  the longest context\n"
                     "  --goal speed    reaches the context, the highest decode bound\n\n"
+                    "--engine vllm / --engine llama.cpp: the `vllm serve` / `llama-server` flags instead (for llama.cpp: "
+                    "which GGUF of a\nfolder, -ngl, --n-cpu-moe, -ts, -ctk/-ctv and -c; the RAM's bandwidth from "
+                    "--bandwidth cpu=RATE).\n\n"
                     "Exit code 0 with plans, 1 when nothing fits (what is missing is said), 2 for bad input.")
     p.add_argument("model")
     p.add_argument("--hardware", default=None, metavar="DEV=SIZE,...",
@@ -47,25 +50,29 @@ def add_plan(sub, func) -> None:
     p.add_argument("--json", action="store_true")
     v = p.add_argument_group("--engine vllm: the `vllm serve` flags for these GPUs (docs/vllm.md)")
     v.add_argument("--engine", default="transformers", help="transformers (default) | vllm: search tensor "
-                                                             "parallelism, fp8 weights and KV dtype for `vllm serve`")
+                                                             "parallelism, fp8 weights and KV dtype for `vllm serve` | "
+                                                             "llama.cpp: the llama-server flags for a GGUF (or a "
+                                                             "folder of them): file, -ngl, --n-cpu-moe, -ts, "
+                                                             "-ctk/-ctv, -c (any of them given is kept)")
     v.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of each GPU (default 0.9)")
     v.add_argument("--vllm-version", default=None, metavar="X.Y", help="default: the installed vLLM's, else the newest "
                                                                        "modelled")
+    from .cli_llamacpp import add_flags
+
+    add_flags(p, "plan")
     p.set_defaults(func=func)
     return p
 
 
 def cmd_plan(args, out) -> int:
-    from .engines import Io, engine_named
+    from .engines import Io, engine_for
 
-    return engine_named(args.engine).run("plan", args, Io(out))
+    return engine_for(args).run("plan", args, Io(out))
 
 
 def _inputs(args):
     """The workload, the buffer and the machine, each validated: nothing is searched for bad input."""
     from .calibrate.check import DEFAULT_BUFFER
-    from .probes.hardware import described, parse_bandwidth, parse_hardware, this_machine
-    from .cli import _progress
     from .units import size_option
     from .workload import workload
 
@@ -75,7 +82,19 @@ def _inputs(args):
                     args.image_size)
     asked = work.ctx if given else None
     buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
+    return work, asked, buffer, machine(args)
+
+
+def machine(args, *, cpu_bandwidth: bool = False):
+    """The machine to plan for: the one ``--hardware`` describes (``--gpu`` names its GPUs, ``--bandwidth`` sets
+    any bandwidth), or this one through NVML. ``cpu_bandwidth``: the engine reads ``--bandwidth cpu=`` (llama.cpp
+    computes layers on the CPU; the others refuse it rather than ignore it)."""
+    from .probes.hardware import described, parse_bandwidth, parse_hardware, this_machine
+
     bandwidths = parse_bandwidth(args.bandwidth)
+    if "cpu" in bandwidths and not cpu_bandwidth:
+        raise UserError("--bandwidth cpu= is the RAM's bandwidth, which only --engine llama.cpp reads (it computes "
+                        "layers on the CPU); this engine streams offloaded weights over the host link: give pcie=")
     if args.hardware is not None:
         if args.db is not None:
             raise UserError("--db gives this machine's corrections; a described machine (--hardware) has no runs "
@@ -86,7 +105,7 @@ def _inputs(args):
                         "(give --hardware to plan for another)")
     else:
         hardware = this_machine(bandwidths)
-    return work, asked, buffer, hardware
+    return hardware
 
 
 def plan_vllm_cmd(args, io) -> int:

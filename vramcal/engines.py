@@ -96,11 +96,12 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
         name="llama.cpp", aliases=("llamacpp", "llama-cpp", "gguf"),
         summary="the buffers llama.cpp logs loading a GGUF (docs/llamacpp.md)",
         handlers={"estimate": ".cli_llamacpp:cmd_estimate", "probe": ".cli_llamacpp:cmd_probe",
-                  "check": ".cli_llamacpp:cmd_check", "fit": ".cli_llamacpp:cmd_fit"},
+                  "check": ".cli_llamacpp:cmd_check", "fit": ".cli_llamacpp:cmd_fit", "plan": ".cli_llamacpp:cmd_plan"},
         add_flags=".cli_llamacpp:add_flags", flags_used=".cli_llamacpp:flags_used",
         device_default="cuda", launch="llama-server -m FILE.gguf ...", probe_child=".probes.llamacpp_child",
         log_parser=".estimator.llamacpp.logparse:parse_log",
-        search_space=("ctx_size", "n_gpu_layers", "cache_type_k", "cache_type_v"), corrections_key="llama.cpp"),
+        search_space=("file", "ctx_size", "n_gpu_layers", "n_cpu_moe", "tensor_split", "cache_type_k", "cache_type_v"),
+        corrections_key="llama.cpp"),
 )}
 
 

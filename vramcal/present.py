@@ -631,6 +631,55 @@ def vllm_plan_text(r) -> str:
     return "\n".join(lines)
 
 
+def llamacpp_plan_text(r) -> str:
+    """``plan --engine llama.cpp``: the machine, the ranked llama-server configurations, why nothing better,
+    the first plan's decode bound and command; or, when nothing fits, what is missing."""
+    from pathlib import Path
+
+    hw = r.hardware
+    gpus = ", ".join(f"{g.device} {fmt_gib_gb(g.memory_bytes)}" + (f" ({g.name})" if g.name else "")
+                     + (f" [{g.held_by}]" if g.held_by else "") for g in hw.gpus)
+    ctx = f"-c {r.target_ctx:,}" if r.asked else f"the largest -c (at least {r.target_ctx:,} sought)"
+    files = f" ({len(r.files)} GGUF files)" if len(r.files) > 1 else \
+        "" if Path(r.files[0][0]).name == r.model else f" ({Path(r.files[0][0]).name})"
+    lines = [f"llama.cpp plan for {r.model}{files} on {gpus}; RAM {fmt_gib_gb(hw.cpu_bytes)} -- {hw.source}",
+             f"  buffer {fmt_gib_gb(r.buffer)} per GPU and of the RAM, goal {r.goal}, {ctx}"]
+    if not r.plans:
+        lines += ["", "nothing fits: " + (r.shortfall or "no configuration fits")]
+        lines += (["", "why"] + ["  " + w for w in r.why]) if r.why else []
+        lines += (["", "notes"] + ["  " + n for n in r.notes]) if r.notes else []
+        return "\n".join(lines)
+    devs = [g.device for g in hw.gpus]
+    width = max(12, *(len(Path(p.file).name) for p in r.plans)) + 1
+    head = (f"  {'#':>2}  {'file':<{width}}{'bits':>5}  {'KV':<9}{'-c':>9}  {'layers':<31}"
+            + "".join(f"{d:>12}" for d in devs) + f"{'RAM':>12}{'tokens/s <=':>13}")
+    lines += ["", "plans (GPU: its buffers + the CUDA context; RAM: every host buffer, CPU_Mapped included)", head]
+    for i, p in enumerate(r.plans, 1):
+        kv = p.cache_type_k if p.cache_type_k == p.cache_type_v else f"{p.cache_type_k}/{p.cache_type_v}"
+        speed = f"{p.tokens_per_s:,.2f}" if p.tokens_per_s is not None else "unknown"
+        lines.append(f"  {i:>2}  {Path(p.file).name:<{width}}{p.bits_per_weight:>5.2f}  {kv:<9}{p.ctx_size:>9,}"
+                     f"{'' if p.reaches else '*':<2}{p.where():<31}"
+                     + "".join(f"{gib(p.gpu_bytes.get(d, 0)):>8.2f} GiB" for d in devs)
+                     + f"{gib(p.host_bytes):>8.2f} GiB{speed:>13}")
+    if any(not p.reaches for p in r.plans):
+        lines.append(f"  * short of the -c {r.target_ctx:,} sought")
+    if r.why:
+        lines += ["", "why nothing better"] + ["  " + w for w in r.why]
+    first = r.plans[0]
+    reads = ", ".join(f"{d} {fmt_gib_gb(b)}" for d, b in first.read_bytes.items())
+    lines += ["", "plan 1 in detail", f"  read per generated token (the weights, of a MoE layer's experts the routed "
+              f"share, and the KV at -c {first.ctx_size:,}): {reads}"]
+    if first.speed.bandwidths:
+        lines.append("  decode bound: " + "; ".join(f"{k} {v}" for k, v in first.speed.bandwidths.items()))
+    if first.speed.why_none:
+        lines.append(f"  decode bound {first.speed.why_none}")
+    lines += ["", "run it with", "  " + first.command, "", "see its buffers as llama.cpp will log them",
+              "  " + first.verify]
+    if r.notes:
+        lines += ["", "notes"] + ["  " + n for n in r.notes]
+    return "\n".join(lines)
+
+
 def llamacpp_json(e) -> dict:
     """``estimate --engine llama.cpp --json``: llama.cpp's buffers under ``llama_cpp``, integer bytes."""
     return {"engine": "llama.cpp", "model": e.model, "device_bytes": e.device_bytes(), "llama_cpp": e.to_dict()}
@@ -681,7 +730,10 @@ def llamacpp_fit_table(f, budget: int, buffer: int) -> str:
     if not f.fits:
         lines.append("  nothing fits: " + (f.note or ""))
     else:
-        lines += [f"  -ngl {f.n_gpu_layers}  -c {f.ctx_size:,}   ({f.gpu_layers}/{f.n_layer + 1} layers on the GPUs)",
+        moe = f"  --n-cpu-moe {f.n_cpu_moe}" if f.n_cpu_moe else ""
+        ts = f"  -ts {','.join(str(x) for x in f.tensor_split)}" if f.tensor_split else ""
+        lines += [f"  -ngl {f.n_gpu_layers}{moe}{ts}  -c {f.ctx_size:,}   ({f.gpu_layers}/{f.n_layer + 1} layers on "
+                  "the GPUs)",
                   f"  largest GPU total {_g(f.peak_bytes)} (buffers + the CUDA context)",
                   "", "  " + f.command]
     if f.notes:

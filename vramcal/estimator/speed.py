@@ -98,3 +98,27 @@ def decode_bound(estimate, memory_bw: dict, link_bw: dict, device: str | None = 
         return DecodeBound(None, None, terms, used, "unknown: " + "; ".join(missing))
     step = sum(terms.values())
     return DecodeBound(batch / step if step else None, step, terms, used)
+
+
+def sequential_bound(read_bytes: dict[str, int], memory_bw: dict, sequences: int = 1) -> DecodeBound:
+    """The bound of an engine that runs each layer where its weights are (llama.cpp: a layer on the CPU is
+    computed by the CPU, from RAM; nothing is streamed to a GPU): ``read_bytes`` maps each device to the
+    bytes one step reads there (weights and KV cache), ``memory_bw`` each device to an object with
+    ``bytes_per_s`` (None when unknown) and ``source``. The layers run one after the other, so the step is
+    the sum over devices of bytes / bandwidth, and ``tokens/s <= sequences / step``."""
+    terms: dict[str, float] = {}
+    used: dict[str, str] = {}
+    missing: list[str] = []
+    for dev, n in read_bytes.items():
+        if n <= 0:
+            continue
+        bw = memory_bw.get(dev)
+        if bw is None or bw.bytes_per_s is None:
+            missing.append(f"{dev}'s memory bandwidth ({bw.source if bw is not None else 'unknown'})")
+            continue
+        terms[f"{dev} memory"] = n / bw.bytes_per_s
+        used[f"{dev} memory"] = f"{bw.bytes_per_s / 1e9:,.0f} GB/s, {bw.source}"
+    if missing:
+        return DecodeBound(None, None, terms, used, "unknown: " + "; ".join(missing))
+    step = sum(terms.values())
+    return DecodeBound(sequences / step if step else None, step or None, terms, used)

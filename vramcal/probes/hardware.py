@@ -28,6 +28,7 @@ from ..units import GB, parse_size
 from ..workload import parse_device
 
 MAX_DEVICE_BYTES = 1 << 50  # 1 PiB: no GPU, RAM or offload disk a plan is for is larger
+CPU_BANDWIDTH_UNKNOWN = "the RAM's bandwidth is not known here: give --bandwidth cpu=RATE (e.g. cpu=80GB)"
 # Per lane and direction, after line encoding (8b/10b to Gen2, 128b/130b from Gen3; Gen6's FLIT mode)
 PCIE_GBPS_PER_LANE = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 
@@ -59,6 +60,9 @@ class Hardware:
     disk_bytes: int | None = None  # room for disk offload, when given
     source: str = ""
     notes: list[str] = field(default_factory=list)  # e.g. a GPU model whose memory is not the size given
+    # the RAM's bandwidth, for an engine that computes layers on the CPU (llama.cpp); only --bandwidth cpu=
+    # gives it: neither NVML nor psutil reads it
+    cpu_bandwidth: Bandwidth = field(default_factory=lambda: Bandwidth(None, CPU_BANDWIDTH_UNKNOWN))
 
     def sizes(self) -> dict[str, int]:
         out = {g.device: g.memory_bytes for g in self.gpus}
@@ -213,7 +217,8 @@ LINK_RANGE = (GB // 10, 10_000 * GB)
 
 
 def parse_bandwidth(text: str | None) -> dict[str, int]:
-    """``--bandwidth cuda:0=1008GB,pcie=25GB``: bytes per second per GPU's memory, and the host link."""
+    """``--bandwidth cuda:0=1008GB,pcie=25GB[,cpu=80GB]``: bytes per second per GPU's memory, the host link,
+    and the RAM (``cpu``: what an engine that computes on the CPU reads its layers at)."""
     out: dict[str, int] = {}
     if text is None:
         return out
@@ -222,7 +227,7 @@ def parse_bandwidth(text: str | None) -> dict[str, int]:
         key = key.strip().lower()
         if not sep or not value.strip():
             raise UserError(f"cannot read {item.strip()!r} in --bandwidth: write cuda:0=1008GB,pcie=25GB (per second)")
-        if key != "pcie":
+        if key not in ("pcie", "cpu"):
             key = str(parse_device(key, flag="device in --bandwidth"))
         if key in out:
             raise UserError(f"--bandwidth names {key} twice")
@@ -234,7 +239,7 @@ def parse_bandwidth(text: str | None) -> dict[str, int]:
             raise UserError(f"--bandwidth {key}: a bandwidth must be above zero")
         lo, hi = LINK_RANGE if key == "pcie" else MEMORY_RANGE
         if not lo <= n <= hi:
-            what = "a host link" if key == "pcie" else "a GPU's memory"
+            what = "a host link" if key == "pcie" else "the RAM" if key == "cpu" else "a GPU's memory"
             raise UserError(f"--bandwidth {key}={value.strip()}: {n / GB:,.3g} GB/s is outside what {what} moves "
                             f"({lo / GB:g} to {hi / GB:,.0f} GB/s): check the unit (GB is GB per second)")
         out[key] = n
@@ -262,7 +267,15 @@ def described(sizes: dict[str, int], gpu_names: list[str] | None = None,
                 notes.append(f"--gpu {name!r} is the {row.name} with {row.memory_gb:g} GB, but {g.device} was given "
                              f"{g.memory_bytes / GB:,.1f} GB: its bandwidths are that model's")
     _override(gpus, bandwidths or {})
-    return Hardware(gpus, sizes.get("cpu", 0), sizes.get("disk"), source="as described (--hardware)", notes=notes)
+    return Hardware(gpus, sizes.get("cpu", 0), sizes.get("disk"), source="as described (--hardware)", notes=notes,
+                    cpu_bandwidth=cpu_bandwidth(bandwidths or {}))
+
+
+def cpu_bandwidth(bandwidths: dict[str, int]) -> Bandwidth:
+    """The RAM's bandwidth: ``--bandwidth cpu=`` only (None with the reason otherwise, never a guess)."""
+    if "cpu" in bandwidths:
+        return Bandwidth(bandwidths["cpu"], "--bandwidth")
+    return Bandwidth(None, CPU_BANDWIDTH_UNKNOWN)
 
 
 def _override(gpus: list[GPU], bandwidths: dict[str, int]) -> None:
@@ -271,7 +284,7 @@ def _override(gpus: list[GPU], bandwidths: dict[str, int]) -> None:
             g.memory_bandwidth = Bandwidth(bandwidths[g.device], "--bandwidth")
         if "pcie" in bandwidths:
             g.link_bandwidth = Bandwidth(bandwidths["pcie"], "--bandwidth")
-    unknown = [d for d in bandwidths if d != "pcie" and d not in {g.device for g in gpus}]
+    unknown = [d for d in bandwidths if d not in ("pcie", "cpu") and d not in {g.device for g in gpus}]
     if unknown:
         raise UserError(f"--bandwidth names {', '.join(unknown)}, which the machine has not")
 
@@ -310,4 +323,5 @@ def this_machine(bandwidths: dict[str, int] | None = None) -> Hardware:
             from_table(g, name)
         gpus.append(g)
     _override(gpus, bandwidths or {})
-    return Hardware(gpus, int(psutil.virtual_memory().available), None, source="this machine, now (NVML, psutil)")
+    return Hardware(gpus, int(psutil.virtual_memory().available), None, source="this machine, now (NVML, psutil)",
+                    cpu_bandwidth=cpu_bandwidth(bandwidths or {}))

@@ -24,7 +24,8 @@ tree llama-cpp-python 0.3.36 vendors; docs/llamacpp.md has each rule with its fi
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from ...errors import UserError
 from ...units import MIB
@@ -73,6 +74,24 @@ def pad(n: int, to: int) -> int:
 
 
 @dataclass(frozen=True)
+class DraftArgs:
+    """``-md FILE`` and the flags that are the draft model's own. llama-server loads the draft with a copy of
+    the target's parameters -- its context (``-c``, ``-np``, ``-kvu``, ``-b``, ``-ub``, ``-fa``,
+    ``--swa-full``), its split (``-ts``, ``-sm``, ``-mg``), mmap and ``-nkvo`` -- and replaces only the model,
+    ``-ngl`` (``-ngld``), the tensor overrides (``-otd``, ``-cmoed``, ``-ncmoed``) and the KV types
+    (``-ctkd/-ctvd``, default f16) (common/speculative.cpp ``common_base_params_to_speculative``, llama.cpp as
+    llama-cpp-python 0.3.36 vendors it)."""
+
+    path: str
+    n_gpu_layers: int = -1  # -ngld; -1 auto, -2 all: every layer, as for the target
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    overrides: tuple[tuple[str, str], ...] = ()
+    n_cpu_moe: int = 0
+    cpu_moe: bool = False
+
+
+@dataclass(frozen=True)
 class LlamaArgs:
     """The flags of a llama-server / llama-cli command (llama.cpp's spellings; ``None``: its default)."""
 
@@ -99,6 +118,7 @@ class LlamaArgs:
     # ggml types a CPU-only build repacks into CPU_REPACK (ggml-cpu/repack.cpp for x86 AVX2: Q4_0, Q4_K,
     # IQ4_NL, MXFP4 with rows a multiple of 8; AVX-512 adds Q2_K); with a GPU, CPU weights go CUDA_Host -> CPU
     cpu_repack: tuple[str, ...] = ("Q4_0", "Q4_K", "IQ4_NL", "MXFP4")
+    draft: DraftArgs | None = None  # -md: a draft model for speculative decoding, loaded beside the target
 
     def validated(self) -> LlamaArgs:
         for flag, v in (("-c/--ctx-size", self.ctx_size),):
@@ -123,7 +143,22 @@ class LlamaArgs:
             raise UserError("--gpu-count must be 0 (a CPU-only llama.cpp) or more")
         if self.split_mode == "none" and self.n_gpus and not 0 <= self.main_gpu < self.n_gpus:
             raise UserError(f"-mg/--main-gpu {self.main_gpu}: there are {self.n_gpus} GPUs (0 to {self.n_gpus - 1})")
+        d = self.draft
+        if d is not None:
+            for flag, t in (("-ctkd/--cache-type-k-draft", d.cache_type_k), ("-ctvd/--cache-type-v-draft",
+                                                                             d.cache_type_v)):
+                if t.lower() not in CACHE_TYPES:
+                    raise UserError(f"{flag} {t!r} is not a cache type llama.cpp accepts: {', '.join(CACHE_TYPES)}")
+            if d.n_cpu_moe < 0:
+                raise UserError(f"--n-cpu-moe-draft must be 0 or more, got {d.n_cpu_moe}")
         return self
+
+    def for_draft(self) -> LlamaArgs:
+        """The draft model's flags: the target's, with the draft's own in place (:class:`DraftArgs`)."""
+        d = self.draft
+        return replace(self, draft=None, n_gpu_layers=d.n_gpu_layers, cache_type_k=d.cache_type_k.lower(),
+                       cache_type_v=d.cache_type_v.lower(), overrides=d.overrides, n_cpu_moe=d.n_cpu_moe,
+                       cpu_moe=d.cpu_moe)
 
 
 @dataclass(frozen=True)
@@ -309,10 +344,12 @@ class LlamaEstimate:
     revision: str | None = None  # owner/repo@commit of a GGUF sized from its Hub header alone
     # a GGUF not read but derived from an HF config and a file type (.from_config.PricedFrom.to_dict())
     priced_from: dict | None = None
+    draft: LlamaEstimate | None = None  # -md: the draft model's own buffers, on the same devices
 
     def device_bytes(self) -> dict[str, int]:
-        """Bytes per device (CUDA0 ..., "CPU" for host memory: CPU, CPU_Mapped, CUDA_Host, the output)."""
-        out: dict[str, int] = {}
+        """Bytes per device (CUDA0 ..., "CPU" for host memory: CPU, CPU_Mapped, CUDA_Host, the output), a draft
+        model's (-md) included."""
+        out: dict[str, int] = dict(self.draft.device_bytes()) if self.draft is not None else {}
         for d in (self.model_buffer_bytes, self.kv_buffer_bytes, self.compute_buffer_bytes,
                   {self.output_buffer: self.output_buffer_bytes}):
             for name, b in d.items():
@@ -331,7 +368,8 @@ class LlamaEstimate:
                 "output_buffer_bytes": self.output_buffer_bytes, "output_buffer": self.output_buffer,
                 "compute_method": self.compute_method, "weights_bytes": self.weights_bytes,
                 "weight_types": dict(self.weight_types), "device_bytes": self.device_bytes(),
-                "notes": list(self.notes), "estimator_model": self.estimator_model, "priced_from": self.priced_from}
+                "notes": list(self.notes), "estimator_model": self.estimator_model, "priced_from": self.priced_from,
+                "draft": self.draft.to_dict() if self.draft is not None else None}
 
     def log_lines(self) -> list[str]:
         """The buffer lines as llama.cpp prints them (MiB, two decimals)."""
@@ -344,6 +382,8 @@ class LlamaEstimate:
                 lines.append(f"llama_kv_cache: {name:>10} KV buffer size = {b / MIB:8.2f} MiB")
         lines += [f"sched_reserve: {name:>10} compute buffer size = {b / MIB:8.2f} MiB"
                   for name, b in self.compute_buffer_bytes.items()]
+        if self.draft is not None:
+            lines += [f"(the draft model, -md {self.draft.model})"] + self.draft.log_lines()
         return lines
 
 
@@ -377,17 +417,19 @@ def _repacked(t: GgufTensor, a: LlamaArgs) -> bool:
     return (dims == 3 if experts else dims == 2) and t.shape[1] % 8 == 0
 
 
-def model_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, p: Placement) -> tuple[dict[str, int], list[str]]:
-    """Each model buffer llama.cpp logs ("CPU_Mapped model buffer size = ..."), in bytes."""
-    notes: list[str] = []
+def placed_tensors(m: GgufModel, h: Hparams, a: LlamaArgs, p: Placement) -> list[tuple[GgufTensor, str, str]]:
+    """Every tensor llama.cpp creates, with the buffer it goes to and its role: ``"input"`` (the embedding
+    lookups, which read their tokens' rows), ``"output"`` (a tied output's second copy of ``token_embd``,
+    read whole by the output matmul), ``"weight"`` (the rest). llama-model.cpp ``load_tensors``: the input
+    layer on the CPU, each layer on its device, the output layer on its own; ``-ot`` / ``--cpu-moe`` /
+    ``--n-cpu-moe`` move what they match (first match wins)."""
     rules = _overrides(a, h)
     gpu_names = {f"{a.gpu_backend}{g}" for g in p.gpus}
     for pattern, target in rules:  # common/arg.cpp refuses an unknown buffer type name when it parses -ot
         if target.upper() != "CPU" and target not in gpu_names:
             raise UserError(f"-ot {pattern.pattern}={target}: llama.cpp has no buffer type {target!r} here "
                             f"(CPU{', ' + ', '.join(sorted(gpu_names)) if gpu_names else ''})")
-    host = "CPU" if not p.gpus else f"{a.gpu_backend}_Host"
-    placed: list[tuple[GgufTensor, str, bool]] = []  # (tensor, buffer, used by a MUL_MAT)
+    placed: list[tuple[GgufTensor, str, str]] = []
     tensors = list(m.tensors)
     names = {t.name for t in tensors}
     tied = "output.weight" not in names and "token_embd.weight" in names
@@ -406,14 +448,21 @@ def model_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, p: Placement) -> tuple
             if pattern.search(t.name):
                 buf = "CPU" if target.upper() == "CPU" else target
                 break
-        placed.append((t, buf, not t.name.startswith(INPUT_TENSORS)))
+        placed.append((t, buf, "input" if t.name.startswith(INPUT_TENSORS) else "weight"))
     if tied:
         emb = next(t for t in tensors if t.name == "token_embd.weight")
-        placed.append((emb, p.name(p.output, a.gpu_backend), True))  # TENSOR_DUPLICATED: the output's copy
+        placed.append((emb, p.name(p.output, a.gpu_backend), "output"))  # TENSOR_DUPLICATED: the output's copy
     for t in rope:
         for il in range(h.n_layer):
-            placed.append((t, p.name(p.layers[il], a.gpu_backend), False))
+            placed.append((t, p.name(p.layers[il], a.gpu_backend), "weight"))
+    return placed
 
+
+def model_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, p: Placement) -> tuple[dict[str, int], list[str]]:
+    """Each model buffer llama.cpp logs ("CPU_Mapped model buffer size = ..."), in bytes."""
+    notes: list[str] = []
+    host = "CPU" if not p.gpus else f"{a.gpu_backend}_Host"
+    placed = [(t, buf, role != "input") for t, buf, role in placed_tensors(m, h, a, p)]  # (.., used by a MUL_MAT)
     out: dict[str, int] = {}
     mapped: dict[int, list[GgufTensor]] = {}
     seen: set[tuple[str, str]] = set()
@@ -493,6 +542,67 @@ def output_buffer(h: Hparams, a: LlamaArgs, c: Context, p: Placement) -> tuple[s
     return name, h.n_vocab * c.n_seq_max * 4
 
 
+@dataclass(frozen=True)
+class TokenReads:
+    """The bytes one generated token reads, per device (``CPU``, ``CUDA0`` ...): the weights of the layers
+    placed there and the KV cache at the context (:func:`token_reads`). What the decode bound divides by each
+    device's memory bandwidth (:func:`vramcal.estimator.speed.sequential_bound`)."""
+
+    weights_bytes: dict[str, int]
+    kv_bytes: dict[str, int]
+    n_ctx_seq: int  # the positions a full-attention layer reads: the context of one sequence
+    expert_share: tuple[int, int] | None  # (expert_used_count, expert_count) of a MoE model
+
+    def by_device(self) -> dict[str, int]:
+        out = dict(self.weights_bytes)
+        for dev, b in self.kv_bytes.items():
+            out[dev] = out.get(dev, 0) + b
+        return {d: b for d, b in out.items() if b > 0}
+
+
+def token_reads(spec: str | GgufModel, args: LlamaArgs | None = None) -> TokenReads:
+    """What one decode step of one sequence reads, at the end of a full context, for ``args``:
+
+    - every weight once, where :func:`placed_tensors` puts it (``CPU_REPACK`` and the host buffers count as
+      the CPU), except the embedding lookups, which read one row (not counted); a tied output's copy of
+      ``token_embd`` is read whole by the output matmul;
+    - of a MoE layer's routed experts (``ffn_*_exps``, :data:`EXPS`) only the ``expert_used_count`` of
+      ``expert_count`` that each token is routed to (the router ``ffn_gate_inp`` and shared experts whole);
+    - each attention layer's K and V rows at every position it attends to: the sequence's context
+      (``n_ctx_seq`` cells) for a full-attention layer, ``min(n_ctx_seq, n_swa)`` for a sliding-window one,
+      on the layer's device (``-nkvo``: the CPU).
+    """
+    from .gguf_file import read_gguf
+
+    a = (args or LlamaArgs()).validated()
+    m = spec if isinstance(spec, GgufModel) else read_gguf(spec)
+    h = hparams_of(m)
+    c = context_of(h, a)
+    p = placement_of(h, a)
+
+    def device(buf: str) -> str:
+        return buf if re.fullmatch(r"[A-Za-z]+\d+", buf) and not buf.startswith("CPU") else "CPU"
+
+    weights: dict[str, int] = {}
+    for t, buf, role in placed_tensors(m, h, a, p):
+        if role == "input":
+            continue  # get_rows: the tokens' rows, not the table
+        n = t.nbytes
+        if h.n_expert and EXPS.search(t.name):
+            n = n * h.n_expert_used // h.n_expert
+        weights[device(buf)] = weights.get(device(buf), 0) + n
+    kv: dict[str, int] = {}
+    for il in range(h.n_layer):
+        if h.n_head_kv[il] == 0:
+            continue
+        cells = min(c.n_ctx_seq, h.n_swa) if h.is_swa[il] and h.n_swa > 0 else c.n_ctx_seq
+        dev = p.name(p.layers[il] if a.offload_kqv else None, a.gpu_backend)
+        row = row_size(a.cache_type_k, h.n_embd_k_gqa(il)) + row_size(a.cache_type_v, h.n_embd_v_gqa(il))
+        kv[dev] = kv.get(dev, 0) + row * cells
+    share = (h.n_expert_used, h.n_expert) if h.n_expert else None
+    return TokenReads(weights, kv, c.n_ctx_seq, share)
+
+
 def estimate_llamacpp(spec: str | GgufModel, args: LlamaArgs | None = None) -> LlamaEstimate:
     """Every buffer llama.cpp logs loading ``spec`` with ``args``."""
     from .compute import compute_buffers
@@ -511,10 +621,38 @@ def estimate_llamacpp(spec: str | GgufModel, args: LlamaArgs | None = None) -> L
     for t in m.tensors:
         types[t.type_name] = types.get(t.type_name, 0) + t.nbytes
     n_gpu = sum(1 for d in p.layers if d is not None) + (p.output is not None)
+    draft = None
+    if a.draft is not None:
+        try:
+            draft = estimate_llamacpp(_draft_model(a.draft.path), a.for_draft())
+        except UserError as exc:
+            raise UserError(f"the draft model (-md {a.draft.path}): {exc}") from None
+        notes.append("the draft model's buffers (-md) are on the same devices, added to each: llama-server loads it "
+                     "with the target's -c, -np, -b, -ub, -fa and -ts and its own -ngld, -ctkd/-ctvd, -otd "
+                     "(common/speculative.cpp); its vocabulary is not checked against the target's")
     return LlamaEstimate(model=m.name, arch=m.arch, files=list(m.files), n_ctx=c.n_ctx, n_ctx_seq=c.n_ctx_seq,
                          n_seq_max=c.n_seq_max, n_batch=c.n_batch, n_ubatch=c.n_ubatch, flash_attn=c.flash_attn,
                          n_gpu_layers=n_gpu, n_layer=h.n_layer, model_buffer_bytes=model, kv_buffer_bytes=kv,
                          kv_caches=caches, compute_buffer_bytes=compute, output_buffer_bytes=out_bytes,
                          output_buffer=out_name, compute_method=method, weights_bytes=m.tensor_bytes,
                          weight_types=types, notes=[*c.notes, *notes, *kv_notes, *c_notes], revision=m.revision,
-                         priced_from=m.priced_from.to_dict() if m.priced_from is not None else None)
+                         priced_from=m.priced_from.to_dict() if m.priced_from is not None else None,
+                         draft=draft)
+
+
+def _draft_model(path: str) -> GgufModel:
+    """A draft model's header, read once per file as it is (a search prices it at every step)."""
+    import os
+
+    from .gguf_file import locate
+
+    f = locate(path)
+    st = os.stat(f)
+    return _read_once(str(f), st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=8)
+def _read_once(path: str, mtime_ns: int, size: int) -> GgufModel:
+    from .gguf_file import read_gguf
+
+    return read_gguf(path)

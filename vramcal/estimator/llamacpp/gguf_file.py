@@ -99,12 +99,38 @@ def _parts(path: Path) -> list[Path]:
     return parts
 
 
+def models_in(folder: Path, depth: int = 0) -> list[Path]:
+    """The GGUF models of a folder: each file, or a split GGUF's first part, not the multimodal projectors
+    (``mmproj``); ``depth`` 1 looks into its sub-folders too (a Hub repository of quantizations often keeps
+    a split one in a folder of its own, ``Q8_0/NAME-00001-of-00002.gguf``)."""
+    globs = ["*.gguf"] + (["*/*.gguf"] if depth else [])
+    found = sorted({q for g in globs for q in folder.glob(g)
+                    if q.is_file() and (not SPLIT.match(q.name) or SPLIT.match(q.name)["no"] == "00001")})
+    return [q for q in found if "mmproj" not in q.name.lower()]
+
+
+def gguf_models(spec: str) -> list[str]:
+    """Every GGUF model ``spec`` names, for a search over quantizations: a folder's (and its sub-folders')
+    GGUF files, a cached Hub repository's, or the one file (a Hub file not on this machine: the spec as it
+    is, read by its header). One line when a folder holds none."""
+    p = Path(spec).expanduser()
+    folder = p if p.is_dir() else None
+    if folder is None and not p.exists() and spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        folder = _cached_snapshot(spec)
+    if folder is None:
+        return [spec]
+    found = models_in(folder, depth=1)
+    if not found:
+        raise UserError(f"{spec} is a directory with no .gguf file (nor in its sub-folders): give a GGUF file, or "
+                        "a folder of them")
+    return [str(q) for q in found]
+
+
 def locate(spec: str) -> Path:
     """The GGUF file ``spec`` names: a path, or a Hub id in the local Hugging Face cache."""
     p = Path(spec).expanduser()
     if p.is_dir():
-        ggufs = sorted(q for q in p.glob("*.gguf") if not SPLIT.match(q.name) or SPLIT.match(q.name)["no"] == "00001")
-        ggufs = [q for q in ggufs if "mmproj" not in q.name.lower()]
+        ggufs = models_in(p)
         if len(ggufs) == 1:
             return ggufs[0]
         if not ggufs:
