@@ -107,6 +107,15 @@ def hybrid_groups(v: Version) -> bool:
     return v >= (0, 9, 2)
 
 
+def group_size_factor(v: Version) -> float | None:
+    """``_get_kv_cache_groups_uniform_page_size`` (``v1/core/kv_cache_utils.py``; ``kv_cache_planning.py`` in
+    0.33): the group size is the smallest kind's layer count, or the largest's when that is under this factor
+    times it (1.25 in 0.12-0.17, 1.5 from 0.18; 0.11.0 has no such rule)."""
+    if v < (0, 12, 0):
+        return None
+    return 1.25 if v < (0, 18, 0) else 1.5
+
+
 def tokens_rule(v: Version) -> str:
     """How "GPU KV cache size: N tokens" is computed (``v1/core/kv_cache_utils.py``):
     ``blocks`` num_blocks x block_size (up to 0.9.0, and uniform models up to 0.19); ``groups``
