@@ -1,7 +1,10 @@
 """Hold ``vramcal estimate --engine vllm`` against vLLM startup logs others published.
 
-    python benchmarks/published_vllm.py [--corpus benchmarks/published/vllm/corpus.csv]
+    python benchmarks/published_vllm.py [--corpus benchmarks/published/vllm/corpus.csv ...]
                                         [--out-dir docs/validation/published]
+
+Without --corpus it reads ``corpus.csv`` and every other ``*.csv`` beside it (``hybrid.csv``: the hybrid
+Mamba / Gated DeltaNet and gpt-oss MXFP4 startups of issue 23), one row set.
 
 Every row of the corpus (benchmarks/published/vllm/sources.md) is one ``vllm serve`` startup: its
 version, GPU, flags and the figures its log printed. vramcal predicts the same run from the model's
@@ -67,7 +70,9 @@ def args_of(row: dict):
                     gpu_memory_bytes=int(round(float(row["gpu_total_gib"]) * GIB)), gpu_name=row["gpu"],
                     vllm_version=row["vllm_version"], usage=row.get("usage") or "serve",
                     allow_long_max_model_len=True,
-                    flashinfer_sampler={"True": True, "False": False}.get(row.get("flashinfer_sampler") or ""))
+                    flashinfer_sampler={"True": True, "False": False}.get(row.get("flashinfer_sampler") or ""),
+                    mxfp4_backend=row.get("mxfp4_backend") or None,
+                    enable_prefix_caching={"True": True, "False": False}.get(row.get("enable_prefix_caching") or ""))
 
 
 def kv_rules_tokens(est, row: dict) -> int | None:
@@ -215,14 +220,29 @@ def render(rows: list[dict], sources_md: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def corpus_files(folder: Path = ROOT / "benchmarks" / "published" / "vllm") -> list[Path]:
+    """``corpus.csv`` first, then the other row files beside it (one set of rows, read alike)."""
+    main = folder / "corpus.csv"
+    return [main] + sorted(p for p in folder.glob("*.csv") if p != main)
+
+
+def read_rows(paths: list[Path]) -> list[dict]:
+    rows: list[dict] = []
+    for path in paths:
+        with open(path, newline="") as fh:
+            rows += list(csv.DictReader(fh))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--corpus", default=str(ROOT / "benchmarks" / "published" / "vllm" / "corpus.csv"))
+    ap.add_argument("--corpus", action="append", default=None,
+                    help="a corpus CSV (repeatable; default: every CSV in benchmarks/published/vllm/)")
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "validation" / "published"))
     args = ap.parse_args(argv)
-    corpus = Path(args.corpus)
-    with open(corpus, newline="") as fh:
-        rows_in = list(csv.DictReader(fh))
+    paths = [Path(c) for c in args.corpus] if args.corpus else corpus_files()
+    corpus = paths[0]
+    rows_in = read_rows(paths)
     for r in rows_in:
         if not r.get("source_url") or not r.get("source_id"):
             raise SystemExit(f"row {r.get('id')}: no source: every figure needs one")

@@ -162,6 +162,8 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     if args.max_num_batched_tokens is None and mnbt < seqs:
         mnbt = max(mnbt, seqs)
     block = args.block_size or 16
+    # the tokens a sliding-window / chunked layer keeps beyond its window: one batch, or every batch in flight
+    inflight = V.in_flight_tokens(v, mnbt, pp)
     hybrid, hybrid_why = _hybrid(arch, text_config(source.config), filled, tp, v, el, kv_bytes, max_len, args)
     if hybrid is not None:
         block = hybrid.block_size
@@ -200,21 +202,21 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     # peak, non-torch memory, graphs and the pinned cache, and vLLM runs out of memory where that is more
     # than the GPU (it does not fall back on the utilization)
     over = pinned_over(ranks, total, startup_used) if args.kv_cache_memory_bytes is not None else None
-    fit_len = 0 if over else min(K.largest_length(s, r.available_bytes, upper, block, mnbt)
+    fit_len = 0 if over else min(K.largest_length(s, r.available_bytes, upper, block, inflight)
                                  if r.available_bytes > 0 else 0 for r, s in zip(ranks, rank_specs))
     error = over
     failing = [(r, s) for r, s in zip(ranks, rank_specs)
-               if r.available_bytes <= 0 or K.needed_bytes(s, max_len, block, mnbt) > r.available_bytes]
+               if r.available_bytes <= 0 or K.needed_bytes(s, max_len, block, inflight) > r.available_bytes]
     if failing and error is None:
         r, s = failing[0]
         if r.available_bytes <= 0:
             error = M.no_memory_error(v)
         else:
-            error = M.too_long_error(v, max_len, K.needed_bytes(s, max_len, block, mnbt), r.available_bytes,
-                                     K.largest_length(s, r.available_bytes, max_len, block, mnbt))
+            error = M.too_long_error(v, max_len, K.needed_bytes(s, max_len, block, inflight), r.available_bytes,
+                                     K.largest_length(s, r.available_bytes, max_len, block, inflight))
     fits = error is None
     tokens_blocks = num_blocks * block
-    conc = K.max_concurrency(g, num_blocks, max_len, block, mnbt, v, tokens_blocks) if fits else 0.0
+    conc = K.max_concurrency(g, num_blocks, max_len, block, inflight, v, tokens_blocks) if fits else 0.0
     tokens = K.reported_tokens(g, num_blocks, block, conc, max_len, v) if fits else 0
     notes = [n for n in (dtype_note,) if n]
     if any(k == "sliding" for k in arch.layer_kinds) and not V.hybrid_groups(v):
