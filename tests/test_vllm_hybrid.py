@@ -97,12 +97,15 @@ def test_prefix_caching_modes_by_version_and_what_a_request_holds():
     assert H.cache_mode((0, 26, 0), "Qwen3NextForCausalLM", None) == "align"  # on from 0.26
     assert H.cache_mode((0, 27, 1), "NemotronHForCausalLM", None) == "all"  # SupportsMambaPrefixCaching
     assert H.cache_mode((0, 33, 0), "NemotronHForCausalLM", False) == "none"
+    assert H.cache_mode((0, 31, 0), "NemotronHForCausalLM", None) == "all"
+    assert H.cache_mode((0, 32, 0), "NemotronHForCausalLM", None) == "align+checkpoint"  # "all" dropped in 0.32
+    assert H.cache_mode((0, 32, 0), "Qwen3NextForCausalLM", None) == "align"
     with pytest.raises(UserError, match="--no-enable-prefix-caching"):
-        H.cache_mode((0, 29, 0), "Qwen3NextForCausalLM", None)
+        H.cache_mode((0, 33, 0), "Qwen3NextForCausalLM", None)
     with pytest.raises(UserError, match="before vLLM 0.15"):
         H.cache_mode((0, 13, 0), "Qwen3NextForCausalLM", True)
     # MambaSpec.max_memory_usage_bytes: 1 page, 2 in align, cdiv(L, block) in all
-    assert [H.pages_per_request(m, 10_000, 2_048) for m in ("none", "align", "all")] == [1, 2, 5]
+    assert [H.pages_per_request(m, 10_000, 2_048) for m in ("none", "align", "align+checkpoint", "all")] == [1, 2, 3, 5]
     # mode "all": the block is a multiple of lcm(chunk, 16): cdiv(2,134,016 / 1,024) = 2,084 -> 2,176 (17 x 128)
     assert H.unify(2_134_016, 1_024, "all", 128, 8_192, None, (0, 27, 1)).block_size == 2_176
 
@@ -201,7 +204,7 @@ def test_published_rows_within_tolerance(row):
                                    ["--vllm-version", "0.20", "--mxfp4-backend", "triton"]],
                          ids=lambda x: " ".join(x))
 def test_cli_bad_hybrid_input_is_one_line_and_exit_2(extra, capsys):
-    """0.29 on with prefix caching (on by default), Qwen3-Next before 0.10.2, an unknown state dtype, an
+    """Qwen3-Next on 0.33 with prefix caching (on by default), before 0.10.2, an unknown state dtype, an
     MXFP4 backend for a checkpoint that is not MXFP4: one line each, exit 2."""
     from vramcal.cli import main
 

@@ -46,7 +46,7 @@ class LayerSpec:
     page_bytes: int
     window: int | None = None  # sliding window or chunk size
     mode: str | None = None  # a Mamba layer's prefix-caching mode: none | align | all
-    state_block: int | None = None  # a Mamba layer's block size in mode "all"
+    state_block: int | None = None  # a Mamba layer's block size (max_model_len in mode none, else the attention's)
 
     def max_memory(self, length: int, block: int, mnbt: int) -> int:
         if self.kind == "mamba":
@@ -71,8 +71,7 @@ def layer_specs(arch: Arch, tp: int, kv_bytes: int, block: int, v: V.Version,
             if hybrid is None:
                 raise UserError(f"{arch.architecture} has Mamba / linear-attention layers: their state needs the "
                                 "hybrid page arithmetic (vramcal.estimator.vllm.mamba)")
-            out.append(LayerSpec("mamba", hybrid.page_bytes, mode=hybrid.mode,
-                                 state_block=hybrid.mamba_block_size if hybrid.mode == "all" else None))
+            out.append(LayerSpec("mamba", hybrid.page_bytes, mode=hybrid.mode, state_block=hybrid.mamba_block_size))
             continue
         if kind == "mla":
             out.append(LayerSpec("mla", block * (arch.kv_lora_rank + arch.rope_head_dim) * kv_bytes))

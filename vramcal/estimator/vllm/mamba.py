@@ -30,11 +30,14 @@ and ``--block-size``). With Mamba prefix caching in mode ``all`` the block is in
 ``lcm(chunk_size, align)``. A ``--block-size`` below the result is raised to it.
 
 **What a request holds** (``MambaSpec.max_memory_usage_bytes``): one state page in mode ``none``, two in
-``align`` (0.15-0.28; 0.29 on adds prefill checkpoint pages, not modelled), ``cdiv(L, block)`` in ``all``.
-The mode follows prefix caching (``MambaModelConfig``): off for hybrid models up to 0.25 (0.10-0.11 force it
-off; 0.12-0.25 ``is_prefix_caching_supported`` is False for them), on by default from 0.26 ("Generative
-hybrid models support prefix caching"), where the mode is ``all`` for architectures that implement
-``SupportsMambaPrefixCaching`` (Nemotron-H and Granite-4.0-H, 0.12-0.32) and ``align`` otherwise (Qwen3-Next).
+``align`` plus its ``num_prefill_checkpoint_blocks`` (0.29 on; set to 1 by Mamba-2 layers from 0.32,
+``mamba_mixer2.py``; Gated DeltaNet's from 0.33 only when the model can export checkpoints, not modelled),
+``cdiv(L, block)`` in ``all`` (up to 0.31: 0.32 drops the mode). The mode follows prefix caching
+(``MambaModelConfig``): off for hybrid models up to 0.25 (0.10-0.11 force it off; 0.12-0.25
+``is_prefix_caching_supported`` is False for them), on by default from 0.26 ("Generative hybrid models
+support prefix caching"), where the mode is ``all`` up to 0.31 for architectures that implement
+``SupportsMambaPrefixCaching`` (Nemotron-H and Granite-4.0-H) and ``align`` otherwise (Qwen3-Next; every
+architecture from 0.32).
 The state layers' block size is ``max_model_len`` in mode ``none`` (one block a request), the attention
 block otherwise; "GPU KV cache size" up to 0.19 counts ``num_blocks // groups x`` the smaller of the two.
 """
@@ -123,19 +126,24 @@ def state_dtype_bytes(architecture: str, tc: dict, v: tuple[int, int, int], mode
 
 
 def cache_mode(v: tuple[int, int, int], architecture: str, prefix_caching: bool | None) -> str:
-    """Mamba prefix-caching mode: ``none`` | ``align`` | ``all`` (``MambaModelConfig``). ``prefix_caching``
-    None: vLLM's default for a hybrid model (off up to 0.25, on from 0.26)."""
+    """Mamba prefix-caching mode: ``none`` | ``align`` | ``align+checkpoint`` (align with one prefill
+    checkpoint page) | ``all`` (``MambaModelConfig``). ``prefix_caching`` None: vLLM's default for a hybrid
+    model (off up to 0.25, on from 0.26)."""
     on = v >= (0, 26, 0) if prefix_caching is None else prefix_caching
     if not on or v < (0, 12, 0):  # 0.10-0.11 turn prefix caching off for hybrid models whatever is asked
         return "none"
     if v < (0, 15, 0):
         raise UserError("--enable-prefix-caching on a hybrid Mamba model before vLLM 0.15 (no mamba_cache_mode yet) "
                         "is not modelled: drop it, or give --vllm-version 0.15 or newer")
-    if v >= (0, 29, 0):
-        raise UserError("vLLM 0.29 on adds prefill checkpoint state pages under Mamba prefix caching (on by default "
-                        "for hybrid models), which vramcal does not model yet: give --no-enable-prefix-caching, or "
-                        "--vllm-version 0.28 or older")
-    return "all" if architecture in ALL_MODE_ARCHS and v < (0, 33, 0) else "align"
+    if v < (0, 32, 0):
+        return "all" if architecture in ALL_MODE_ARCHS else "align"
+    if MAMBA_ARCHS.get(architecture) == "mamba2":
+        return "align+checkpoint"  # mamba_mixer2.get_kv_cache_spec: num_prefill_checkpoint_blocks=1 (0.32 on)
+    if v >= (0, 33, 0):
+        raise UserError("vLLM 0.33 gives Gated DeltaNet layers prefill checkpoint state pages under Mamba prefix "
+                        "caching (on by default for hybrid models) when the model can export them, which vramcal "
+                        "does not model: give --no-enable-prefix-caching, or --vllm-version 0.32 or older")
+    return "align"
 
 
 @dataclass(frozen=True)
@@ -174,4 +182,4 @@ def pages_per_request(mode: str, length: int, mamba_block: int) -> int:
     """``MambaSpec.max_memory_usage_bytes`` in pages, for one request of ``length`` tokens."""
     if mode == "all":
         return -(-length // mamba_block)
-    return 2 if mode == "align" else 1
+    return {"align": 2, "align+checkpoint": 3}.get(mode, 1)
