@@ -265,7 +265,10 @@ def test_gpu_table_has_each_compute_capability():
 
 def test_vllm_prices_gpt_oss_mxfp4_experts_as_its_loader_lays_them(mxfp4):
     """vLLM's MXFP4 (layers/quantization/mxfp4.py): the experts only, packed FP4 and one uint8 scale per 32
-    values, the intermediate size per rank padded to 64, biases float32; attention stays 16-bit."""
+    values, the intermediate size per rank padded to 64, biases float32; attention stays 16-bit. This is the
+    Triton backend's layout (the default of a bare layout), which keeps the scales twice: the registered
+    ``w13_weight_scale`` / ``w2_weight_scale`` and the swizzled copies of ``PrecisionConfig``
+    (``process_weights_after_loading``; vramcal/estimator/vllm/mxfp4.py)."""
     from vramcal.estimator.resolve import resolve_model
     from vramcal.estimator.vllm import quant as vq
     from vramcal.estimator.vllm.arch import arch_of
@@ -283,7 +286,7 @@ def test_vllm_prices_gpt_oss_mxfp4_experts_as_its_loader_lays_them(mxfp4):
         pad = -(-inter // 64) * 64
         w13 = experts * 2 * pad * h
         w2 = experts * h * pad
-        per_layer = (w13 + w2) // 2 + (w13 + w2) // 32 + experts * (2 * pad + h) * 4
+        per_layer = (w13 + w2) // 2 + 2 * ((w13 + w2) // 32) + experts * (2 * pad + h) * 4
         assert rank_weights(params, arch, tp, 1, 2, scheme)[0].groups["experts"] == layers * per_layer
     # attention stays 16-bit: the unquantized layout's bytes, less the experts' bf16 biases (float32, experts)
     plain = rank_weights(params, arch, 1, 1, 2, vq.NONE)[0].groups

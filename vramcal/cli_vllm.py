@@ -17,6 +17,8 @@ VLLM_FLAGS = {
     "enforce_eager": "--enforce-eager", "kv_cache_memory": "--kv-cache-memory-bytes", "gpu_memory": "--gpu-memory",
     "vllm_version": "--vllm-version", "allow_long_max_model_len": "--allow-long-max-model-len",
     "vllm_entrypoint": "--vllm-entrypoint", "flashinfer_sampler": "--flashinfer-sampler",
+    "mxfp4_backend": "--mxfp4-backend", "mamba_cache_dtype": "--mamba-cache-dtype",
+    "mamba_ssm_cache_dtype": "--mamba-ssm-cache-dtype", "enable_prefix_caching": "--enable-prefix-caching",
 }
 
 
@@ -55,6 +57,16 @@ def add_vllm_args(p, *, fit: bool = False) -> None:
                    help="whether vLLM samples with FlashInfer (its log says \"Using FlashInfer for top-p & top-k "
                         "sampling\"): then its profile skips the top-k/top-p sort of vLLM before 0.17 (default: "
                         "not known, the sort is priced)")
+    g.add_argument("--mxfp4-backend", default=None, choices=("triton", "marlin"),
+                   help="gpt-oss: the MoE kernel holding the MXFP4 experts (its log says \"Using Triton backend\" or "
+                        "\"... leveraging the Marlin kernel\"; default: Marlin before 0.13 or on a named GPU outside "
+                        "SM90/SM100, else Triton)")
+    g.add_argument("--mamba-cache-dtype", default=None, help="hybrid models: the conv state's dtype (auto | float16 | "
+                                                             "bfloat16 | float32)")
+    g.add_argument("--mamba-ssm-cache-dtype", default=None, help="hybrid models: the SSM / recurrent state's dtype")
+    g.add_argument("--enable-prefix-caching", action="store_true", default=None, dest="enable_prefix_caching",
+                   help="vLLM's flag (hybrid models: the Mamba cache mode follows it; default: vLLM's, on from 0.26)")
+    g.add_argument("--no-enable-prefix-caching", action="store_false", dest="enable_prefix_caching")
     if fit:
         g.add_argument("--concurrency", type=float, default=None,
                        help="with --max-model-len: the requests of that length to hold at once; fit then says the "
@@ -141,7 +153,11 @@ def vllm_args(args):
         gpu_memory_bytes=total,
         gpu_name=name, vllm_version=args.vllm_version, allow_long_max_model_len=bool(args.allow_long_max_model_len),
         usage=args.vllm_entrypoint or "serve",
-        flashinfer_sampler=None if args.flashinfer_sampler is None else args.flashinfer_sampler == "yes")
+        flashinfer_sampler=None if args.flashinfer_sampler is None else args.flashinfer_sampler == "yes",
+        mxfp4_backend=getattr(args, "mxfp4_backend", None),
+        mamba_cache_dtype=getattr(args, "mamba_cache_dtype", None) or "auto",
+        mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", None) or "auto",
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", None))
 
 
 def cmd_estimate_vllm(args, out, progress) -> int:
@@ -220,7 +236,10 @@ def cmd_probe_vllm(args, out, *, check: bool) -> int:
                   "pipeline_parallel_size": vargs.pipeline_parallel_size, "dtype": vargs.dtype,
                   "kv_cache_dtype": vargs.kv_cache_dtype, "quantization": vargs.quantization,
                   "block_size": vargs.block_size, "enforce_eager": vargs.enforce_eager or None,
-                  "kv_cache_memory_bytes": vargs.kv_cache_memory_bytes}
+                  "kv_cache_memory_bytes": vargs.kv_cache_memory_bytes,
+                  "mamba_cache_dtype": None if vargs.mamba_cache_dtype == "auto" else vargs.mamba_cache_dtype,
+                  "mamba_ssm_cache_dtype": None if vargs.mamba_ssm_cache_dtype == "auto" else vargs.mamba_ssm_cache_dtype,
+                  "enable_prefix_caching": vargs.enable_prefix_caching}
     if synthetic:
         child_args.update(load_format="dummy", skip_tokenizer_init=True)
     gpus = list(range(vargs.tensor_parallel_size * vargs.pipeline_parallel_size))

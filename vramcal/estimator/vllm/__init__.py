@@ -5,7 +5,8 @@ launching it (docs/vllm.md).
 
 Modules: :mod:`.versions` (what differs between vLLM versions, as data), :mod:`.arch` (what vLLM reads
 from a config), :mod:`.shapes` (the model's parameters and their parallel roles: the one torch step),
-:mod:`.quant` and :mod:`.layout` (weights per rank), :mod:`.kv` (page sizes, blocks, tokens),
+:mod:`.quant`, :mod:`.mxfp4` and :mod:`.layout` (weights per rank; MXFP4 experts by kernel backend),
+:mod:`.kv` (page sizes, blocks, tokens), :mod:`.mamba` (hybrid models' state pages and the page unification),
 :mod:`.budget` (activation, non-torch, CUDA graphs), :mod:`.messages` (vLLM's lines and errors),
 :mod:`.engine` (putting them together), :mod:`.fit` (the largest length, the utilization needed),
 :mod:`.logparse` (reading a startup log back), :mod:`.result` (the typed result). vLLM itself is never

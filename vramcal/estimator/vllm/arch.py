@@ -25,7 +25,7 @@ class Arch:
     shared_intermediate: int  # a MoE model's shared experts (or its dense layers' MLP); 0 if none
     experts: int  # 0 for a dense model
     experts_per_token: int
-    layer_kinds: tuple[str, ...]  # per decoder layer: full | sliding | chunked | mla | linear
+    layer_kinds: tuple[str, ...]  # per decoder layer: full | sliding | chunked | mla | mamba | none (no cache)
     sliding_window: int | None
     chunk_size: int | None
     kv_lora_rank: int | None  # MLA
@@ -33,6 +33,7 @@ class Arch:
     max_position: int
     derived_max_len: int  # vLLM's derived max_model_len
     ropes: tuple[tuple[int, int], ...]  # (positions, rotary dim) of each distinct rotary cache
+    architecture: str = "?"
 
 
 def _int(tc: dict, key: str, default=None):
@@ -46,13 +47,18 @@ def layer_kinds(tc: dict, layers: int) -> tuple[str, ...]:
     Gemma 3 every ``sliding_window_pattern``-th layer is global), MLA when ``kv_lora_rank`` is set."""
     if tc.get("kv_lora_rank"):
         return ("mla",) * layers
+    pattern = tc.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and len(pattern) == layers:
+        # Nemotron-H (``nemotron_h.py``, ``ALL_DECODER_LAYER_TYPES``): M a Mamba-2 layer, * attention, - an MLP and
+        # E a MoE layer, which hold no cache
+        return tuple("mamba" if c == "M" else "full" if c == "*" else "none" for c in pattern)
     types = tc.get("layer_types")
     if isinstance(types, list) and len(types) == layers:
         out = []
         for t in types:
             t = str(t)
             out.append("sliding" if "sliding" in t else "chunked" if "chunk" in t else
-                       "linear" if ("linear" in t or "mamba" in t) else "full")
+                       "mamba" if ("linear" in t or "mamba" in t) else "full")
         return tuple(out)
     mt = str(tc.get("model_type", ""))
     window = tc.get("sliding_window")
@@ -105,7 +111,8 @@ def arch_of(config: dict, filled: dict | None = None) -> Arch:
                 layer_kinds=kinds, sliding_window=tc.get("sliding_window") if "sliding" in kinds else None,
                 chunk_size=tc.get("attention_chunk_size") if "chunked" in kinds else None,
                 kv_lora_rank=kv_lora, rope_head_dim=rope_dim, max_position=max_pos,
-                derived_max_len=derived_max_len(tc), ropes=tuple(ropes))
+                derived_max_len=derived_max_len(tc), ropes=tuple(ropes),
+                architecture=str((config.get("architectures") or tc.get("architectures") or ["?"])[0]))
 
 
 def _shared(tc: dict, experts: int) -> int:

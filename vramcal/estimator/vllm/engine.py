@@ -15,16 +15,18 @@ Per rank (docs/vllm.md has the formulas with their vLLM files, and a worked exam
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...errors import UserError
 from ...units import GIB, MIB
 from ...workload import count
 from ..quant import DTYPE_BYTES
-from ..resolve import ModelSource, resolve_model
+from ..resolve import ModelSource, resolve_model, text_config
 from . import kv as K
 from . import messages as M
 from . import versions as V
+from . import mamba as H
+from . import mxfp4 as X
 from .arch import arch_of, check_tp
 from .budget import activation, cuda_graph_bytes
 from .layout import rank_weights
@@ -63,6 +65,10 @@ class VllmArgs:
     allow_long_max_model_len: bool = False  # VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
     usage: str = "serve"  # serve | llm: the defaults of `vllm serve` or of the LLM class
     flashinfer_sampler: bool | None = None  # FlashInfer's top-k/top-p sampler in use (None: not known)
+    mxfp4_backend: str | None = None  # triton | marlin: the MoE kernel holding MXFP4 experts (None: by GPU, version)
+    mamba_cache_dtype: str = "auto"  # a hybrid model's conv state dtype (vLLM's --mamba-cache-dtype)
+    mamba_ssm_cache_dtype: str = "auto"  # ... and its SSM / recurrent state's (--mamba-ssm-cache-dtype)
+    enable_prefix_caching: bool | None = None  # --enable-prefix-caching / --no-enable-prefix-caching (None: vLLM's)
 
     def validated(self) -> VllmArgs:
         u = self.gpu_memory_utilization
@@ -128,6 +134,10 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     if args.kv_cache_memory_bytes is not None and not V.kv_memory_override(v):
         raise UserError(f"--kv-cache-memory exists from vLLM 0.10.2 on, not in {V.fmt_version(v)}")
     quant = resolve_quant(source.config, args.quantization)
+    if quant.scheme == "mxfp4":
+        quant = replace(quant, mxfp4=X.backend(v, args.gpu_name, args.mxfp4_backend))
+    elif args.mxfp4_backend is not None:
+        raise UserError("--mxfp4-backend is for an MXFP4 checkpoint (gpt-oss); this one is not: drop it")
     dtype, dtype_note = model_dtype(source.config, args.dtype, quant)
     from .shapes import cached_params
 
@@ -152,9 +162,14 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     if args.max_num_batched_tokens is None and mnbt < seqs:
         mnbt = max(mnbt, seqs)
     block = args.block_size or 16
+    # the tokens a sliding-window / chunked layer keeps beyond its window: one batch, or every batch in flight
+    inflight = V.in_flight_tokens(v, mnbt, pp)
+    hybrid, hybrid_why = _hybrid(arch, text_config(source.config), filled, tp, v, el, kv_bytes, max_len, args)
+    if hybrid is not None:
+        block = hybrid.block_size
 
     weights = rank_weights(params, arch, tp, pp, el, quant)
-    specs = K.layer_specs(arch, tp, kv_bytes, block, v)
+    specs = K.layer_specs(arch, tp, kv_bytes, block, v, hybrid)
     requested = int(total * args.gpu_memory_utilization)
     non_torch, non_torch_why = V.non_torch_default(v, tp, pp)
     non_torch = max(non_torch + offsets.get("non_torch_bytes", 0), 0)
@@ -171,41 +186,45 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
         else:
             avail = requested - w.bytes - act_bytes - non_torch - (graphs if subtract_graphs else 0)
         mine = specs[lo:hi]
-        g = K.grouping(mine)
-        blocks = max(avail, 0) // g.bytes_per_block if mine else 0
+        g = K.grouping(mine, v)
+        blocks = max(avail, 0) // g.bytes_per_block if any(s is not None for s in mine) else 0
         rank_specs.append(mine)
         ranks.append(VllmRank(i, w.tp_rank, w.pp_rank, [lo, hi], w.bytes, act_bytes, non_torch, graphs, avail, blocks,
                               0, dict(w.groups)))
     limiting = min(ranks, key=lambda r: (r.num_blocks, r.available_bytes))
     num_blocks = limiting.num_blocks
     for r, mine in zip(ranks, rank_specs):
-        r.kv_cache_bytes = num_blocks * K.grouping(mine).bytes_per_block
-    g = K.grouping(rank_specs[limiting.rank])
+        r.kv_cache_bytes = num_blocks * K.grouping(mine, v).bytes_per_block
+    g = K.grouping(rank_specs[limiting.rank], v)
     upper = max(max_len, arch.derived_max_len)
     startup_used = CONTEXT_BYTES + (NCCL_INIT_BYTES if tp * pp > 1 else 0)
     # a pinned KV size skips vLLM's profiling check: what the rank holds is its context, weights, activation
     # peak, non-torch memory, graphs and the pinned cache, and vLLM runs out of memory where that is more
     # than the GPU (it does not fall back on the utilization)
     over = pinned_over(ranks, total, startup_used) if args.kv_cache_memory_bytes is not None else None
-    fit_len = 0 if over else min(K.largest_length(s, r.available_bytes, upper, block, mnbt)
+    fit_len = 0 if over else min(K.largest_length(s, r.available_bytes, upper, block, inflight)
                                  if r.available_bytes > 0 else 0 for r, s in zip(ranks, rank_specs))
     error = over
     failing = [(r, s) for r, s in zip(ranks, rank_specs)
-               if r.available_bytes <= 0 or K.needed_bytes(s, max_len, block, mnbt) > r.available_bytes]
+               if r.available_bytes <= 0 or K.needed_bytes(s, max_len, block, inflight) > r.available_bytes]
     if failing and error is None:
         r, s = failing[0]
         if r.available_bytes <= 0:
             error = M.no_memory_error(v)
         else:
-            error = M.too_long_error(v, max_len, K.needed_bytes(s, max_len, block, mnbt), r.available_bytes,
-                                     K.largest_length(s, r.available_bytes, max_len, block, mnbt))
+            error = M.too_long_error(v, max_len, K.needed_bytes(s, max_len, block, inflight), r.available_bytes,
+                                     K.largest_length(s, r.available_bytes, max_len, block, inflight))
     fits = error is None
     tokens_blocks = num_blocks * block
-    conc = K.max_concurrency(g, num_blocks, max_len, block, mnbt, v, tokens_blocks) if fits else 0.0
+    conc = K.max_concurrency(g, num_blocks, max_len, block, inflight, v, tokens_blocks) if fits else 0.0
     tokens = K.reported_tokens(g, num_blocks, block, conc, max_len, v) if fits else 0
     notes = [n for n in (dtype_note,) if n]
     if any(k == "sliding" for k in arch.layer_kinds) and not V.hybrid_groups(v):
         notes.append(f"vLLM {V.fmt_version(v)} sizes sliding-window layers as full attention (no hybrid manager)")
+    if hybrid is not None:
+        notes.append(f"hybrid model: attention block {hybrid.block_size} tokens so one attention page "
+                     f"({hybrid.page_bytes:,} B) holds a state page ({hybrid.state_bytes:,} B, padded "
+                     f"{hybrid.padding_pct:.2f}%); Mamba prefix-caching mode {hybrid.mode}")
     if "mla" in arch.layer_kinds and args.block_size is None:
         notes.append("MLA with block size 16 (0.19 on Hopper); FlashMLA (0.11-era default on Hopper) forces 64: "
                      "pass --block-size 64 for it")
@@ -216,6 +235,12 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
                      f"{total / GIB:.2f} GiB: about {startup_used / GIB:.2f} GiB is in use before vLLM starts, so its "
                      "startup check (free memory below the requested) would likely refuse it")
     lines = _log_lines(v, limiting, tokens, max_len, conc, fits, error, subtract_graphs)
+    if hybrid is not None and hybrid.block_size != (args.block_size or 16):
+        lines.insert(0, f"Setting attention block size to {hybrid.block_size} tokens to ensure that attention page "
+                        "size is >= mamba page size.")
+        if hybrid.page_bytes != hybrid.state_bytes:
+            lines.insert(1, f"Padding mamba page size by {hybrid.padding_pct:.2f}% to ensure that mamba page size and "
+                            "attention page size are exactly equal.")
     methods = {
         "weights": "vLLM's layout of the installed transformers' model on the meta device (docs/vllm.md)",
         "activation": f"profile-run model fitted to 0.15-0.19 logs ({activation(arch, tp, pp - 1, pp, el, mnbt, seqs, v, args.flashinfer_sampler).which} "
@@ -227,6 +252,10 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
                                                                else "outside the KV budget (before 0.20)")),
         "budget": f"vLLM {V.fmt_version(v)} ({v_source}): {V.budget_family(v)} accounting",
     }
+    if hybrid is not None:
+        methods["kv_cache"] = f"hybrid pages (docs/vllm.md): {hybrid_why}"
+    if quant.mxfp4 is not None:
+        methods["mxfp4"] = f"MXFP4 experts on the {quant.mxfp4.name} backend: {quant.mxfp4.why}"
     return VllmEstimate(
         version=V.fmt_version(v), version_source=v_source, gpu_memory_bytes=total,
         gpu_memory_utilization=float(args.gpu_memory_utilization), requested_bytes=requested,
@@ -239,6 +268,35 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
         kv_cache_dtype=str(args.kv_cache_dtype).lower(), quantization=quant.label, enforce_eager=args.enforce_eager,
         page_bytes=g.page_bytes, block_bytes=g.bytes_per_block, hybrid_groups=g.num_groups, limiting_rank=limiting.rank, error=error,
         log_lines=lines, methods=methods, notes=notes, ranks=ranks if len(ranks) > 1 else None)
+
+
+def _hybrid(arch, tc: dict, filled: dict | None, tp: int, v, el: int, kv_bytes: int, max_len: int,
+            args: VllmArgs) -> tuple[H.Unified | None, str]:
+    """The unified page of a model with Mamba / linear-attention layers (:mod:`.mamba`), or None."""
+    if "mamba" not in arch.layer_kinds:
+        for value, flag in ((args.mamba_cache_dtype, "--mamba-cache-dtype"),
+                            (args.mamba_ssm_cache_dtype, "--mamba-ssm-cache-dtype")):
+            if value != "auto":
+                raise UserError(f"{flag} is for a hybrid Mamba / linear-attention model; this one has none: drop it")
+        return None, ""
+    if v < (0, 10, 1):
+        raise UserError(f"vLLM {V.fmt_version(v)} runs hybrid Mamba models on its V0 engine, which vramcal does not "
+                        "model: give --vllm-version 0.10.1 or newer")
+    if arch.architecture == "Qwen3NextForCausalLM" and v < (0, 10, 2):
+        raise UserError(f"Qwen3-Next needs vLLM 0.10.2 or newer (qwen3_next.py), not {V.fmt_version(v)}")
+    if "mla" in arch.layer_kinds or any(k in ("sliding", "chunked") for k in arch.layer_kinds):
+        raise UserError(f"{arch.architecture} mixes Mamba layers with MLA or windowed attention: not modelled")
+    if tc is not None and filled:
+        tc = {**text_config(filled), **tc}
+    shape = H.state_shape(arch.architecture, tc, tp)
+    conv_b, ssm_b, why = H.state_dtype_bytes(arch.architecture, tc, v, el, args.mamba_cache_dtype,
+                                             args.mamba_ssm_cache_dtype)
+    state = shape.conv_elems * conv_b + shape.ssm_elems * ssm_b
+    attn_1 = 2 * max(1, arch.kv_heads // tp) * arch.head_dim * kv_bytes
+    mode = H.cache_mode(v, arch.architecture, args.enable_prefix_caching)
+    u = H.unify(state, attn_1, mode, shape.chunk_size, max_len, args.block_size, v)
+    return u, (f"{shape.family} state {shape.conv_elems:,} conv + {shape.ssm_elems:,} state elements per rank "
+               f"({why}) = {state:,} B, padded to the attention page of {u.block_size} tokens x {attn_1:,} B")
 
 
 def pinned_over(ranks: list[VllmRank], total: int, startup_used: int) -> str | None:

@@ -10,6 +10,9 @@ full              2 x block x kv_heads_per_rank x head_dim x B     cdiv(L, block
 sliding (window)  the same                                         (cdiv(min(window - 1 + mnbt, L), block) + 1) x page
 chunked local     the same                                         cdiv(min(chunk + mnbt, L), block) x page
 MLA               block x (kv_lora_rank + rope_dim) x B            cdiv(L, block) x page (not split by tp)
+Mamba / GDN       the layer's state, padded to the attention page  1 page (mode none), 2 (align), cdiv(L, block)
+                  (:mod:`.mamba`: the attention block is raised      (all): :func:`.mamba.pages_per_request`
+                  until its page holds the state)
 ================  ===============================================  ===========================================
 
 ``kv_heads_per_rank = max(1, kv_heads // tp)``; B = 1 for an fp8 cache, else the model dtype's bytes.
@@ -17,8 +20,10 @@ MLA               block x (kv_lora_rank + rope_dim) x B            cdiv(L, block
 Blocks (``v1/core/kv_cache_utils.py``): a rank whose layers share one spec has
 ``available // (page x layers)`` blocks; a hybrid rank (0.9.2 on: sliding and full layers) groups
 layers by kind, ``group_size = min(layers of a kind)``, ``num_groups = sum cdiv(layers of kind,
-group_size)``, ``available // page // group_size`` blocks. Up to 0.9.0 sliding layers are sized as full
-attention. Every rank then takes the minimum over ranks (``unify_kv_cache_configs``).
+group_size)``, ``available // page // group_size`` blocks; from 0.12 the group size is the largest count
+instead when that is under 1.25 x the smallest (1.5 x from 0.18), padding the smaller kinds
+(``_get_kv_cache_groups_uniform_page_size``). Up to 0.9.0 sliding layers are sized as full attention. Every
+rank then takes the minimum over ranks (``unify_kv_cache_configs``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from ...errors import UserError
 from . import versions as V
 from .arch import Arch
+from .mamba import Unified, pages_per_request
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,11 +42,15 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    kind: str  # full | sliding | chunked | mla
+    kind: str  # full | sliding | chunked | mla | mamba
     page_bytes: int
     window: int | None = None  # sliding window or chunk size
+    mode: str | None = None  # a Mamba layer's prefix-caching mode: none | align | all
+    state_block: int | None = None  # a Mamba layer's block size (max_model_len in mode none, else the attention's)
 
     def max_memory(self, length: int, block: int, mnbt: int) -> int:
+        if self.kind == "mamba":
+            return pages_per_request(self.mode or "none", length, self.state_block or length) * self.page_bytes
         if self.kind == "sliding":
             return (cdiv(min(self.window - 1 + mnbt, length), block) + 1) * self.page_bytes
         if self.kind == "chunked":
@@ -48,13 +58,21 @@ class LayerSpec:
         return cdiv(length, block) * self.page_bytes
 
 
-def layer_specs(arch: Arch, tp: int, kv_bytes: int, block: int, v: V.Version) -> list[LayerSpec]:
-    """One spec per decoder layer (global index)."""
-    out = []
+def layer_specs(arch: Arch, tp: int, kv_bytes: int, block: int, v: V.Version,
+                hybrid: Unified | None = None) -> list[LayerSpec | None]:
+    """One spec per decoder layer (global index); None for a layer that holds no cache (Nemotron-H's MLP and
+    MoE layers). ``hybrid``: the unified page of a model with Mamba layers (:func:`.mamba.unify`)."""
+    out: list[LayerSpec | None] = []
     for kind in arch.layer_kinds:
-        if kind == "linear":
-            raise UserError("this model has linear-attention / Mamba layers: vLLM's state pages for them are not "
-                            "modelled by vramcal yet")
+        if kind == "none":
+            out.append(None)
+            continue
+        if kind == "mamba":
+            if hybrid is None:
+                raise UserError(f"{arch.architecture} has Mamba / linear-attention layers: their state needs the "
+                                "hybrid page arithmetic (vramcal.estimator.vllm.mamba)")
+            out.append(LayerSpec("mamba", hybrid.page_bytes, mode=hybrid.mode, state_block=hybrid.mamba_block_size))
+            continue
         if kind == "mla":
             out.append(LayerSpec("mla", block * (arch.kv_lora_rank + arch.rope_head_dim) * kv_bytes))
             continue
@@ -86,7 +104,8 @@ class Grouping:
         return self.page_bytes * self.group_size
 
 
-def grouping(specs: list[LayerSpec]) -> Grouping:
+def grouping(specs: list[LayerSpec | None], v: V.Version | None = None) -> Grouping:
+    specs = [s for s in specs if s is not None]
     kinds: dict[LayerSpec, int] = {}
     for s in specs:
         kinds[s] = kinds.get(s, 0) + 1
@@ -94,16 +113,19 @@ def grouping(specs: list[LayerSpec]) -> Grouping:
         spec = specs[0]
         return Grouping(True, len(specs), ((spec, 1),), spec.page_bytes)
     size = min(kinds.values())
+    factor = V.group_size_factor(v) if v is not None else None
+    if factor is not None and max(kinds.values()) < size * factor:
+        size = max(kinds.values())
     page = max(s.page_bytes for s in kinds)  # vLLM requires equal pages across groups (it pads the smaller)
     return Grouping(False, size, tuple((s, cdiv(n, size)) for s, n in kinds.items()), page)
 
 
-def needed_bytes(specs: list[LayerSpec], length: int, block: int, mnbt: int) -> int:
+def needed_bytes(specs: list[LayerSpec | None], length: int, block: int, mnbt: int) -> int:
     """``check_enough_kv_cache_memory``: one request of ``length`` tokens over the rank's layers."""
-    return sum(s.max_memory(length, block, mnbt) for s in specs)
+    return sum(s.max_memory(length, block, mnbt) for s in specs if s is not None)
 
 
-def largest_length(specs: list[LayerSpec], available: int, upper: int, block: int, mnbt: int) -> int:
+def largest_length(specs: list[LayerSpec | None], available: int, upper: int, block: int, mnbt: int) -> int:
     """``estimate_max_model_len``: the largest length in [1, upper] whose request fits (binary search);
     0 when not even one token does."""
     lo, hi = 0, upper
@@ -126,8 +148,11 @@ def max_concurrency(g: Grouping, num_blocks: int, max_len: int, block: int, mnbt
 
 
 def reported_tokens(g: Grouping, num_blocks: int, block: int, concurrency: float, max_len: int, v: V.Version) -> int:
+    """"GPU KV cache size": up to 0.19 ``num_blocks // groups x`` the smallest block size of any group (a Mamba
+    group's is ``max_model_len`` in mode none, the attention block otherwise); from 0.20 concurrency x length."""
     if V.tokens_rule(v) == "concurrency":
         return int(concurrency * max_len)
     if g.uniform:
         return num_blocks * block
-    return num_blocks // g.num_groups * block
+    smallest = min([block] + [s.state_block or max_len for s, _ in g.groups if s.kind == "mamba"])
+    return num_blocks // g.num_groups * smallest

@@ -76,16 +76,17 @@ def param_bytes(p: Param, arch: Arch, tp: int, el: int, quant: VllmQuant) -> tup
     if p.role in ("expert_col", "expert_row"):
         e, a, b = shape
         if quant.scheme == "mxfp4":
-            return "experts", e * quant.linear_bytes(*_mxfp4_expert(p.role, a, b, arch, tp), el)
+            return "experts", e * _backend(quant).weight_bytes(*_mxfp4_expert(p.role, arch, tp, quant))
         out, inp = (a // tp, b) if p.role == "expert_col" else (a, b // tp)
         q = quant if not p.vision else None
         return "experts", e * (q.linear_bytes(out, inp, el) if q else out * inp * el)
     if quant.scheme == "mxfp4" and len(shape) == 2 and ".experts." in f".{p.name}" and p.name.endswith("_bias"):
-        # the experts' biases: float32 after loading, gate_up's split with the intermediate size (padded)
+        # the experts' biases, padded with the widths they follow: float32 after Triton's loading, the model
+        # dtype after Marlin's
         e, rows = shape
-        if "gate_up" in p.name:
-            rows = 2 * _mxfp4_inter(arch, tp)
-        return "experts", e * rows * 4
+        hidden, inter = _mxfp4_dims(arch, tp, quant)
+        rows = 2 * inter if "gate_up" in p.name else hidden
+        return "experts", e * _backend(quant).bias_bytes(rows, el)
     quantized = p.linear and not p.vision and quant.scheme != "none" and not quant.experts_only
     if len(shape) == 2:
         out, inp = shape
@@ -98,6 +99,8 @@ def param_bytes(p: Param, arch: Arch, tp: int, el: int, quant: VllmQuant) -> tup
         if quantized:
             return "quantized", quant.linear_bytes(out, inp, el)
         return ("vision" if p.vision else "dense"), out * inp * el
+    if len(shape) == 3 and p.role == "col":  # a Mamba / GDN conv1d weight [channels, 1, kernel]: channels split
+        return "dense", shape[0] // tp * shape[1] * shape[2] * el
     if len(shape) == 1:  # a bias follows its layer's output split; norms are whole
         if p.role == "col":
             return "dense", shape[0] // tp * el
@@ -107,18 +110,22 @@ def param_bytes(p: Param, arch: Arch, tp: int, el: int, quant: VllmQuant) -> tup
     return ("vision" if p.vision else "dense"), n * el
 
 
-def _mxfp4_inter(arch: Arch, tp: int) -> int:
-    from .quant import MXFP4_PAD
+def _backend(quant: VllmQuant):
+    from .mxfp4 import backend
 
-    inter = (arch.moe_intermediate or arch.intermediate) // tp
-    return -(-inter // MXFP4_PAD) * MXFP4_PAD
+    return quant.mxfp4 or backend((0, 13, 0), None, None)  # an estimate sets it; a bare layout takes Triton's
 
 
-def _mxfp4_expert(role: str, a: int, b: int, arch: Arch, tp: int) -> tuple[int, int]:
+def _mxfp4_dims(arch: Arch, tp: int, quant: VllmQuant) -> tuple[int, int]:
+    """(hidden, intermediate per rank) of the experts as the backend pads them (``create_weights``)."""
+    return _backend(quant).padded(arch.hidden, (arch.moe_intermediate or arch.intermediate) // tp)
+
+
+def _mxfp4_expert(role: str, arch: Arch, tp: int, quant: VllmQuant) -> tuple[int, int]:
     """(rows, columns) of one expert's MXFP4 weight on a rank: ``w13`` is 2 x the padded intermediate size by
-    hidden, ``w2`` hidden by the padded intermediate size, whichever way the checkpoint orders them."""
-    inter = _mxfp4_inter(arch, tp)
-    return (2 * inter, arch.hidden) if role == "expert_col" else (arch.hidden, inter)
+    the padded hidden size, ``w2`` the reverse, whichever way the checkpoint orders them."""
+    hidden, inter = _mxfp4_dims(arch, tp, quant)
+    return (2 * inter, hidden) if role == "expert_col" else (hidden, inter)
 
 
 def rank_weights(params: list[Param], arch: Arch, tp: int, pp: int, el: int, quant: VllmQuant) -> list[RankWeights]:

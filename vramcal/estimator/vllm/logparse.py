@@ -41,6 +41,9 @@ _PATTERNS = {
     "error": re.compile(r"((?:To serve at least one request|No available memory for the cache blocks|Free memory on "
                         r"device|CUDA out of memory occurred when warming up|The model's max seq len).*)"),
     "estimated_len": re.compile(r"estimated maximum model length is " + _NUM),
+    "hybrid_block": re.compile(r"Setting attention block size to " + _NUM + r" tokens"),
+    "mamba_padding": re.compile(r"Padding mamba page size by " + _NUM + r"%"),
+    "mxfp4_backend": re.compile(r"(?:\[mxfp4\.py:\d+\] Using (Triton|Marlin) backend|leveraging the (Marlin) kernel)"),
 }
 
 
@@ -75,6 +78,9 @@ class VllmLogged:
     engine: str | None = None  # v1 | v0
     error: str | None = None
     estimated_max_model_len: int | None = None
+    block_size: int | None = None  # a hybrid model's attention block ("Setting attention block size to N tokens")
+    mamba_padding_pct: float | None = None  # "Padding mamba page size by X%"
+    mxfp4_backend: str | None = None  # triton | marlin: the kernel holding gpt-oss's MXFP4 experts
     per_worker: dict[str, list] = field(default_factory=dict)  # every value of the lines each worker prints
 
     def to_dict(self) -> dict:
@@ -172,6 +178,15 @@ def parse_log(text: str) -> VllmLogged:
         m = _PATTERNS["blocks"].search(line)
         if m and log.num_blocks is None:
             log.num_blocks = int(_n(m.group(1) or m.group(2)))
+        m = _PATTERNS["hybrid_block"].search(line)
+        if m and log.block_size is None:
+            log.block_size = int(_n(m.group(1)))
+        m = _PATTERNS["mamba_padding"].search(line)
+        if m and log.mamba_padding_pct is None:
+            log.mamba_padding_pct = _n(m.group(1))
+        m = _PATTERNS["mxfp4_backend"].search(line)
+        if m and log.mxfp4_backend is None:
+            log.mxfp4_backend = (m.group(1) or m.group(2)).lower()
         m = _PATTERNS["error"].search(line)
         if m and log.error is None:
             log.error = m.group(1).strip()

@@ -19,10 +19,8 @@ scheme                    what a linear layer of ``out x in`` keeps (vLLM file)
 ``bnb4``                  bitsandbytes 4-bit: packed uint8 and a float32 absmax per 64 values
 ``mxfp4``                 gpt-oss: the MoE experts only (``Mxfp4Config.get_quant_method`` leaves every
                           ``LinearBase`` unquantized): packed FP4 (``n / 2`` uint8) and one uint8 E8M0
-                          scale per 32 values, the intermediate size per rank padded to a multiple of 64
-                          (128 on ROCm, 256 with FlashInfer's MXFP4 MoE), biases float32 after loading
-                          (``layers/quantization/mxfp4.py``, ``create_weights`` and
-                          ``process_weights_after_loading``)
+                          scale per 32 values, padded and held as the kernel backend keeps them
+                          (:mod:`.mxfp4`: Triton keeps the scales twice, Marlin pads hidden to 256)
 ``nvfp4``                 NVFP4 (compressed-tensors ``nvfp4-pack-quantized``, ModelOpt ``NVFP4``): packed
                           FP4 (``n / 2`` uint8) and one fp8 scale per 16 values, the scales swizzled into
                           128 x 4 tiles (rows padded to 128, scale columns to 4: ``swizzle_blockscale``),
@@ -40,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import UserError
+from .mxfp4 import Mxfp4Backend
 
 CHECKPOINT_METHODS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "bitsandbytes", "fp8",
                       "mxfp4", "modelopt")
@@ -47,7 +46,6 @@ QUANT_CHOICES = ("fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-
                  "modelopt")
 NVFP4_GROUP = 16
 MXFP4_BLOCK = 32
-MXFP4_PAD = 64  # vLLM's round_up of the expert intermediate size per rank on CUDA's Triton path
 # vLLM accepts these spellings of a checkpoint's own method (config/model.py's _verify_quantization:
 # the Marlin kernels override the plain names)
 COMPATIBLE = {"gptq": {"gptq", "gptq_marlin"}, "awq": {"awq", "awq_marlin"},
@@ -65,6 +63,7 @@ class VllmQuant:
     zero_points: bool = False
     act_order: bool = False
     dtype_forced: str | None = None  # GPTQ / AWQ run in float16
+    mxfp4: Mxfp4Backend | None = None  # the MoE kernel that holds MXFP4 experts (set by the engine)
 
     @property
     def experts_only(self) -> bool:

@@ -35,11 +35,15 @@ from dataclasses import dataclass
 from ..quant import QuantSpec
 from ..resolve import ModelSource
 
-SHAPES_VERSION = 2  # bump when the roles below change: the disk cache keys on it (2: the filled config too)
+SHAPES_VERSION = 3  # bump when the roles below change: the disk cache keys on it (2: the filled config too;
+# 3: Mamba / Gated DeltaNet layers split by tp)
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 COL = {"q_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "gate_up_proj", "fc1", "w1", "w3", "c_fc",
-       "dense_h_to_4h", "query_key_value", "qkv_proj", "Wqkv", "c_attn", "in_proj", "wq", "wk", "wv"}
+       "dense_h_to_4h", "query_key_value", "qkv_proj", "Wqkv", "c_attn", "in_proj", "wq", "wk", "wv",
+       "in_proj_qkvz", "in_proj_ba", "conv1d"}  # Mamba / Gated DeltaNet: split on their output (mamba_mixer2.py,
+# qwen3_next.py: ColumnParallelLinear / MergedColumnParallelLinear; the conv weight as one)
+STATE_PER_HEAD = {"A_log", "D", "dt_bias"}  # a Mamba / GDN layer's per-head tensors: split by tp with the heads
 KV = {"k_proj", "v_proj"}
 ROW = {"o_proj", "down_proj", "dense", "fc2", "w2", "c_proj", "out_proj", "dense_4h_to_h", "wo"}
 REPLICATED_LINEAR = {"q_a_proj", "kv_a_proj_with_mqa"}  # quantized like every linear layer, not split
@@ -74,11 +78,15 @@ def role_of(name: str, ndim: int, in_embed: bool, in_head: bool) -> tuple[str, b
     parts = name.split(".")
     leaf, module = parts[-1], (parts[-2] if len(parts) > 1 else "")
     vision = any(v in name for v in VISION)
-    if ndim == 3 and leaf in ("gate_up_proj", "w13_weight", "w1", "w3"):
+    if ndim == 3 and leaf in ("gate_up_proj", "w13_weight", "w1", "w3", "up_proj"):  # up_proj: ungated (Nemotron-H)
         return "expert_col", True
     if ndim == 3 and leaf in ("down_proj", "w2_weight", "w2"):
         return "expert_row", True
     is_weight = leaf == "weight" and ndim == 2
+    if leaf in STATE_PER_HEAD and module in ("mixer", "linear_attn", "mamba"):
+        return "col", False
+    if module == "norm" and len(parts) > 2 and parts[-3] in ("mixer", "mamba"):  # Mamba-2's gated norm, sharded
+        return "col", False
     if module in KV:
         return ("col" if vision else "kv"), is_weight
     if module in COL:

@@ -107,6 +107,28 @@ def hybrid_groups(v: Version) -> bool:
     return v >= (0, 9, 2)
 
 
+def group_size_factor(v: Version) -> float | None:
+    """``_get_kv_cache_groups_uniform_page_size`` (``v1/core/kv_cache_utils.py``; ``kv_cache_planning.py`` in
+    0.33): the group size is the smallest kind's layer count, or the largest's when that is under this factor
+    times it (1.25 in 0.12-0.17, 1.5 from 0.18; 0.11.0 has no such rule)."""
+    if v < (0, 12, 0):
+        return None
+    return 1.25 if v < (0, 18, 0) else 1.5
+
+
+def in_flight_tokens(v: Version, max_num_batched_tokens: int, pp: int) -> int:
+    """The batched tokens a sliding-window or chunked-local layer is sized for beyond its window
+    (``SlidingWindowSpec`` / ``ChunkedLocalAttentionSpec.max_admission_blocks_per_request``,
+    ``v1/kv_cache_interface.py``): ``max_num_batched_tokens`` up to 0.25; from 0.26
+    ``VllmConfig.max_in_flight_tokens`` = ``max_concurrent_batches x max_num_batched_tokens``
+    (``config/vllm.py``), with async scheduling on by default: 2 batches on one pipeline stage (V1 and V2
+    model runners alike), ``pp`` with the V1 runner across stages (the V2 runner's ``pp + 1`` is not
+    modelled; async scheduling is off with some speculative methods, not modelled either)."""
+    if v < (0, 26, 0):
+        return max_num_batched_tokens
+    return max_num_batched_tokens * (2 if pp <= 1 else pp)
+
+
 def tokens_rule(v: Version) -> str:
     """How "GPU KV cache size: N tokens" is computed (``v1/core/kv_cache_utils.py``):
     ``blocks`` num_blocks x block_size (up to 0.9.0, and uniform models up to 0.19); ``groups``
