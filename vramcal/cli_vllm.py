@@ -114,7 +114,7 @@ def this_gpu() -> tuple[int | None, str | None]:
 
 def vllm_args(args):
     """The command line's flags as :class:`VllmArgs` (validated there, one line on bad input)."""
-    from .estimator.vllm.engine import DEFAULT_UTILIZATION, VllmArgs
+    from .estimator.vllm.engine import VllmArgs
     from .units import size_option
 
     total = size_option(args.gpu_memory, "--gpu-memory", above_zero=True)
@@ -129,7 +129,7 @@ def vllm_args(args):
         total, name = this_gpu()
     dtype = "auto" if args.dtype is None else args.dtype
     return VllmArgs(
-        gpu_memory_utilization=DEFAULT_UTILIZATION if args.gpu_memory_utilization is None else args.gpu_memory_utilization,
+        gpu_memory_utilization=args.gpu_memory_utilization,  # None: the version's default
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         tensor_parallel_size=1 if args.tensor_parallel_size is None else args.tensor_parallel_size,
