@@ -70,6 +70,14 @@ def args_of(row: dict):
                     flashinfer_sampler={"True": True, "False": False}.get(row.get("flashinfer_sampler") or ""))
 
 
+def logs_peak_with_graphs(row: dict, est) -> bool:
+    """A corpus activation read from 0.27's "... GiB for peak activation" (no DEBUG profile line) is the
+    activation plus the CUDA-graph estimate (versions.usage_peak_includes_graphs): compare like with like."""
+    from vramcal.estimator.vllm import versions as V
+
+    return V.usage_peak_includes_graphs(V.parse_version(est.version)) and est.cuda_graph_subtracted
+
+
 def kv_rules_tokens(est, row: dict) -> int | None:
     """Tokens from the logged available memory through vramcal's page and block rules (limiting rank)."""
     from vramcal.estimator.vllm import versions as V
@@ -88,6 +96,20 @@ def kv_rules_tokens(est, row: dict) -> int | None:
     return blocks * est.block_size
 
 
+def read_corpus(corpus: Path) -> list[dict]:
+    """``corpus.csv`` and the held-out files beside it (``heldout-*.csv``: later collections, kept in files
+    of their own so that each collection's rows and sources stay together), in that order."""
+    rows: list[dict] = []
+    for path in [corpus, *sorted(corpus.parent.glob("heldout-*.csv"))]:
+        with open(path, newline="") as fh:
+            rows += list(csv.DictReader(fh))
+    ids = [r["id"] for r in rows]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise SystemExit(f"corpus ids repeated across files: {', '.join(dup)}")
+    return rows
+
+
 def run_row(row: dict, corpus_dir: Path) -> dict:
     from vramcal.errors import UserError
     from vramcal.estimator.vllm.engine import estimate_vllm
@@ -104,6 +126,8 @@ def run_row(row: dict, corpus_dir: Path) -> dict:
         logged = _f(row[col])
         pred = getattr(first, {"kv_cache_bytes": "available_bytes"}.get(attr, attr)) \
             if first is not None and attr in RANK_TERMS else getattr(est, attr)
+        if attr == "activation_bytes" and logs_peak_with_graphs(row, est):
+            pred += (first or est).cuda_graph_bytes  # the printed figure is the activation plus the graph estimate
         if attr.endswith("_bytes"):
             pred = pred / GIB
         out[f"{term}_logged"] = logged
@@ -221,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(ROOT / "docs" / "validation" / "published"))
     args = ap.parse_args(argv)
     corpus = Path(args.corpus)
-    with open(corpus, newline="") as fh:
-        rows_in = list(csv.DictReader(fh))
+    rows_in = read_corpus(corpus)
     for r in rows_in:
         if not r.get("source_url") or not r.get("source_id"):
             raise SystemExit(f"row {r.get('id')}: no source: every figure needs one")
