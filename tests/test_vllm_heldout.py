@@ -222,19 +222,19 @@ def test_peak_activation_of_0_27_is_activation_plus_graph_estimate():
 # ------------------------------------------------------------------- the held-out figures docs/validation.md reports
 
 def test_held_out_figures_are_the_reported_ones():
-    """The held-out split (22 rows: 12 in corpus.csv, 10 in heldout-2026-12-02.csv; nothing fitted to them):
-    KV tokens median 0.47 %, p90 2.92 %; weights median 0.30 % (docs/validation.md). Pinned so that a
+    """The held-out split (24 rows: 12 in corpus.csv, 12 in heldout-2026-12-02.csv; nothing fitted to them):
+    KV tokens median 0.59 %, p90 4.04 %; weights median 0.07 % (docs/validation.md). Pinned so that a
     change to a rule that moves them fails here and is reported, better or worse; the issue's targets
     (median <= 2 %, p90 <= 5 %; weights median <= 1 %) are asserted beside them."""
     res = [r for r in _held_out_results() if not r["error"]]
-    assert len(res) == len(_held_out_results()) == 22
+    assert len(res) == len(_held_out_results()) == 24
     kv = sorted(abs(r["KV tokens_err_pct"]) for r in res if r["KV tokens_err_pct"] is not None)
     w = sorted(abs(r["weights_err_pct"]) for r in res if r["weights_err_pct"] is not None)
     kv_med, kv_p90 = statistics.median(kv), statistics.quantiles(kv, n=10, method="inclusive")[8]
     w_med = statistics.median(w)
-    assert (len(kv), len(w)) == (22, 21)
-    assert kv_med == pytest.approx(0.47, abs=0.02) and kv_p90 == pytest.approx(2.92, abs=0.05), (kv_med, kv_p90)
-    assert w_med == pytest.approx(0.30, abs=0.02), w_med
+    assert (len(kv), len(w)) == (24, 23)
+    assert kv_med == pytest.approx(0.59, abs=0.02) and kv_p90 == pytest.approx(4.04, abs=0.05), (kv_med, kv_p90)
+    assert w_med == pytest.approx(0.07, abs=0.02), w_med
     assert kv_med <= 2.0 and kv_p90 <= 5.0 and w_med <= 1.0
 
 
