@@ -48,7 +48,8 @@ def add_plan(sub, func) -> None:
     v = p.add_argument_group("--engine vllm: the `vllm serve` flags for these GPUs (docs/vllm.md)")
     v.add_argument("--engine", default="transformers", help="transformers (default) | vllm: search tensor "
                                                              "parallelism, fp8 weights and KV dtype for `vllm serve`")
-    v.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of each GPU (default 0.9)")
+    v.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="vLLM's share of each GPU (default the version's: 0.9 up to 0.19, 0.92 from 0.20)")
     v.add_argument("--vllm-version", default=None, metavar="X.Y", help="default: the installed vLLM's, else the newest "
                                                                        "modelled")
     p.set_defaults(func=func)
