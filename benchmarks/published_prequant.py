@@ -50,11 +50,11 @@ def main() -> int:
             err = (weights - stored) / stored
             out.append({"id": r["id"], "hub_id": r["hub_id"], "quant_method": r["quant_method"],
                         "stored_bytes": stored, "estimated_bytes": weights, "error_pct": round(100 * err, 3),
-                        "quant": e.quant, "note": note})
+                        "quant": e.quant, "note": note, "why": r.get("why_they_differ", "")})
         except UserError as exc:
             out.append({"id": r["id"], "hub_id": r["hub_id"], "quant_method": r["quant_method"],
                         "stored_bytes": stored, "estimated_bytes": None, "error_pct": None, "quant": None,
-                        "note": f"refused: {exc}"})
+                        "note": f"refused: {exc}", "why": r.get("why_they_differ", "")})
         print(json.dumps(out[-1]))
     OUT.mkdir(parents=True, exist_ok=True)
     with (OUT / "prequant.csv").open("w", newline="") as fh:
@@ -77,7 +77,27 @@ def main() -> int:
         lines.append(f"| {o['id']} | {o['hub_id']} | {o['quant_method']} | {o['stored_bytes'] / 2**30:.2f} | {est} "
                      f"| {pct} | {o['note'][:140]} |")
     (OUT / "prequant.md").write_text("\n".join(lines) + "\n")
+    (OUT / "published-prequant.md").write_text(section(out, errs))
     return 0
+
+
+def section(out: list[dict], errs: list[float]) -> str:
+    """docs/validation.md's section (benchmarks/report.py takes it as it is): each checkpoint, its error,
+    and why the loaded model and the stored file differ where they do (the corpus' ``why_they_differ``)."""
+    lines = ["## Pre-quantized checkpoints: stored tensors beside the estimate", "",
+             f"{len(out)} published checkpoints (`benchmarks/published/prequant.csv`, each with its tensor table and "
+             "source), estimated from their configs alone as they load kept as stored (`python "
+             "benchmarks/published_prequant.py`, `--gpu H200`; table with the path each took in "
+             "[validation/published/prequant.md](validation/published/prequant.md)). Nothing was fitted to them.",
+             "", f"|error| median {statistics.median(errs):.2f} %, max {max(errs):.2f} %." if errs else "", "",
+             "| checkpoint | method | stored GiB | estimated GiB | error | why they differ |",
+             "| --- | --- | ---: | ---: | ---: | --- |"]
+    for o in out:
+        est = "—" if o["estimated_bytes"] is None else f"{o['estimated_bytes'] / 2**30:.2f}"
+        pct = "—" if o["error_pct"] is None else f"{o['error_pct']:+.2f} %"
+        lines.append(f"| {o['hub_id']} | {o['quant_method']} | {o['stored_bytes'] / 2**30:.2f} | {est} | {pct} | "
+                     f"{o['why'] or '—'} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

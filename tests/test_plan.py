@@ -350,7 +350,8 @@ def test_vllm_plans_start_as_the_vllm_engine_says(capsys):
     assert r.plans and {p.tensor_parallel_size for p in r.plans} == {1, 2}
     assert r.plans[0].reaches and r.plans[0].quantization is None and r.plans[0].kv_cache_dtype == "auto"
     for p in r.plans:
-        args = VllmArgs(gpu_memory_utilization=0.9, gpu_memory_bytes=24 * GIB, tensor_parallel_size=p.tensor_parallel_size,
+        args = VllmArgs(gpu_memory_utilization=r.utilization, gpu_memory_bytes=24 * GIB,
+                        tensor_parallel_size=p.tensor_parallel_size,
                         quantization=p.quantization, kv_cache_dtype=p.kv_cache_dtype, max_model_len=p.max_model_len,
                         vllm_version=r.version)
         e = estimate_vllm("llama-3.1-8b", args)

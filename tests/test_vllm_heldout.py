@@ -5,7 +5,9 @@ the held-out rows of benchmarks/published/vllm/corpus.csv through the estimate."
 from __future__ import annotations
 
 import csv
+import functools
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -25,8 +27,23 @@ GIB = 1024**3
 
 
 def _rows() -> dict[str, dict]:
-    with open(CORPUS_DIR / "corpus.csv", newline="") as fh:
-        return {r["id"]: r for r in csv.DictReader(fh)}
+    """corpus.csv and the held-out collections beside it (heldout-*.csv), as the benchmark reads them."""
+    rows = []
+    for path in [CORPUS_DIR / "corpus.csv", *sorted(CORPUS_DIR.glob("heldout-*.csv"))]:
+        with open(path, newline="") as fh:
+            rows += list(csv.DictReader(fh))
+    return {r["id"]: r for r in rows}
+
+
+@functools.lru_cache(maxsize=1)
+def _held_out_results() -> tuple[dict, ...]:
+    """Every held-out row through the benchmark's own comparison, once per test session."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from published_vllm import run_row
+
+    return tuple(run_row(r, CORPUS_DIR) for r in _rows().values() if r["split"] == "held-out")
 
 
 def _f(x: str) -> float | None:
@@ -118,8 +135,12 @@ def test_parser_reads_each_held_out_log_as_the_corpus_does(row):
 
 
 def test_consumed_accounting_line_of_0_31():
+    """0.27 on the "peak activation" of that line is transient peak + the applied graph estimate
+    (gpu_worker.py: peak_activation_memory = transient_peak_headroom + cudagraph_memory_estimate_applied):
+    kept as printed; the activation proper is not read where the log prints no estimate."""
     log = parse_log((CORPUS_DIR / "logs" / "a100-80gb_llama-3.1-8b_v0.31.0.log").read_text())
-    assert abs(log.consumed_bytes / GIB - 15.26) < 0.006 and abs(log.activation_bytes / GIB - 1.44) < 0.006
+    assert abs(log.consumed_bytes / GIB - 15.26) < 0.006 and abs(log.peak_with_graphs_bytes / GIB - 1.44) < 0.006
+    assert log.activation_bytes is None
     assert abs(log.total_bytes / GIB - 79.25) < 0.006 and log.gpu_memory_utilization == 0.92
     assert log.max_model_len == 131072 and log.max_concurrency == 3.51
 
@@ -128,12 +149,7 @@ def test_consumed_accounting_line_of_0_31():
 
 @pytest.mark.parametrize("row", [r for r in HELD_OUT if r["weights_gib"]], ids=lambda r: r["id"])
 def test_held_out_weights_within_one_percent(row):
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from published_vllm import run_row
-
-    got = run_row(row, CORPUS_DIR)
+    got = next(r for r in _held_out_results() if r["id"] == row["id"])
     assert not got["error"] and abs(got["weights_err_pct"]) < 1.0, got
 
 
@@ -158,3 +174,97 @@ def test_gpu_name_gives_vllms_device_defaults():
     r = subprocess.run([sys.executable, "-m", "vramcal", "estimate", "llama-3.1-8b", "--engine", "vllm", "--gpu",
                         "Voodoo 3"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------- rules read from 0.17-0.31's source
+
+def test_default_utilization_follows_the_version():
+    """config/cache.py: gpu_memory_utilization defaults to 0.9 in 0.17.1 and 0.19.1, to 0.92 from 0.20.0
+    (0.20.0, 0.20.2, 0.24.0, 0.27.1, 0.31.0 read); an estimate without the flag asks for total x that."""
+    from vramcal.estimator.vllm.versions import default_utilization
+
+    assert default_utilization(parse_version("0.19.1")) == 0.9
+    assert default_utilization(parse_version("0.20.0")) == 0.92 == default_utilization(parse_version("0.31.0"))
+    cfg = str(ROOT / "vramcal/estimator/catalog/llama-3.1-8b.json")
+    total = int(79.25 * GIB)
+    for ver, util in (("0.19.1", 0.9), ("0.31.0", 0.92)):
+        est = estimate_vllm(cfg, VllmArgs(gpu_memory_bytes=total, gpu_name="A100-SXM4-80GB", vllm_version=ver,
+                                          max_model_len=8192))
+        assert est.gpu_memory_utilization == util and est.requested_bytes == int(total * util)
+    assert VllmArgs(gpu_memory_utilization=None).validated().gpu_memory_utilization is None
+    with pytest.raises(UserError):
+        VllmArgs(gpu_memory_utilization=1.5).validated()
+
+
+def test_peak_activation_of_0_27_is_activation_plus_graph_estimate():
+    """From 0.27 the line after the capture prints transient peak + the graph estimate; with the estimate
+    logged ("CUDA graph pool memory: A (actual), E (estimated)") the activation is the difference, and
+    KV = requested - consumed - printed peak (gpu_worker.py: available = requested - non_kv - estimate)."""
+    from vramcal.estimator.vllm.versions import usage_peak_includes_graphs
+
+    assert usage_peak_includes_graphs(parse_version("0.27.1")) and not usage_peak_includes_graphs(
+        parse_version("0.26.0"))
+    text = ("CUDA graph pool memory: 0.71 GiB (actual), 1.55 GiB (estimated), difference: 0.84 GiB (119.3%).\n"
+            "Free memory on device (79.99/80.0 GiB) on startup. Desired GPU memory utilization is (0.92, 73.6 GiB). "
+            "Actual usage is 51.66 GiB for consumed memory (weights + non-torch), 2.4 GiB for peak activation, and "
+            "0.71 GiB for CUDAGraph memory.\nAvailable KV cache memory: 19.54 GiB\n")
+    log = parse_log(text)
+    assert log.cuda_graph_estimate_bytes == int(round(1.55 * GIB)) and log.cuda_graph_bytes == int(round(0.71 * GIB))
+    assert log.peak_with_graphs_bytes == int(round(2.4 * GIB))
+    assert log.activation_bytes == int(round(2.4 * GIB)) - int(round(1.55 * GIB))
+    assert abs(73.6 - 51.66 - 2.4 - 19.54) < 0.011  # the budget closes with the printed peak, no graph term more
+    old = parse_log("Free memory on device (43.93/44.42 GiB) on startup. Desired GPU memory utilization is (0.9, "
+                    "39.98 GiB). Actual usage is 27.72 GiB for weight, 1.4 GiB for peak activation, 0.21 GiB for "
+                    "non-torch memory, and 3.45 GiB for CUDAGraph memory.")
+    assert old.activation_bytes == int(round(1.4 * GIB)) and old.peak_with_graphs_bytes is None
+
+
+# ------------------------------------------------------------------- the held-out figures docs/validation.md reports
+
+def test_held_out_figures_are_the_reported_ones():
+    """The held-out split (24 rows: 12 in corpus.csv, 12 in heldout-2026-12-02.csv; nothing fitted to them):
+    KV tokens median 0.59 %, p90 4.04 %; weights median 0.07 % (docs/validation.md). Pinned so that a
+    change to a rule that moves them fails here and is reported, better or worse; the issue's targets
+    (median <= 2 %, p90 <= 5 %; weights median <= 1 %) are asserted beside them."""
+    res = [r for r in _held_out_results() if not r["error"]]
+    assert len(res) == len(_held_out_results()) == 24
+    kv = sorted(abs(r["KV tokens_err_pct"]) for r in res if r["KV tokens_err_pct"] is not None)
+    w = sorted(abs(r["weights_err_pct"]) for r in res if r["weights_err_pct"] is not None)
+    kv_med, kv_p90 = statistics.median(kv), statistics.quantiles(kv, n=10, method="inclusive")[8]
+    w_med = statistics.median(w)
+    assert (len(kv), len(w)) == (24, 23)
+    assert kv_med == pytest.approx(0.59, abs=0.02) and kv_p90 == pytest.approx(4.04, abs=0.05), (kv_med, kv_p90)
+    assert w_med == pytest.approx(0.07, abs=0.02), w_med
+    assert kv_med <= 2.0 and kv_p90 <= 5.0 and w_med <= 1.0
+
+
+def test_v2_model_runner_estimates_no_graphs_before_0_29():
+    """0.22-0.28: the V2 model runner's profile_cudagraph_memory returns 0, so "Available KV cache memory"
+    is requested - weights - peak - non-torch with no graph term: the 0.26.0 log prints 13.99 - 0.93 -
+    1.06 - 0.07 = 11.93 against 11.94 available. Which models run on it by default follows config/vllm.py."""
+    from vramcal.estimator.vllm.versions import graphs_off_budget, v2_runner_default
+
+    v = parse_version
+    assert not v2_runner_default(v("0.20.2"), ["LlamaForCausalLM"], False, False)  # opt-in only
+    assert v2_runner_default(v("0.22.0"), ["Qwen3ForCausalLM"], False, False)
+    assert not v2_runner_default(v("0.22.0"), ["LlamaForCausalLM"], False, False)
+    assert v2_runner_default(v("0.24.0"), ["LlamaForCausalLM"], False, False)
+    assert not v2_runner_default(v("0.24.0"), ["Qwen2ForCausalLM"], False, False)
+    assert v2_runner_default(v("0.26.0"), ["Qwen2ForCausalLM"], False, False)
+    assert not v2_runner_default(v("0.27.1"), ["MixtralForCausalLM"], True, False)  # MoE outside the list
+    assert not v2_runner_default(v("0.27.1"), ["Qwen3NextForCausalLM"], True, True)  # hybrid
+    assert not graphs_off_budget(v("0.26.0"), ["Qwen2ForCausalLM"], False, False, False)
+    assert graphs_off_budget(v("0.24.0"), ["Qwen2ForCausalLM"], False, False, False)  # V1 runner estimates
+    assert graphs_off_budget(v("0.31.0"), ["Qwen2ForCausalLM"], False, False, False)  # V2 estimates from 0.29
+    assert not graphs_off_budget(v("0.31.0"), ["Qwen2ForCausalLM"], False, False, True)  # eager
+    log = parse_log((CORPUS_DIR / "logs" / "gpu16gb_qwen2.5-0.5b-fp16_v0.26.0.log").read_text())
+    requested = 0.9 * log.total_bytes
+    rest = requested - log.weights_bytes - log.activation_bytes - log.non_torch_bytes
+    assert abs(rest - log.kv_cache_bytes) < 0.02 * GIB  # no graph term in the budget
+    cfg = str(ROOT / "vramcal/estimator/catalog/qwen2.5-0.5b.json")
+    args = dict(gpu_memory_bytes=log.total_bytes, gpu_memory_utilization=0.9, dtype="float16", usage="llm",
+                max_num_seqs=256, max_num_batched_tokens=32768, flashinfer_sampler=True)
+    e26 = estimate_vllm(cfg, VllmArgs(**args, vllm_version="0.26.0"))
+    e29 = estimate_vllm(cfg, VllmArgs(**args, vllm_version="0.29.0"))
+    assert not e26.cuda_graph_subtracted and e29.cuda_graph_subtracted
+    assert e26.kv_cache_bytes - e29.kv_cache_bytes == e29.cuda_graph_bytes

@@ -54,7 +54,8 @@ def add_plan(sub, func) -> None:
                                                              "llama.cpp: the llama-server flags for a GGUF (or a "
                                                              "folder of them): file, -ngl, --n-cpu-moe, -ts, "
                                                              "-ctk/-ctv, -c (any of them given is kept)")
-    v.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM's share of each GPU (default 0.9)")
+    v.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="vLLM's share of each GPU (default the version's: 0.9 up to 0.19, 0.92 from 0.20)")
     v.add_argument("--vllm-version", default=None, metavar="X.Y", help="default: the installed vLLM's, else the newest "
                                                                        "modelled")
     from .cli_llamacpp import add_flags

@@ -30,8 +30,8 @@ def add_engine_arg(p) -> None:
 def add_vllm_args(p, *, fit: bool = False) -> None:
     """vLLM's own flags (``vllm serve --help``), for ``--engine vllm``."""
     g = p.add_argument_group("--engine vllm: the flags of your `vllm serve` command, in vLLM's spellings")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None, help="share of each GPU vLLM may use "
-                                                                               "(vLLM's default 0.9)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of each GPU vLLM may use (default the version's own: 0.9 up to 0.19, 0.92 from 0.20)")
     g.add_argument("--max-model-len", type=int, default=None, help="default: the model's own limit")
     g.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's for the GPU (1024 or 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's for the GPU")
@@ -126,7 +126,7 @@ def this_gpu() -> tuple[int | None, str | None]:
 
 def vllm_args(args):
     """The command line's flags as :class:`VllmArgs` (validated there, one line on bad input)."""
-    from .estimator.vllm.engine import DEFAULT_UTILIZATION, VllmArgs
+    from .estimator.vllm.engine import VllmArgs
     from .units import size_option
 
     total = size_option(args.gpu_memory, "--gpu-memory", above_zero=True)
@@ -141,7 +141,7 @@ def vllm_args(args):
         total, name = this_gpu()
     dtype = "auto" if args.dtype is None else args.dtype
     return VllmArgs(
-        gpu_memory_utilization=DEFAULT_UTILIZATION if args.gpu_memory_utilization is None else args.gpu_memory_utilization,
+        gpu_memory_utilization=args.gpu_memory_utilization,  # None: the version's default
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         tensor_parallel_size=1 if args.tensor_parallel_size is None else args.tensor_parallel_size,

@@ -98,13 +98,14 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
 
     from ..estimator.resolve import resolve_model
     from ..estimator.vllm.arch import arch_of
-    from ..estimator.vllm.engine import DEFAULT_UTILIZATION, VllmArgs, estimate_vllm
+    from ..estimator.vllm import versions as V
+    from ..estimator.vllm.engine import VllmArgs, estimate_vllm
     from ..estimator.vllm.fit import longest
     from ..estimator.vllm.shapes import cached_params
 
     choice(goal, GOALS, "--goal")
     source = resolve_model(model)
-    util = DEFAULT_UTILIZATION if utilization is None else utilization
+    util = V.default_utilization(V.resolve_version(vllm_version)[0]) if utilization is None else utilization
     gpus = hardware.gpus
     size = lambda g: g.total_bytes or g.memory_bytes  # noqa: E731 -- vLLM's "total"
     base = VllmArgs(gpu_memory_utilization=util, gpu_memory_bytes=max(size(g) for g in gpus),

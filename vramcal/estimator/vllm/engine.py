@@ -38,7 +38,7 @@ DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "fp16": "floa
           "bf16": "bfloat16", "float": "float32", "float32": "float32", "fp32": "float32"}
 KV_DTYPES = {"auto": None, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "bfloat16": 2, "float16": 2, "half": 2}
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
-DEFAULT_UTILIZATION = 0.9  # CacheConfig.gpu_memory_utilization
+DEFAULT_UTILIZATION = 0.9  # CacheConfig.gpu_memory_utilization up to 0.19; versions.default_utilization has each
 CONTEXT_BYTES = 512 * MIB  # used before vLLM's first snapshot: the CUDA context (0.19 H100 logs: 0.51 GiB)
 NCCL_INIT_BYTES = 1024 * MIB  # ... and NCCL communicators with tp x pp > 1 (0.19 H100 logs: 1.02 GiB more)
 
@@ -47,7 +47,7 @@ NCCL_INIT_BYTES = 1024 * MIB  # ... and NCCL communicators with tp x pp > 1 (0.1
 class VllmArgs:
     """The flags of a ``vllm serve`` command, in vLLM's own spellings (``None``: vLLM's default)."""
 
-    gpu_memory_utilization: float = DEFAULT_UTILIZATION
+    gpu_memory_utilization: float | None = None  # None: the version's default (versions.default_utilization)
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -72,7 +72,8 @@ class VllmArgs:
 
     def validated(self) -> VllmArgs:
         u = self.gpu_memory_utilization
-        if isinstance(u, bool) or not isinstance(u, (int, float)) or not math.isfinite(u) or not 0 < u <= 1:
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not math.isfinite(u)
+                              or not 0 < u <= 1):
             raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {u!r}: it is the share of each GPU's "
                             "total memory vLLM may use, e.g. 0.9")
         count(self.tensor_parallel_size, "--tensor-parallel-size", 1, 1024)
@@ -170,10 +171,12 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
 
     weights = rank_weights(params, arch, tp, pp, el, quant)
     specs = K.layer_specs(arch, tp, kv_bytes, block, v, hybrid)
-    requested = int(total * args.gpu_memory_utilization)
+    util = V.default_utilization(v) if args.gpu_memory_utilization is None else float(args.gpu_memory_utilization)
+    requested = int(total * util)
     non_torch, non_torch_why = V.non_torch_default(v, tp, pp)
     non_torch = max(non_torch + offsets.get("non_torch_bytes", 0), 0)
-    subtract_graphs = V.cuda_graphs_subtracted(v) and not args.enforce_eager
+    subtract_graphs = V.graphs_off_budget(v, source.config.get("architectures"), bool(arch.experts),
+                                          "linear" in arch.layer_kinds, args.enforce_eager)
     ranks: list[VllmRank] = []
     rank_specs: list[list[K.LayerSpec]] = []
     for i, w in enumerate(weights):
@@ -231,7 +234,7 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     if source.config.get("vision_config") is not None:
         notes.append("the multimodal encoder's profiling run is not modelled: the activation term is the text model's")
     if requested > total - startup_used and args.kv_cache_memory_bytes is None:
-        notes.append(f"gpu_memory_utilization {args.gpu_memory_utilization} asks for {requested / GIB:.2f} GiB of "
+        notes.append(f"gpu_memory_utilization {util} asks for {requested / GIB:.2f} GiB of "
                      f"{total / GIB:.2f} GiB: about {startup_used / GIB:.2f} GiB is in use before vLLM starts, so its "
                      "startup check (free memory below the requested) would likely refuse it")
     lines = _log_lines(v, limiting, tokens, max_len, conc, fits, error, subtract_graphs)
@@ -248,8 +251,10 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
                       f"{d.why if args.max_num_seqs is None and args.max_num_batched_tokens is None else 'as given'})",
         "non_torch": f"default per setup: {non_torch_why}",
         "cuda_graphs": ("not captured (--enforce-eager)" if args.enforce_eager else
-                        "default fitted to 0.19 H100 logs, " + ("subtracted from the KV budget (0.20 on)" if subtract_graphs
-                                                               else "outside the KV budget (before 0.20)")),
+                        "default fitted to 0.19 H100 logs, " + (
+                            "subtracted from the KV budget (0.20 on)" if subtract_graphs
+                            else "outside the KV budget (before 0.20)" if not V.cuda_graphs_subtracted(v)
+                            else "outside the KV budget: the V2 model runner of 0.22-0.28 estimates none")),
         "budget": f"vLLM {V.fmt_version(v)} ({v_source}): {V.budget_family(v)} accounting",
     }
     if hybrid is not None:
@@ -258,7 +263,7 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
         methods["mxfp4"] = f"MXFP4 experts on the {quant.mxfp4.name} backend: {quant.mxfp4.why}"
     return VllmEstimate(
         version=V.fmt_version(v), version_source=v_source, gpu_memory_bytes=total,
-        gpu_memory_utilization=float(args.gpu_memory_utilization), requested_bytes=requested,
+        gpu_memory_utilization=util, requested_bytes=requested,
         weights_bytes=limiting.weights_bytes, activation_bytes=limiting.activation_bytes,
         non_torch_bytes=limiting.non_torch_bytes, cuda_graph_bytes=limiting.cuda_graph_bytes,
         cuda_graph_subtracted=subtract_graphs, kv_cache_bytes=limiting.available_bytes, kv_cache_tokens=tokens,

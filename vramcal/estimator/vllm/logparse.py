@@ -33,7 +33,7 @@ _PATTERNS = {
     "concurrency": re.compile(r"Maximum concurrency for " + _NUM + r" tokens per request: " + _NUM + r"x"),
     "graph_estimate": re.compile(r"Estimated CUDA graph memory: " + _NUM + r" ?GiB"),
     "graph_taken": re.compile(r"Graph capturing finished in " + _NUM + r" secs, took " + _NUM + r" ?GiB"),
-    "graph_pool": re.compile(r"CUDA graph pool memory: " + _NUM + r" ?GiB \(actual\)"),
+    "graph_pool": re.compile(r"CUDA graph pool memory: " + _NUM + r" ?GiB \(actual\)(?:, " + _NUM + r" ?GiB \(estimated\))?"),
     "startup": re.compile(r"Free memory on device \(" + _NUM + r"/" + _NUM + r" GiB\) on startup"),
     "utilization": re.compile(r"Desired GPU memory utilization is \(" + _NUM + r", " + _NUM + r" GiB\)"),
     "batched": re.compile(r"max_num_batched_tokens=" + _NUM),
@@ -70,6 +70,10 @@ class VllmLogged:
     max_model_len: int | None = None
     cuda_graph_estimate_bytes: int | None = None
     cuda_graph_bytes: int | None = None  # what the capture took (device-level)
+    # 0.27 on: "X GiB for peak activation" after "consumed memory" is the activation *plus* the CUDA-graph
+    # estimate taken off the KV budget (versions.usage_peak_includes_graphs); kept as printed here, and
+    # activation_bytes is that minus the logged estimate, or None where the log prints no estimate
+    peak_with_graphs_bytes: int | None = None
     num_blocks: int | None = None
     total_bytes: int | None = None  # the device total vLLM saw
     startup_free_bytes: int | None = None
@@ -134,7 +138,10 @@ def parse_log(text: str) -> VllmLogged:
         if m:  # the suggestion line after the graph capture (0.10.2 on); the profile line may be DEBUG-only
             weight, act, non_torch, graphs = m.group(1), m.group(3), m.group(4), m.group(5)
             log.per_worker.setdefault("usage_activation_bytes", []).append(_gib(act))
-            if log.activation_bytes is None:
+            if m.group(2) != "weight":
+                if log.peak_with_graphs_bytes is None:
+                    log.peak_with_graphs_bytes = _gib(act)
+            elif log.activation_bytes is None:
                 log.activation_bytes = _gib(act)
             if non_torch is not None:
                 log.per_worker.setdefault("usage_non_torch_bytes", []).append(_gib(non_torch))
@@ -156,6 +163,8 @@ def parse_log(text: str) -> VllmLogged:
             m = _PATTERNS[key].search(line)
             if m:
                 _first(log, attr, _gib(m.group(1)))
+                if key == "graph_pool" and m.group(2) is not None:
+                    _first(log, "cuda_graph_estimate_bytes", _gib(m.group(2)))
         m = _PATTERNS["tokens"].search(line)
         if m:
             _first(log, "kv_cache_tokens", int(_n(m.group(1))))
@@ -193,4 +202,7 @@ def parse_log(text: str) -> VllmLogged:
             e = _PATTERNS["estimated_len"].search(line)
             if e:
                 log.estimated_max_model_len = int(_n(e.group(1)))
+    if log.activation_bytes is None and log.peak_with_graphs_bytes is not None \
+            and log.cuda_graph_estimate_bytes is not None:
+        log.activation_bytes = max(log.peak_with_graphs_bytes - log.cuda_graph_estimate_bytes, 0)
     return log

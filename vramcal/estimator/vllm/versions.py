@@ -91,6 +91,47 @@ def cuda_graphs_subtracted(v: Version) -> bool:
     return v >= (0, 20, 0)
 
 
+# the architectures that default to the V2 model runner (``config/vllm.py``, DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES)
+_V2_DEFAULT_0_22 = frozenset({"Qwen3ForCausalLM"})
+_V2_DEFAULT_0_24 = frozenset({"Qwen3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM",
+                              "LlamaForCausalLM", "MistralForCausalLM"})
+_V2_DEFAULT_MOE_0_26 = frozenset({"DeepseekV2ForCausalLM", "GraniteMoeForCausalLM", "Qwen2MoeForCausalLM"})
+
+
+def v2_runner_default(v: Version, architectures, moe: bool, hybrid: bool) -> bool:
+    """Whether vLLM runs the model on its V2 model runner by default (``VllmConfig.use_v2_model_runner``,
+    ``config/vllm.py``): opt-in only up to 0.20 (``VLLM_USE_V2_MODEL_RUNNER`` defaults to 0; 0.20.2 read);
+    Qwen3ForCausalLM from 0.22 (0.22.0 read; 0.21 not read); six architectures, Llama, Mistral and Qwen3
+    among them, in 0.24 (0.24.0 read; 0.25 not read, taken as 0.24); every dense, non-hybrid generating
+    model and three MoE families from 0.26 (0.26.0, 0.27.1, 0.28.0 read). vLLM falls back to V1 for
+    features the V2 runner lacks (``_get_v2_model_runner_unsupported_features``), which this does not model."""
+    arch = set(architectures or ())
+    if v < (0, 22, 0):
+        return False
+    if v < (0, 24, 0):
+        return bool(arch & _V2_DEFAULT_0_22)
+    if v < (0, 26, 0):
+        return bool(arch & _V2_DEFAULT_0_24)
+    if hybrid:
+        return False
+    return not moe or bool(arch & _V2_DEFAULT_MOE_0_26)
+
+
+def v2_runner_estimates_graphs(v: Version) -> bool:
+    """The V2 model runner's ``profile_cudagraph_memory`` returns 0 up to 0.28 (``v1/worker/gpu/model_runner.py``,
+    0.20.2-0.28.0 read: "It is TBD whether we keep this API or not"), so nothing comes off the KV budget for
+    CUDA graphs there; from 0.29 it estimates as the V1 runner does (0.29.0, 0.30.0, 0.31.0 read)."""
+    return v >= (0, 29, 0)
+
+
+def graphs_off_budget(v: Version, architectures, moe: bool, hybrid: bool, enforce_eager: bool) -> bool:
+    """Whether the CUDA-graph estimate comes off the KV budget for this model: from 0.20, unless eager, and
+    not on a V2 model runner that estimates nothing (:func:`v2_runner_default`, :func:`v2_runner_estimates_graphs`)."""
+    if enforce_eager or not cuda_graphs_subtracted(v):
+        return False
+    return v2_runner_estimates_graphs(v) or not v2_runner_default(v, architectures, moe, hybrid)
+
+
 def cuda_graph_estimate_logged(v: Version) -> bool:
     return v >= (0, 18, 0)
 
@@ -160,6 +201,21 @@ def sampler_sorts(v: Version, flashinfer: bool | None = None) -> bool:
     is not); that kernel samples without sorting. ``flashinfer`` None: not known, the sort is priced
     (the larger activation, so the smaller KV cache)."""
     return v < (0, 17, 0) and not flashinfer
+
+
+def default_utilization(v: Version) -> float:
+    """``CacheConfig.gpu_memory_utilization``'s default (``config/cache.py``): 0.9 up to 0.19 (0.17.1 and
+    0.19.1 read), 0.92 from 0.20.0 (0.20.0, 0.20.2, 0.24.0, 0.27.1 and 0.31.0 read)."""
+    return 0.92 if v >= (0, 20, 0) else 0.9
+
+
+def usage_peak_includes_graphs(v: Version) -> bool:
+    """Whether the "Actual usage is ... GiB for peak activation" figure (``gpu_worker.py``, the line after
+    the graph capture) includes the CUDA-graph estimate: from 0.27 ``peak_activation_memory`` is
+    ``transient_peak_headroom + cudagraph_memory_estimate_applied`` (0.27.1 and 0.31.0 read); up to 0.26
+    it is ``torch_peak_increase`` alone (0.20.2, 0.24.0, 0.25.0 and 0.26.0 read). The same versions
+    change the line's wording from "for weight" to "for consumed memory (weights + non-torch)"."""
+    return v >= (0, 27, 0)
 
 
 # ------------------------------------------------------------------------------ scheduler defaults
