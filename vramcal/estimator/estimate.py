@@ -45,6 +45,9 @@ _KV_LAYOUTS: dict[tuple, list[KVLayer]] = {}
 COVER_LIMIT = 1 << 24  # the longest batch-1 trace made to cover a point (MAX_TOKENS); beyond, the last piece
 LARGEST_GPU_BYTES = 288 * GB  # the largest memory on one GPU sold today (B300); beyond it, split the model
 LARGEST_HOST_BYTES = 64 * 1024**4  # 64 TiB: beyond any single host's memory
+# what a dry run raises for an op the meta device cannot run (the activations then come from formulas)
+DRY_RUN_FAILURES = (RuntimeError, ValueError, TypeError, NotImplementedError, IndexError, KeyError, AttributeError,
+                    AssertionError, ImportError, StopIteration)
 
 __all__ = ["Estimate", "Estimator", "Point", "estimate", "placement_request", "STAGES", "NEW_TOKENS"]
 
@@ -223,8 +226,6 @@ class Estimator:
         trace at the next power of two (:class:`~vramcal.estimator.dryrun.ActivationModel`)."""
         if self._dry_error is not None or self.inv.method in ("checkpoint", "formula"):
             return  # formula: transformers cannot build this model here, so it cannot run it either
-        if self._act is not None and any(k not in t.slack for t in self._act.traces for k in self._slack_keys()):
-            self._act = None  # traced before the allocator was replayed, or for other settings: traced again
         need_kv = self._kv is None
         need_point = exact and not self._traced(batch, prompt)
         need_fit = not exact and (self._act is None or self._act.prefill is None)
@@ -257,13 +258,11 @@ class Estimator:
                     if not any(t.batch == 1 and t.tokens == n for t in traces):
                         self._progress(f"tracing {n:,} tokens for the activation fit")
                         traces.append(runner.trace(1, n, self.images))
-            self._fill_slack(traces)
             self._act = fit_activations(traces, pieces) if need_fit or need_cover or (self._act and self._act.prefill) \
                 else ActivationModel(prefill=None, decode=None, traces=traces, pieces=pieces)
         except UserError:
             raise
-        except (RuntimeError, ValueError, TypeError, NotImplementedError, IndexError, KeyError,
-                AttributeError, AssertionError, ImportError, StopIteration) as exc:  # an op the meta device cannot run: formulas, said so
+        except DRY_RUN_FAILURES as exc:  # an op the meta device cannot run: formulas, said so
             self._dry_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             return
         self._store_act_cache()
@@ -282,17 +281,31 @@ class Estimator:
     def _confs(self):
         return self.alloc_conf, self.alloc_conf.with_expandable()
 
-    def _fill_slack(self, traces: list[Trace]) -> None:
-        """Each new trace's slack, per replayed setting, from its events (then dropped): ``[]`` where the
-        dry run could not give the whole model's events (several layer kinds, images)."""
-        for t in traces:
-            if all(k in t.slack for k in self._slack_keys()):
-                continue
+    def _fill_slack(self) -> None:
+        """Each trace's slack, per replayed setting, from its events (then dropped): ``[]`` where the dry run
+        could not give the whole model's events (several layer kinds, images). Made when a figure first
+        asks for it, not as the trace is made: a placement's GPUs are never replayed, so a search that
+        splits a model never pays for the replay of the traces it makes there. A trace read from the disk
+        cache without this setting's slack (cached by a run that never asked) is traced again for it."""
+        keys = self._slack_keys()
+        missing = [i for i, t in enumerate(self._act.traces) if any(k not in t.slack for k in keys)]
+        if not missing:
+            return
+        traces = list(self._act.traces)
+        for i in missing:
+            t = traces[i]
+            if t.events is None:  # read from the disk cache, replayed there for other settings or none
+                runner = self._dry_runner()
+                runner._kv_layout = list(self._kv or [])
+                with contextlib.suppress(*DRY_RUN_FAILURES):  # it traced before: failing now only loses the replay
+                    t = traces[i] = runner.trace(t.batch, t.tokens, self.images)
             for conf in self._confs():
                 got = trace_slack(self._load_events(), t.events, CUDA_DEFAULT.workspace_bytes, conf) \
                     if t.events is not None and self.device == "cuda" else None
                 t.slack[conf.key] = got or []
             t.events = None
+        self._act.traces[:] = traces
+        self._store_act_cache()
 
     def load_reserved(self, conf: AllocConf | None = None) -> tuple[int, int]:
         """(reserved at the load's peak, after it) with ``conf`` (default: this Estimator's settings)."""
@@ -314,6 +327,7 @@ class Estimator:
     def _slack(self, work: Workload, conf: AllocConf) -> tuple[int, int] | None:
         if self._act is None or self.device != "cuda" or not self.replay:
             return None
+        self._fill_slack()
         usable = [t for t in self._act.traces if t.slack.get(conf.key)]
         if len(usable) != len(self._act.traces):
             return None
