@@ -312,6 +312,38 @@ def test_a_correction_fitted_before_the_withdrawal_is_never_applied(tmp_path):
         assert abs(found.corrections["end"].intercept_bytes - 100 * MIB) < 1024
 
 
+def test_export_says_which_runs_are_withdrawn_and_why(db, tmp_path):
+    """``records export`` carries ``withdrawn`` (bool) and ``withdrawn_why`` on every stage row of a run, in
+    each format, on SQLite and PostgreSQL alike; a run withdrawn twice (two hosts of a fleet) keeps both reasons."""
+    import json
+
+    import pandas as pd
+
+    from vramcal.records.export import export
+
+    fp = _fp("a")
+    with Store(db) as s:
+        kept = s.record_run(fp, _context(ctx=1024), outcome("ok", _stages(1024, MIB), series="gpu0"))
+        bad = s.record_run(fp, _context(ctx=2048), outcome("ok", _stages(2048, MIB), series="gpu0"))
+        s.withdraw(bad, "probed the wrong checkpoint", "host-a")
+        s.withdraw(bad, "impossible peaks", "host-b")
+    with Store(db, create=False, readonly=True) as s:
+        rows = json.loads(export(s, "json", None))
+        assert {r["run_id"] for r in rows} == {kept, bad} and len(rows) == 2 * len(_stages(1024, MIB))
+        for r in rows:
+            assert r["withdrawn"] is (r["run_id"] == bad)
+            assert r["withdrawn_why"] == ("probed the wrong checkpoint; impossible peaks" if r["run_id"] == bad
+                                          else None)
+        csv = pd.read_csv(__import__("io").StringIO(export(s, "csv", None)))
+        assert csv["withdrawn"].dtype == bool and set(csv.loc[csv["withdrawn"], "run_id"]) == {bad}
+        assert csv.loc[~csv["withdrawn"], "withdrawn_why"].isna().all()
+        out = tmp_path / "runs.parquet"
+        export(s, "parquet", str(out))
+        pq = pd.read_parquet(out)
+        assert pq["withdrawn"].dtype == bool and list(pq.columns) == list(csv.columns)
+        assert set(pq.loc[pq["withdrawn"], "withdrawn_why"]) == {"probed the wrong checkpoint; impossible peaks"}
+
+
 @pytest.mark.parametrize("args, needle", [
     (["withdraw", "99", "--why", "x"], "no run 99"),
     (["withdraw", "1", "--why", ""], "needs a reason"),

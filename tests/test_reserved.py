@@ -105,6 +105,34 @@ def test_the_estimate_replays_the_allocator(tiny_models):
     assert x.reserved != e.reserved
 
 
+def test_the_replay_runs_when_a_figure_asks_and_a_cached_trace_is_replayed_alike(tiny_models, monkeypatch):
+    """Traces are replayed when a one-GPU figure first needs their slack, not as they are made (a placement's
+    GPUs are never replayed); a trace cached by a run that never replayed it is traced again for its slack,
+    and gives the figures of a cold replayed estimate."""
+    from vramcal.estimator import estimate as est_mod
+    from vramcal.estimator.placement import plan_placement
+
+    replays = []
+    real = est_mod.trace_slack
+    monkeypatch.setattr(est_mod, "trace_slack", lambda *a: replays.append(1) or real(*a))
+    source = resolve_model(tiny_models["dense-gqa"])
+    quant = resolve_quant("bf16", source.config)
+    cold = est_mod.Estimator(source, quant, use_cache=False).estimate(ctx=1024, exact=True)
+    assert replays and cold.methods["reserved"].startswith("the caching allocator replayed")
+
+    monkeypatch.setenv("VRAMCAL_ALLOC_REPLAY", "0")
+    placed = est_mod.Estimator(source, quant)  # caches its traces to the disk, replayed for no setting
+    placed.estimate(ctx=1024, exact=True, placement=plan_placement(source, quant, {"cuda:0": 10**9, "cpu": 10**10}))
+    replays.clear()
+    placed.sweep([(1024, 1), (4096, 1)])
+    assert replays == []
+    monkeypatch.setenv("VRAMCAL_ALLOC_REPLAY", "1")
+    warm = est_mod.Estimator(source, quant)  # reads those traces: no slack for this setting in them
+    assert warm._act is not None and all(not t.slack for t in warm._act.traces)
+    again = warm.estimate(ctx=1024, exact=True)
+    assert replays and again.reserved == cold.reserved and again.stages == cold.stages
+
+
 def test_alloc_conf_bad_input_is_one_line_exit_2(tiny_models):
     for bad, says in (("expandable_segments:yes", "True or False"), ("nope:1", "unknown allocator setting")):
         r = subprocess.run([sys.executable, "-m", "vramcal", "estimate", tiny_models["dense-gqa"], "--alloc-conf", bad,

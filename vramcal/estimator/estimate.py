@@ -22,7 +22,7 @@ from .correction import CorrectionSet
 from .cpu import CpuStages, cpu_inputs, cpu_resident_stages, out_features
 from .dryrun import ActivationModel, KVLayer, Trace, fit_activations
 from .allocator import AllocConf, AllocConfError, conf_from
-from .reserve import load_events, loaded, slack_at, trace_slack
+from .reserve import load_events, loaded, slack_at, slack_nodes, trace_slack
 from .inventory import Inventory, inventory
 from .loading import from_pretrained_kwargs
 from .formats import CPU, GpuTarget
@@ -45,6 +45,9 @@ _KV_LAYOUTS: dict[tuple, list[KVLayer]] = {}
 COVER_LIMIT = 1 << 24  # the longest batch-1 trace made to cover a point (MAX_TOKENS); beyond, the last piece
 LARGEST_GPU_BYTES = 288 * GB  # the largest memory on one GPU sold today (B300); beyond it, split the model
 LARGEST_HOST_BYTES = 64 * 1024**4  # 64 TiB: beyond any single host's memory
+# what a dry run raises for an op the meta device cannot run (the activations then come from formulas)
+DRY_RUN_FAILURES = (RuntimeError, ValueError, TypeError, NotImplementedError, IndexError, KeyError, AttributeError,
+                    AssertionError, ImportError, StopIteration)
 
 __all__ = ["Estimate", "Estimator", "Point", "estimate", "placement_request", "STAGES", "NEW_TOKENS"]
 
@@ -126,6 +129,8 @@ class Estimator:
         self._runner = None
         self._kv: list[KVLayer] | None = None
         self._act: ActivationModel | None = None
+        self._nodes: dict[int, Trace] = {}  # batch-1 traces made for the slack's ladder alone (:meth:`_slack`)
+        self._slack_dirty = False
         self._dry_error: str | None = None
         self.attn_used = attn
         if use_cache:
@@ -189,7 +194,11 @@ class Estimator:
         if not sane:
             CACHE_PROBLEMS.append("a cached dry run held impossible figures (negative bytes); recomputed")
             return
-        self._kv, self._act, self.attn_used = kv, model, attn_used
+        try:
+            nodes = {int(t["tokens"]): Trace(**t) for t in data.get("slack_nodes") or []}
+        except (KeyError, TypeError, ValueError):
+            nodes = {}  # only costs their traces again
+        self._kv, self._act, self.attn_used, self._nodes = kv, model, attn_used, nodes
 
     def _store_act_cache(self) -> None:
         """Only successful dry runs are cached; a failure is retried by the next estimate."""
@@ -201,8 +210,10 @@ class Estimator:
                           for t in self._act.traces], "pieces": self._act.pieces,
                "vision": list(self._act.vision) if self._act.vision else None,
                "vision_own": list(self._act.vision_own) if self._act.vision_own else None}
+        nodes = [{f.name: getattr(t, f.name) for f in fields(t) if f.name != "events"} for t in self._nodes.values()]
         store_cached(self.source, self._act_key, {"kv": [asdict(k) for k in self._kv], "act": act,
-                                                   "attn_used": self.attn_used}, kind="activations")
+                                                   "attn_used": self.attn_used, "slack_nodes": nodes},
+                     kind="activations")
 
     def _dry_runner(self):
         if self._runner is None:
@@ -223,8 +234,6 @@ class Estimator:
         trace at the next power of two (:class:`~vramcal.estimator.dryrun.ActivationModel`)."""
         if self._dry_error is not None or self.inv.method in ("checkpoint", "formula"):
             return  # formula: transformers cannot build this model here, so it cannot run it either
-        if self._act is not None and any(k not in t.slack for t in self._act.traces for k in self._slack_keys()):
-            self._act = None  # traced before the allocator was replayed, or for other settings: traced again
         need_kv = self._kv is None
         need_point = exact and not self._traced(batch, prompt)
         need_fit = not exact and (self._act is None or self._act.prefill is None)
@@ -257,13 +266,11 @@ class Estimator:
                     if not any(t.batch == 1 and t.tokens == n for t in traces):
                         self._progress(f"tracing {n:,} tokens for the activation fit")
                         traces.append(runner.trace(1, n, self.images))
-            self._fill_slack(traces)
             self._act = fit_activations(traces, pieces) if need_fit or need_cover or (self._act and self._act.prefill) \
                 else ActivationModel(prefill=None, decode=None, traces=traces, pieces=pieces)
         except UserError:
             raise
-        except (RuntimeError, ValueError, TypeError, NotImplementedError, IndexError, KeyError,
-                AttributeError, AssertionError, ImportError, StopIteration) as exc:  # an op the meta device cannot run: formulas, said so
+        except DRY_RUN_FAILURES as exc:  # an op the meta device cannot run: formulas, said so
             self._dry_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             return
         self._store_act_cache()
@@ -282,18 +289,48 @@ class Estimator:
     def _confs(self):
         return self.alloc_conf, self.alloc_conf.with_expandable()
 
-    def _fill_slack(self, traces: list[Trace]) -> None:
-        """Each new trace's slack, per replayed setting, from its events (then dropped): ``[]`` where the
-        dry run could not give the whole model's events (several layer kinds, images)."""
-        for t in traces:
-            if all(k in t.slack for k in self._slack_keys()):
-                continue
-            for conf in self._confs():
-                got = trace_slack(self._load_events(), t.events, CUDA_DEFAULT.workspace_bytes, conf) \
-                    if t.events is not None and self.device == "cuda" else None
-                t.slack[conf.key] = got or []
-            t.events = None
+    def _replayed(self, t: Trace) -> Trace:
+        """``t`` with its slack for each replayed setting, from its events (then dropped): ``[]`` where the dry
+        run could not give the whole model's events (several layer kinds, images). Made when a figure first
+        asks for it, not as the trace is made: a placement's GPUs are never replayed, so a search that splits
+        a model never pays for the replay of the traces it makes there. A trace read from the disk cache
+        without this setting's slack (cached by a run that never asked) is traced again for it: the trace
+        returned is then a new one, with the same figures."""
+        if all(k in t.slack for k in self._slack_keys()):
+            return t
+        if t.events is None:  # read from the disk cache, replayed there for other settings or none
+            runner = self._dry_runner()
+            runner._kv_layout = list(self._kv or [])
+            with contextlib.suppress(*DRY_RUN_FAILURES):  # it traced before: failing now only loses the replay
+                t = runner.trace(t.batch, t.tokens, self.images)
+        for conf in self._confs():
+            got = trace_slack(self._load_events(), t.events, CUDA_DEFAULT.workspace_bytes, conf) \
+                if t.events is not None and self.device == "cuda" else None
+            t.slack[conf.key] = got or []
+        t.events = None
+        self._slack_dirty = True
+        return t
 
+    def _slack_node(self, tokens: int) -> Trace | None:
+        """The batch-1 trace at ``tokens`` the slack is interpolated from, replayed: the activation fit's own
+        where it has one there, else one traced for the slack alone (kept apart, so that the activation fit
+        never depends on which slack was asked). None where the dry run cannot trace it."""
+        traces = self._act.traces
+        for i, t in enumerate(traces):
+            if t.batch == 1 and t.tokens == tokens:
+                traces[i] = self._replayed(t)
+                return traces[i]
+        t = self._nodes.get(tokens)
+        if t is None:
+            runner = self._dry_runner()
+            runner._kv_layout = list(self._kv or [])
+            self._progress(f"tracing {tokens:,} tokens for the caching allocator's replay")
+            try:
+                t = runner.trace(1, tokens, self.images)
+            except DRY_RUN_FAILURES:
+                return None
+        self._nodes[tokens] = self._replayed(t)
+        return self._nodes[tokens]
     def load_reserved(self, conf: AllocConf | None = None) -> tuple[int, int]:
         """(reserved at the load's peak, after it) with ``conf`` (default: this Estimator's settings)."""
         conf = conf or self.alloc_conf
@@ -312,12 +349,31 @@ class Estimator:
             self.replay = saved
 
     def _slack(self, work: Workload, conf: AllocConf) -> tuple[int, int] | None:
-        if self._act is None or self.device != "cuda" or not self.replay:
-            return None
-        usable = [t for t in self._act.traces if t.slack.get(conf.key)]
-        if len(usable) != len(self._act.traces):
-            return None
-        return slack_at(usable, work.batch, work.prompt, conf.key)
+        """The slack at ``work`` with ``conf`` (None: no replay here). At a traced point, its own trace's;
+        elsewhere interpolated between the two nodes of a fixed ladder around ``batch x prompt``
+        (:func:`slack_nodes`), traced where missing -- never between whatever other traces this model
+        has: the slack is not convex in the tokens, so an interpolation over the traces a disk cache
+        happens to hold would move with them, and a search over contexts with it (issue 26)."""
+        if self._act is None or self.device != "cuda" or not self.replay or self.images is not None:
+            return None  # images: the vision encoder's events are not replayed yet (docs/accounting.md)
+        self._slack_dirty = False
+        try:
+            own = self._act._trace(work.batch, work.prompt)
+            if own is not None:
+                i = self._act.traces.index(own)
+                own = self._act.traces[i] = self._replayed(own)
+                got = own.slack.get(conf.key)
+                return (got[0], got[1]) if got else None
+            nodes = []
+            for n in slack_nodes(work.batch * work.prompt):
+                t = self._slack_node(n)
+                if t is None or not t.slack.get(conf.key):
+                    return None
+                nodes.append(t)
+            return slack_at(nodes, work.batch, work.prompt, conf.key)
+        finally:
+            if self._slack_dirty:
+                self._store_act_cache()
 
     def expandable_saving(self, ctx: int | None = None, batch: int = 1, new_tokens: int = NEW_TOKENS,
                           prompt: int | None = None, runtime: RuntimeProfile | None = None

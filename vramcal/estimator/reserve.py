@@ -70,6 +70,26 @@ def trace_slack(load: list[tuple], events: list[tuple], workspace_bytes: int, co
     return [max(p.reserved - p.peak_allocated, 0), max(d.reserved - d.peak_allocated, 0)]
 
 
+# the slack's ladder (:func:`slack_nodes`): the activation fit's points, then every power of two up to 2**24
+# tokens (the estimator's COVER_LIMIT, the longest batch-1 trace it makes)
+SLACK_LADDER = (512, 2048, 8192) + tuple(1 << k for k in range(14, 25))
+
+
+def slack_nodes(tokens: int) -> tuple[int, ...]:
+    """The batch-1 token counts the slack at ``tokens`` (batch x seq) is interpolated from: the two nodes
+    of :data:`SLACK_LADDER` around it (the first alone below it, the last two beyond it). Fixed, so the
+    figure between traced points is the same whatever else was traced: the slack is not convex in the
+    tokens (a segment's rounding comes and goes), and an interpolation over the traces one happens to
+    have moves with them."""
+    ladder = SLACK_LADDER
+    if tokens <= ladder[0]:
+        return ladder[:1]
+    for lo, hi in zip(ladder, ladder[1:]):
+        if tokens <= hi:
+            return lo, hi
+    return ladder[-2:]
+
+
 def slack_at(traces, batch: int, seq: int, key: str) -> tuple[int, int] | None:
     """The slack at (batch, seq) for the settings ``key``: the trace's own where it was traced, else
     linear between the batch-1 traces in tokens (batch x seq), and beyond them along the last two (the

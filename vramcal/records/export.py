@@ -1,4 +1,9 @@
-"""Export runs with their stages as one table, through pandas: CSV, JSON or Parquet."""
+"""Export runs with their stages as one table, through pandas: CSV, JSON or Parquet.
+
+Every row says whether its run is withdrawn (``records withdraw RUN --why``): ``withdrawn`` (a bool) and
+``withdrawn_why`` (the reasons, oldest first, joined by ``"; "`` where a fleet copied in more than one;
+null for a run not withdrawn). A withdrawn run stays in the export, as it stays in the records: what it
+is kept out of is the corrections."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from .store import Store
 FORMATS = ("csv", "json", "parquet")
 _COLUMNS = ("run_id", "run_uuid", "created_at", "machine_kind", "gpu_name", "device_total_bytes", "hostname", "torch",
             "transformers", "bitsandbytes", "model", "config_hash", "quant", "quant_impl", "dtype", "ctx", "batch",
-            "kv_dtype", "attn", "device", "status", "last_stage", "error", "stage", "estimated_bytes",
+            "kv_dtype", "attn", "device", "status", "last_stage", "error", "withdrawn", "withdrawn_why", "stage", "estimated_bytes",
             "measured_peak_bytes", "measured_used_bytes", "torch_max_allocated", "torch_max_reserved", "command")
 _BYTES = ("estimated_bytes", "measured_peak_bytes", "measured_used_bytes", "torch_max_allocated",
           "torch_max_reserved", "device_total_bytes")
@@ -26,7 +31,14 @@ def runs_frame(store: Store):
         "st.measured_peak_bytes, st.measured_used_bytes, st.torch_max_allocated, st.torch_max_reserved, r.command "
         "FROM runs r JOIN machines m ON m.id = r.machine_id LEFT JOIN results s ON s.run_id = r.id "
         "LEFT JOIN stages st ON st.run_id = r.id ORDER BY r.id, st.seq")
+    whys: dict[int, list[str]] = {}
+    for w in store.withdrawals():  # oldest first; read apart from the join, in every engine's SQL alike
+        whys.setdefault(w["run_id"], []).append(w["why"])
+    for row in rows:
+        row["withdrawn"] = row["run_id"] in whys
+        row["withdrawn_why"] = "; ".join(whys[row["run_id"]]) if row["withdrawn"] else None
     frame = pd.DataFrame.from_records(rows, columns=list(_COLUMNS))
+    frame["withdrawn"] = frame["withdrawn"].astype(bool)
     for col in _BYTES:
         frame[col] = frame[col].astype("Int64")  # integers with NULL as <NA>, never 0
     return frame
