@@ -73,6 +73,10 @@ def tiny_vlms(tmp_path_factory) -> dict[str, str]:
 def _private_cache(tmp_path, monkeypatch):
     """Each test gets its own inventory cache directory, so no test reads another's results."""
     monkeypatch.setenv("VRAMCAL_CACHE", str(tmp_path / "cache"))
+    # and its own records and journals: nothing lands in the home folder, and parallel workers (-n auto)
+    # never share a default database
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
 
 
 
