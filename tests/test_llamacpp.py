@@ -363,3 +363,11 @@ def test_a_header_estimate_imports_no_numpy(dense):
     import gguf  # noqa: F401 -- now with the whole package imported
     full = estimate_llamacpp(read_gguf(dense), LlamaArgs(ctx_size=1024, n_gpus=0)).to_dict()
     assert json.loads(json.dumps(full)) == light
+
+
+@pytest.mark.parametrize("flags", [["--n-cpu-moe", "1"], ["--cpu-moe"], ["-ot", "ffn=CPU"]])
+def test_a_probe_refuses_tensor_overrides_it_cannot_pass_on(dense, flags):
+    """The probe's child sets no tensor overrides yet: with layers on a GPU it would measure another placement
+    than the one asked, so it says so (one line, exit 2) before anything runs or is recorded."""
+    r = _cli("probe", "--engine", "llama.cpp", dense, "-ngl", "99", "--gpu-count", "1", *flags)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "-ot / --n-cpu-moe" in r.stderr

@@ -355,6 +355,10 @@ def _probe(args, io, *, check: bool) -> int:
     if a.draft is not None:
         raise UserError(f"a {verb} loads the target model only: -md is priced by `vramcal estimate --engine llama.cpp`"
                         ", not run yet; drop -md to probe the target")
+    if (a.overrides or a.n_cpu_moe or a.cpu_moe) and a.n_gpus and a.n_gpu_layers != 0:
+        raise UserError(f"a {verb} cannot pass -ot / --n-cpu-moe / --cpu-moe to llama.cpp yet (its child sets no "
+                        "tensor overrides), so it would measure another placement than the one asked: drop them "
+                        "here, or price them with `vramcal estimate --engine llama.cpp`")
     preflight(a.n_gpus if a.n_gpu_layers != 0 else 0)
     if getattr(args, "synthetic", False):
         raise UserError("--synthetic belongs to transformers' probes: a llama.cpp probe loads the GGUF itself")
