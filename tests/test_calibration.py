@@ -37,6 +37,7 @@ def _estimate_json(model, ctx, db, *extra):
     return json.loads(r.stdout)
 
 
+@pytest.mark.alone  # a resident set against a tolerance: not beside another worker
 def test_one_check_makes_the_next_estimate_closer(model, tmp_path):
     db = str(tmp_path / "cal.db")
     first = check(model, "bf16", ctx=256, batch=2, device="cpu", db=db)
@@ -109,6 +110,7 @@ def test_a_killed_probe_leaves_a_partial_record(model, tmp_path):
         assert memo_for(run)["status"] == "crashed"
 
 
+@pytest.mark.alone  # a resident set against a tolerance: not beside another worker
 def test_when_it_does_not_fit_it_proposes(model, tmp_path):
     db = str(tmp_path / "p.db")
     small = check(model, "bf16", ctx=256, batch=1, device="cpu", db=db)  # a first correction for this machine

@@ -15,6 +15,7 @@ from vramcal.workload import STAGES
 MIB = 2**20
 
 
+@pytest.mark.alone  # a resident set against a tolerance: not beside another worker
 def test_a_plain_load_maps_the_checkpoint_and_reads_it_at_the_first_forward(tiny_models):
     """bf16 in the checkpoint's dtype: from_pretrained copies nothing (the tensors are views of the
     mapping); the first forward reads every page, so the whole file is resident from then on."""
@@ -28,6 +29,7 @@ def test_a_plain_load_maps_the_checkpoint_and_reads_it_at_the_first_forward(tiny
     assert sum(e.peak_breakdown.values()) == e.peak == e.stages[e.peak_stage]
 
 
+@pytest.mark.alone  # a resident set against a tolerance: not beside another worker
 def test_bitsandbytes_on_the_cpu_keeps_its_16_bit_sources_resident_and_a_heap_range(tiny_models):
     source = resolve_model(tiny_models["dense-gqa"])
     est = Estimator(source, resolve_quant("nf4", source.config), device="cpu")
@@ -56,6 +58,7 @@ def untied_wide_vocab(tmp_path_factory):
     return save_tiny("vocab", {**MID, "vocab_size": 64000}, tmp_path_factory.mktemp("vocab"))
 
 
+@pytest.mark.alone  # a resident set against a tolerance: not beside another worker
 def test_an_untied_embedding_is_resident_whole_after_a_short_prompt(untied_wide_vocab):
     """A 112-token prompt selects 112 of 64,000 rows, but every fault maps the readahead around its row:
     a real probe holds (nearly) the whole checkpoint after the first token, as the estimate counts it."""
@@ -70,6 +73,7 @@ def test_an_untied_embedding_is_resident_whole_after_a_short_prompt(untied_wide_
     assert abs(e.stages["first_token"] - measured) < 0.15 * measured
 
 
+@pytest.mark.alone  # a resident set against a tolerance: not beside another worker
 def test_a_dtype_conversion_reads_every_page_then_holds_only_the_copies(untied_wide_vocab):
     """bf16 -> fp32: the load reads the whole file (at its peak) and copies every tensor; once loaded
     nothing references the mapping, and a real probe holds the copies alone."""
