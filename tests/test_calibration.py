@@ -61,10 +61,12 @@ def test_one_check_makes_the_next_estimate_closer(model, tmp_path):
     assert all(f.status == "ok" for f in fresh)
     for stage in ("post_load", "first_token", "end"):
         measured, again = (f.measured()[stage].peak_bytes for f in fresh)
-        # closer, or already as close as two runs of the same load agree: on this 100 MiB model the heap
-        # glibc keeps after the prefill moves the resident set by up to 15 % from run to run (measured:
-        # `end` at 1536 tokens 118, 124 and 143 MB), and one run's delta cannot improve on that
-        noise = 0.05 * measured + abs(measured - again)
+        # closer, or already as close as runs of the same load agree: on this 100 MiB model the heap glibc
+        # keeps after the prefill moves the resident set by up to 15 % from run to run (measured: `end` at
+        # 1536 tokens 118, 124 and 143 MB; 2026-12-02, alone on a quiet machine, the corrected `end` came
+        # 15.7 MB from a 121 MB run whose twin was 111 MB), and one run's delta cannot improve on that.
+        # Two fresh runs can agree by chance, so their gap is added to that spread, not used in its place.
+        noise = 0.15 * measured + abs(measured - again)
         assert abs(corrected["stages"][stage] - measured) <= max(abs(raw["stages"][stage] - measured), noise), stage
 
 
