@@ -447,3 +447,35 @@ def test_a_damaged_schema_version_on_postgresql_is_one_line(pg_url):
         c.execute("ALTER TABLE vramcal.meta DISABLE TRIGGER ALL")
         c.execute("UPDATE vramcal.meta SET value = 'five' WHERE key = 'schema_version'")
     one_line(run("records", "list", "--db", pg_url), "schema version")
+
+
+def test_a_ctrl_c_that_tears_an_import_is_an_interrupt_not_a_formula(monkeypatch):
+    """A SIGINT inside transformers' first imports can leave a module half made; transformers then reports
+    "Could not import module 'LlamaConfig'" (seen in a fresh clone: the estimate answered from a formula,
+    exit 2, instead of 'interrupted'). The build notes the signal and raises the interrupt it was."""
+    import signal
+
+    from vramcal.estimator import meta
+    from vramcal.estimator.quant import resolve_quant
+    from vramcal.estimator.resolve import resolve_model
+
+    def torn(*args, **kwargs):
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:  # what the torn import did with it: lost
+            pass
+        raise ModuleNotFoundError("Could not import module 'LlamaConfig'. Are this object's requirements defined "
+                                  "correctly?")
+
+    monkeypatch.setattr(meta, "_build_meta_model", torn)
+    source = resolve_model("qwen2.5-0.5b")
+    with pytest.raises(KeyboardInterrupt):
+        meta.build_meta_model(source, resolve_quant("bf16", source.config))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'flash_attn'")
+
+    monkeypatch.setattr(meta, "_build_meta_model", missing)
+    with pytest.raises(ModuleNotFoundError):  # without a signal the failure is what it says
+        meta.build_meta_model(source, resolve_quant("bf16", source.config))
