@@ -20,6 +20,18 @@ def _vocab(w, n_vocab: int) -> None:
     w.add_unk_token_id(0)
 
 
+def _hparams(w, *, n_layer: int, n_ctx_train: int, n_embd: int, n_ff: int, n_head: int, n_head_kv: int,
+             norm_eps: float) -> None:
+    """The architecture keys every writer here sets (llama.cpp's loader reads them as ``<arch>.*``)."""
+    w.add_block_count(n_layer)
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_layer_norm_rms_eps(norm_eps)
+
+
 def write_tiny(path, *, arch: str = "llama", n_layer: int = 2, n_embd: int = 256, n_head: int = 4,
                n_head_kv: int = 2, n_ff: int = 512, n_vocab: int = 1024, n_ctx_train: int = 4096,
                weight_type: str = "F16", embd_type: str | None = None, tied: bool = False, n_expert: int = 0,
@@ -31,15 +43,10 @@ def write_tiny(path, *, arch: str = "llama", n_layer: int = 2, n_embd: int = 256
     hd = head_dim or n_embd // n_head
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")
-    w.add_block_count(n_layer)
-    w.add_context_length(n_ctx_train)
-    w.add_embedding_length(n_embd)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
+    _hparams(w, n_layer=n_layer, n_ctx_train=n_ctx_train, n_embd=n_embd, n_ff=n_ff, n_head=n_head,
+             n_head_kv=n_head_kv, norm_eps=1e-6)
     w.add_key_length(hd)
     w.add_value_length(hd)
-    w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(hd)
     w.add_file_type(1)
@@ -102,29 +109,28 @@ def write_tiny(path, *, arch: str = "llama", n_layer: int = 2, n_embd: int = 256
 
 def write_sparse_header(path, *, n_layer: int = 80, n_embd: int = 8192, n_ff: int = 28672, n_head: int = 64,
                         n_head_kv: int = 8, n_vocab: int = 128256, n_ctx_train: int = 131072, n_expert: int = 0,
-                        n_expert_used: int = 0) -> str:
+                        n_expert_used: int = 0, n_merges: int = 0) -> str:
     """A big model's GGUF as its header alone, then a hole as long as its tensors (a sparse file): llama.cpp's
     Q4_K_M mix (Q4_K matrices, Q6_K for attn_v, ffn_down and the output, F32 norms), by default a
-    Llama-3.1-70B shape. The vocabulary is counted, not spelt (filler tokens, no merges): the estimate reads its
-    length only. Return its path."""
+    Llama-3.1-70B shape. The vocabulary is counted, not spelt (filler tokens): the estimate reads its length
+    only. ``n_merges``: BPE merges as well, with token types, for a header as long as a real one (Llama-3.1:
+    280147; benchmarks/bench_llamacpp.py times the walk over them). Return its path."""
     import os
 
     import gguf
 
     Q = gguf.GGMLQuantizationType
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(n_layer)
-    w.add_context_length(n_ctx_train)
-    w.add_embedding_length(n_embd)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_layer_norm_rms_eps(1e-5)
+    _hparams(w, n_layer=n_layer, n_ctx_train=n_ctx_train, n_embd=n_embd, n_ff=n_ff, n_head=n_head,
+             n_head_kv=n_head_kv, norm_eps=1e-5)
     if n_expert:
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(n_vocab)])
+    if n_merges:
+        w.add_token_types([1] * n_vocab)
+        w.add_token_merges([f"a{i} b{i}" for i in range(n_merges)])
     data = 0
     hd = n_embd // n_head
 
