@@ -354,10 +354,21 @@ def test_published_runner_on_two_rows(tmp_path):
     assert "| KV tokens | all | 2 |" in (tmp_path / "out" / "published-vllm.md").read_text()
 
 
+def _record(db, source, result) -> int:
+    """A vLLM probe's record, written as `probe --engine vllm` writes it: the run before vLLM starts, its
+    outcome after."""
+    from vramcal.calibrate.runs import begin_engine_run, finish_engine_run
+    from vramcal.cli_vllm import vllm_outcome, vllm_run_context
+
+    run_id = begin_engine_run(db, "cuda:0", vllm_run_context(source, result.estimate,
+                                                             "vramcal probe llama-3.1-8b --engine vllm"))
+    finish_engine_run(db, run_id, vllm_outcome(result.estimate, result))
+    return run_id
+
+
 def test_a_vllm_probes_stages_and_samples_reach_the_records(tmp_path):
     """The sampler's readings at vLLM's markers become the run's stage rows, and its series the run's
     samples (a vLLM probe once recorded every stage as None and no samples)."""
-    from vramcal.cli_vllm import record_vllm_run
     from vramcal.estimator.resolve import resolve_model
     from vramcal.probes.sampler import Sample
     from vramcal.probes.engine_run import stage_readings
@@ -378,7 +389,7 @@ def test_a_vllm_probes_stages_and_samples_reach_the_records(tmp_path):
     result = VllmProbeResult("ok", source.name, "0.19.0", [0], stages, logged, as_estimate(source, raw),
                              last_stage="first_token", wall_s=5.0, samples=samples)
     db = str(tmp_path / "runs.db")
-    run_id = record_vllm_run(db, source, result.estimate, result, "vramcal probe llama-3.1-8b --engine vllm")
+    run_id = _record(db, source, result)
     with Store(db, create=False, readonly=True) as s:
         run = s.run(run_id)
     assert {r.stage: r.measured_peak_bytes for r in run.outcome.stages} == {
@@ -389,7 +400,6 @@ def test_a_vllm_probes_stages_and_samples_reach_the_records(tmp_path):
 def test_a_recorded_vllm_run_corrects_the_next_estimate(tmp_path, monkeypatch, capsys):
     """A vLLM probe's record (faked here: no vLLM, no GPU) holds the prediction and the logged terms; the
     next estimate on this machine and version takes the logged activation and non-torch instead."""
-    from vramcal.cli_vllm import record_vllm_run
     from vramcal.estimator.resolve import resolve_model
     from vramcal.estimator.vllm.logparse import parse_log
     from vramcal.probes.vllm_probe import VllmProbeResult
@@ -402,7 +412,7 @@ def test_a_recorded_vllm_run_corrects_the_next_estimate(tmp_path, monkeypatch, c
     logged.non_torch_bytes = raw.non_torch_bytes + 100 * 1024**2
     result = VllmProbeResult("ok", source.name, "0.19.0", [0], {"post_load": {"used_bytes": 1, "peak_bytes": 2}},
                              logged, as_estimate(source, raw), last_stage="end", wall_s=1.0)
-    run_id = record_vllm_run(db, source, result.estimate, result, "vramcal probe llama-3.1-8b --engine vllm")
+    run_id = _record(db, source, result)
     assert run_id is not None
     rc = _cli("estimate", "llama-3.1-8b", "--engine", "vllm", "--gpu-memory", "79.19GiB", "--gpu-memory-utilization",
               "0.95", "--max-model-len", "8192", "--vllm-version", "0.19", "--db", db, "--json")

@@ -297,11 +297,3 @@ def vllm_outcome(estimate, result):
                    series=f"gpu{result.gpus[0]}", wall_s=result.wall_s, sampler_overhead=result.sampler_overhead,
                    result=result.to_dict(), stages=rows, samples=result.sample_rows())
 
-
-def record_vllm_run(db, source, estimate, result, command: str) -> int:
-    """A finished vLLM probe's whole record (machine, context, outcome), as one run."""
-    from .calibrate.runs import begin_engine_run, finish_engine_run
-
-    run_id = begin_engine_run(db, "cuda:0", vllm_run_context(source, estimate, command))
-    finish_engine_run(db, run_id, vllm_outcome(estimate, result))
-    return run_id
