@@ -57,3 +57,26 @@ def test_llamacpp_flags_in_llamas_spellings():
     assert (a.ctx_size, a.n_gpu_layers, a.cache_type_k, a.flash_attn, a.parallel, a.kv_unified, a.ubatch_size,
             a.tensor_split, a.override_tensor, a.n_cpu_moe, a.no_mmap) == \
         (8192, "99", "q8_0", "on", 4, True, 256, "3,1", ["exps=CPU"], 2, True)
+
+
+@pytest.mark.parametrize("raised,status", [(RuntimeError("the child could not start"), "error"),
+                                           (KeyboardInterrupt(), "interrupted")])
+def test_an_engine_probe_that_raises_still_closes_its_run(tmp_path, raised, status):
+    """Every engine probe goes record -> child -> record through one step (calibrate/runs.py): a probe that
+    raises instead of returning a result leaves its run closed with the error, not open forever."""
+    from vramcal.calibrate.runs import recorded_engine_probe
+    from vramcal.records.store import RunContext, Store
+
+    db = str(tmp_path / "runs.db")
+    ctx = RunContext(model="m", quant="Q4_K_M", ctx=256, batch=1, device="cpu", command="vramcal probe m")
+
+    def probe():
+        raise raised
+
+    with pytest.raises(type(raised)):
+        recorded_engine_probe(db, "cpu", ctx, probe, lambda result: pytest.fail("no result to record"))
+    with Store(db) as store:
+        (row,) = store.runs()
+        run = store.run(row["id"])
+    assert run.status == status and run.outcome is not None
+    assert status == "interrupted" or "RuntimeError: the child could not start" in run.outcome.error

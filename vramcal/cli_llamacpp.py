@@ -373,24 +373,22 @@ def _probe(args, io, *, check: bool) -> int:
     if note:
         est.notes.append(note)
     gpus = [] if a.n_gpus == 0 or a.n_gpu_layers == 0 else list(range(a.n_gpus))
-    from .calibrate.runs import begin_engine_run, finish_engine_run
+    from .calibrate.runs import end_engine_probe, recorded_engine_probe
     from .cli_vllm import command_of
 
     device = "cuda:0" if gpus else "cpu"
-    run_id = begin_engine_run(args.db, device, run_context(m, est, device, command_of(args, verb)))
-    result = run_llamacpp_probe(m.path, m.name, child_spec(m.path, a), est, gpus=gpus,
-                                interval_ms=getattr(args, "interval_ms", 5.0) or 5.0,
-                                new_tokens=getattr(args, "new_tokens", 16) or 16)
-    finish_engine_run(args.db, run_id, outcome_of(est, result))
+    run_id, result = recorded_engine_probe(
+        args.db, device, run_context(m, est, device, command_of(args, verb)),
+        lambda: run_llamacpp_probe(m.path, m.name, child_spec(m.path, a), est, gpus=gpus,
+                                   interval_ms=getattr(args, "interval_ms", 5.0) or 5.0,
+                                   new_tokens=getattr(args, "new_tokens", 16) or 16),
+        lambda result: outcome_of(est, result))
     verdict = _verdict(args, est, result) if check else None
     if verdict:
         result.notes.append(verdict[1])
     io.out(json.dumps({**result.to_dict(), "run_id": run_id, "fits": verdict[0] if verdict else None})
            if args.json else present.llamacpp_probe_table(result, run_id))
-    if result.interrupted:  # recorded and shown; now exit 130 / 143 as every probe does
-        from .probes.lifecycle import ProbeInterrupted
-
-        raise ProbeInterrupted(result, result.interrupted)
+    end_engine_probe(result)
     return 0 if result.status == "ok" and (verdict is None or verdict[0]) else 1
 
 

@@ -250,19 +250,17 @@ def cmd_probe_vllm(args, out, *, check: bool) -> int:
         model_dir = tempfile.mkdtemp(prefix="vramcal-vllm-")
         with open(os.path.join(model_dir, "config.json"), "w") as fh:
             json.dump({k: v for k, v in source.config.items() if not k.startswith("_vramcal")}, fh)
-    from .calibrate.runs import begin_engine_run, finish_engine_run
+    from .calibrate.runs import end_engine_probe, recorded_engine_probe
 
-    run_id = begin_engine_run(args.db, "cuda:0", vllm_run_context(source, estimate, command_of(args, verb)))
-    result = run_vllm_probe(model_dir, source.name, child_args, estimate, gpus=gpus,
-                            interval_ms=getattr(args, "interval_ms", 5.0) or 5.0,
-                            new_tokens=getattr(args, "new_tokens", 16) or 16)
-    finish_engine_run(args.db, run_id, vllm_outcome(estimate, result))
+    run_id, result = recorded_engine_probe(
+        args.db, "cuda:0", vllm_run_context(source, estimate, command_of(args, verb)),
+        lambda: run_vllm_probe(model_dir, source.name, child_args, estimate, gpus=gpus,
+                               interval_ms=getattr(args, "interval_ms", 5.0) or 5.0,
+                               new_tokens=getattr(args, "new_tokens", 16) or 16),
+        lambda result: vllm_outcome(estimate, result))
     out(json.dumps({**result.to_dict(), "run_id": run_id}) if args.json
         else present.vllm_probe_table(result, run_id))
-    if result.interrupted:  # recorded and shown; now exit 130 / 143 as every probe does
-        from .probes.lifecycle import ProbeInterrupted
-
-        raise ProbeInterrupted(result, result.interrupted)
+    end_engine_probe(result)
     ok = result.status == "ok" and (not check or est.fits)
     return 0 if ok else 1
 

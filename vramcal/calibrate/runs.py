@@ -114,6 +114,31 @@ def finish_engine_run(db, run_id: int, outcome: Outcome) -> None:
         store.finish_run(run_id, outcome)
 
 
+def recorded_engine_probe(db, device: str, context: RunContext, probe, outcome) -> tuple[int, object]:
+    """An engine probe (vLLM, llama.cpp) from record to record: the run is recorded before ``probe()`` starts
+    its child, then finished with ``outcome(result)``. A probe that raises instead of returning a result
+    (a bug, a missing library found late) still closes its run, as failed with the error, before the error
+    goes on. Returns ``(run_id, result)``; the caller shows the result, then raises
+    :class:`~vramcal.probes.lifecycle.ProbeInterrupted` for an interrupted one (:func:`end_engine_probe`)."""
+    run_id = begin_engine_run(db, device, context)
+    try:
+        result = probe()
+    except BaseException as e:
+        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "error"
+        finish_engine_run(db, run_id, Outcome(status=status, error=f"{type(e).__name__}: {e}"[:2000]))
+        raise
+    finish_engine_run(db, run_id, outcome(result))
+    return run_id, result
+
+
+def end_engine_probe(result) -> None:
+    """After the result is shown: an interrupted engine probe leaves with exit 130 / 143, as every probe does."""
+    if result.interrupted:
+        from ..probes.lifecycle import ProbeInterrupted
+
+        raise ProbeInterrupted(result, result.interrupted)
+
+
 def save_probe_unrecorded(fingerprint: dict, context: RunContext, result: ProbeResult, *, run_uuid: str, error: str,
                           folder=None) -> Path:
     """Keep a probe whose record could not be written (the server went away, the file is locked or
