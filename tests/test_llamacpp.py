@@ -371,3 +371,82 @@ def test_a_probe_refuses_tensor_overrides_it_cannot_pass_on(dense, flags):
     than the one asked, so it says so (one line, exit 2) before anything runs or is recorded."""
     r = _cli("probe", "--engine", "llama.cpp", dense, "-ngl", "99", "--gpu-count", "1", *flags)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "-ot / --n-cpu-moe" in r.stderr
+
+
+# ------------------------------------------------------------------ what llama.cpp holds beyond its buffers
+
+def _result(series: str, base: int, peaks: list[int], buffers: dict[str, int], output=("CPU", 0)) -> dict:
+    """A recorded llama.cpp probe's result as the records hold it (LlamaProbeResult.to_dict)."""
+    stages = {"baseline": {"used_bytes": base, "peak_bytes": base}}
+    stages.update({s: {"used_bytes": p, "peak_bytes": p} for s, p in zip(("post_load", "context", "first_token",
+                                                                            "end"), peaks)})
+    return {"series": series, "stages": stages,
+            "llama_cpp_logged": {"lines": 5, "model_buffer_bytes": {k: v for k, v in buffers.items() if "model" in k},
+                                 "kv_buffer_bytes": {}, "compute_buffer_bytes": {},
+                                 "output_buffer": output[0], "output_buffer_bytes": output[1]}}
+
+
+def test_what_a_gpu_run_holds_beyond_its_buffers_is_nvml_less_the_logged_gpu_buffers():
+    """NVML's memory.used rose by 1,500 MiB over the baseline; 900 MiB of it are buffers llama.cpp logged on
+    CUDA0 (the CPU_Mapped range and the CUDA_Host output are not GPU memory): 600 MiB is the context's."""
+    import json
+
+    from vramcal.calibrate.llamacpp_corrections import beyond_of, learned_beyond
+
+    r = _result("gpu0", 1000 * MIB, [1800 * MIB, 2400 * MIB, 2500 * MIB, 2450 * MIB],
+                {"CUDA0 model": 900 * MIB, "CPU_Mapped model": 300 * MIB}, ("CUDA_Host", 2 * MIB))
+    r["llama_cpp_logged"]["model_buffer_bytes"] = {"CUDA0": 900 * MIB, "CPU_Mapped": 300 * MIB}
+    assert beyond_of(r) == ("gpu", 600 * MIB)
+    other = json.loads(json.dumps(r))
+    other["stages"]["first_token"]["peak_bytes"] = 2520 * MIB  # another run of the same: 620 MiB
+    b = learned_beyond([{"run_id": 7, "result_json": json.dumps(r)}, {"run_id": 9, "result_json": json.dumps(other)},
+                        {"run_id": 11, "result_json": "{not json"}], "this machine")
+    assert b.gpu_bytes == 610 * MIB and b.source_runs == (7, 9) and "2 llama.cpp run(s)" in b.gpu_source
+    assert b.host_bytes is None  # no CPU-only run: the host's stays not known
+    r["llama_cpp_logged"]["lines"] = 0  # a log with no buffer lines says nothing
+    assert beyond_of(r) is None
+
+
+def test_fit_counts_what_this_machine_holds_beyond_the_buffers(dense):
+    """A larger term beyond the buffers leaves less of the budget to the layers: the same budget fits fewer, and
+    every GPU total fit reports is its buffers plus that term."""
+    from vramcal.estimator.llamacpp.fit import Beyond, fit_llamacpp, gpu_totals
+
+    m = read_gguf(dense)
+    a = LlamaArgs(n_gpus=1, ctx_size=1024)
+    # every layer on the GPU is 8.77 MiB of buffers at -c 1024, two layers 6.63 MiB
+    plain = fit_llamacpp(m, a, 522 * MIB, ctx_given=True, ngl_given=False)  # + the default 512 MiB context
+    more = fit_llamacpp(m, a, 522 * MIB, ctx_given=True, ngl_given=False, beyond=Beyond(gpu_bytes=515 * MIB))
+    assert (plain.n_gpu_layers, more.n_gpu_layers) == (3, 2), (plain, more)
+    assert more.peak_bytes == max(gpu_totals(more.estimate, 1, "CUDA", Beyond(gpu_bytes=515 * MIB)).values())
+    assert more.to_dict()["beyond_buffers"]["gpu_bytes"] == 515 * MIB
+
+
+@needs_llama
+def test_a_probe_teaches_what_llama_cpp_holds_beyond_its_buffers(tmp_path, dense):
+    """A CPU probe measures the resident set beyond the host buffers llama.cpp logged; the next estimate on this
+    machine counts it, names the run, and so lands on what was measured; --no-correction and a withdrawn run
+    give the default (not known) back."""
+    db = str(tmp_path / "r.db")
+    est = ["estimate", "--engine", "llama.cpp", dense, "-c", "1024", "--device", "cpu", "--db", db, "--json"]
+    before = json.loads(_cli(*est).stdout)
+    assert before["beyond_buffers"]["host_bytes"] is None and "not known" in before["beyond_buffers"]["host_source"]
+    r = _cli("probe", "--engine", "llama.cpp", dense, "-c", "1024", "--device", "cpu", "--db", db, "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    stages = doc["stages"]
+    grew = max(stages[s]["peak_bytes"] for s in ("post_load", "context", "first_token", "end")) \
+        - stages["baseline"]["used_bytes"]
+    logged = doc["llama_cpp_logged"]
+    held = sum(sum(logged[k].values()) for k in ("model_buffer_bytes", "kv_buffer_bytes", "compute_buffer_bytes")) \
+        + logged["output_buffer_bytes"]
+    after = json.loads(_cli(*est).stdout)
+    b = after["beyond_buffers"]
+    assert b["source_runs"] == [doc["run_id"]] and b["host_bytes"] == grew - held
+    assert "this machine" in b["host_source"] and b["gpu_bytes"] == before["beyond_buffers"]["gpu_bytes"]
+    # the buffers are priced to the log's 0.01 MiB, so the corrected host total is what the run grew by
+    assert abs(after["device_totals"]["CPU"] - grew) <= 64 * 1024, (after["device_totals"]["CPU"], grew)
+    assert json.loads(_cli(*est, "--no-correction").stdout)["beyond_buffers"]["host_bytes"] is None
+    w = _cli("records", "withdraw", str(doc["run_id"]), "--why", "a test run", "--db", db)
+    assert w.returncode == 0, w.stderr
+    assert json.loads(_cli(*est).stdout)["beyond_buffers"]["host_bytes"] is None

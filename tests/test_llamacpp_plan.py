@@ -324,3 +324,19 @@ def test_a_folder_of_quantizations_lists_each_model_once(tmp_path):
     (tmp_path / "none").mkdir()
     with pytest.raises(UserError, match="no .gguf file"):
         gguf_models(str(tmp_path / "none"))
+
+
+def test_a_plan_counts_what_the_machine_holds_beyond_the_buffers(models):
+    """What llama.cpp holds beyond its buffers (learned from this machine's runs) is in every plan's GPU and RAM
+    figures, and the plan says where it came from."""
+    from vramcal.estimator.llamacpp.fit import Beyond
+
+    hw = described(parse_hardware("cuda:0=24GiB,cpu=64GiB"))
+    f16 = str(Path(models["quants"]) / "tiny-F16.gguf")
+    learned = Beyond(gpu_bytes=CONTEXT + 300 * MIB, gpu_source="this machine: ...", host_bytes=40 * MIB,
+                     host_source="this machine: ...", source_runs=(3,))
+    plain, more = plan_llamacpp(f16, hw, buffer=GIB), plan_llamacpp(f16, hw, buffer=GIB, beyond=learned)
+    a, b = plain.plans[0], more.plans[0]
+    assert (a.ctx_size, a.n_gpu_layers, a.cache_type_k) == (b.ctx_size, b.n_gpu_layers, b.cache_type_k)
+    assert b.gpu_bytes["cuda:0"] - a.gpu_bytes["cuda:0"] == 300 * MIB and b.host_bytes - a.host_bytes == 40 * MIB
+    assert more.to_dict()["beyond_buffers"]["source_runs"] == [3]

@@ -746,8 +746,8 @@ def _add_calibration(sub) -> None:
 
     add_engine_flags(f, "fit")
     f.add_argument("--no-disk-cache", action="store_true", help=argparse.SUPPRESS)
-    f.add_argument("--no-correction", action="store_true", help="--engine vllm: do not apply this machine's "
-                                                                 "learned vLLM terms")
+    f.add_argument("--no-correction", action="store_true", help="--engine vllm / llama.cpp: do not apply the "
+                                                                 "terms learned from this machine's runs")
     f.add_argument("--db")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_fit)

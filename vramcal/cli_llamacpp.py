@@ -220,7 +220,7 @@ def cmd_plan(args, io) -> int:
         raise UserError("plan --engine llama.cpp needs a GGUF file or a folder of them")
     others = [f for f, given in (("--ctx", args.ctx is not None), ("--prompt", args.prompt is not None),
                                  ("--new-tokens", args.new_tokens is not None), ("--batch", args.batch != 1),
-                                 ("--attn", args.attn != "auto"), ("--db", args.db is not None),
+                                 ("--attn", args.attn != "auto"),
                                  ("--images", bool(getattr(args, "images", 0))),
                                  ("--image-size", getattr(args, "image_size", None) is not None),
                                  ("--gpu-count", args.gpu_count is not None)) if given]
@@ -234,9 +234,11 @@ def cmd_plan(args, io) -> int:
                                        ("ngl", args.n_gpu_layers not in (None, "auto")),  # auto: llama.cpp's --fit
                                        ("moe", args.n_cpu_moe is not None or bool(args.cpu_moe)),
                                        ("split", args.tensor_split is not None)) if on)
+    beyond = learned_beyond(args) if args.hardware is None else _default_beyond(
+        "no runs applied: a described machine (--hardware) has none of its own")
     result = plan_llamacpp(args.model, hardware, buffer=buffer, goal=args.goal, args=a, pinned=pinned,
                            kv_pinned=args.cache_type_k is not None or args.cache_type_v is not None,
-                           progress=_progress(args))
+                           progress=_progress(args), beyond=beyond)
     io.out(json.dumps(result.to_dict()) if args.json else present.llamacpp_plan_text(result))
     return 0 if result.plans else 1
 
@@ -261,8 +263,29 @@ def cmd_estimate(args, io) -> int:
     e = estimate_llamacpp(model_header(args, io), a)
     if note:
         e.notes.append(note)
-    io.out(json.dumps(present.llamacpp_json(e)) if args.json else present.llamacpp_table(e))
+    beyond = learned_beyond(args)
+    io.out(json.dumps(present.llamacpp_json(e, beyond)) if args.json else present.llamacpp_table(e, beyond))
     return 0
+
+
+def learned_beyond(args):
+    """What llama.cpp holds beyond its buffers on this machine: learned from its recorded llama.cpp runs
+    (:mod:`vramcal.calibrate.llamacpp_corrections`) unless --no-correction, else the defaults."""
+    if getattr(args, "no_correction", False):
+        return _default_beyond("no runs applied (--no-correction)")
+    from .calibrate.llamacpp_corrections import machine_beyond
+
+    beyond, why = machine_beyond(getattr(args, "db", None))
+    return _default_beyond(why) if why else beyond
+
+
+def _default_beyond(why: str):
+    """The defaults, saying why no run of this machine was applied."""
+    from dataclasses import replace
+
+    from .estimator.llamacpp.fit import DEFAULT_BEYOND as D
+
+    return replace(D, gpu_source=f"{D.gpu_source}; {why}", host_source=f"{D.host_source}; {why}")
 
 
 def _is_gguf(spec: str) -> bool:
@@ -334,7 +357,8 @@ def cmd_fit(args, io) -> int:
     if a.n_gpus == 0:
         raise UserError("fit --engine llama.cpp searches what fits the GPUs: drop --device cpu")
     f = fit_llamacpp(model_header(args, io), a, budget - buffer, ctx_given=args.ctx_size is not None,
-                     ngl_given=args.n_gpu_layers not in (None, "auto"), moe_given=args.n_cpu_moe is not None)
+                     ngl_given=args.n_gpu_layers not in (None, "auto"), moe_given=args.n_cpu_moe is not None,
+                     beyond=learned_beyond(args))
     if note:
         f.notes.append(note)
     io.out(json.dumps(f.to_dict()) if args.json else present.llamacpp_fit_table(f, budget, buffer))
@@ -373,6 +397,7 @@ def _probe(args, io, *, check: bool) -> int:
     if note:
         est.notes.append(note)
     gpus = [] if a.n_gpus == 0 or a.n_gpu_layers == 0 else list(range(a.n_gpus))
+    beyond = learned_beyond(args) if check else None  # from the runs before this one
     from .calibrate.runs import end_engine_probe, recorded_engine_probe
     from .cli_vllm import command_of
 
@@ -383,7 +408,7 @@ def _probe(args, io, *, check: bool) -> int:
                                    interval_ms=getattr(args, "interval_ms", 5.0) or 5.0,
                                    new_tokens=getattr(args, "new_tokens", 16) or 16),
         lambda result: outcome_of(est, result))
-    verdict = _verdict(args, est, result) if check else None
+    verdict = _verdict(args, est, result, beyond) if check else None
     if verdict:
         result.notes.append(verdict[1])
     io.out(json.dumps({**result.to_dict(), "run_id": run_id, "fits": verdict[0] if verdict else None})
@@ -392,18 +417,18 @@ def _probe(args, io, *, check: bool) -> int:
     return 0 if result.status == "ok" and (verdict is None or verdict[0]) else 1
 
 
-def _verdict(args, est, result) -> tuple[bool, str] | None:
-    """``check --budget``: does the fullest device (each GPU's buffers and the CUDA context; on a CPU-only run
-    the host buffers) stay within the budget less --buffer? Without --budget, the run's own end decides."""
+def _verdict(args, est, result, beyond) -> tuple[bool, str] | None:
+    """``check --budget``: does the fullest device (each GPU's buffers and what llama.cpp holds beyond them; on a
+    CPU-only run the host's) stay within the budget less --buffer? Without --budget, the run's own end decides."""
     from .calibrate.check import DEFAULT_BUFFER
-    from .estimator.llamacpp.fit import gpu_totals
+    from .estimator.llamacpp.fit import gpu_totals, host_total
     from .units import fmt_gib_gb, size_option
 
     if getattr(args, "budget", None) in (None, "auto"):
         return None
     budget = size_option(args.budget, "--budget", above_zero=True)
     buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
-    totals = gpu_totals(est) if result.series != "rss" else {"CPU": est.device_bytes().get("CPU", 0)}
+    totals = gpu_totals(est, beyond=beyond) if result.series != "rss" else {"CPU": host_total(est, beyond)}
     dev, need = max(totals.items(), key=lambda kv: kv[1], default=("-", 0))
     ok = need + buffer <= budget
     return ok, (f"{dev} needs {fmt_gib_gb(need)} + {fmt_gib_gb(buffer)} kept free: "

@@ -653,7 +653,8 @@ def llamacpp_plan_text(r) -> str:
     width = max(12, *(len(Path(p.file).name) for p in r.plans)) + 1
     head = (f"  {'#':>2}  {'file':<{width}}{'bits':>5}  {'KV':<9}{'-c':>9}  {'layers':<31}"
             + "".join(f"{d:>12}" for d in devs) + f"{'RAM':>12}{'tokens/s <=':>13}")
-    lines += ["", "plans (GPU: its buffers + the CUDA context; RAM: every host buffer, CPU_Mapped included)", head]
+    lines += ["", "plans (GPU: its buffers + what llama.cpp holds beyond them; RAM: every host buffer, CPU_Mapped "
+              "included, + the process beyond them where measured)", head]
     for i, p in enumerate(r.plans, 1):
         kv = p.cache_type_k if p.cache_type_k == p.cache_type_v else f"{p.cache_type_k}/{p.cache_type_v}"
         speed = f"{p.tokens_per_s:,.2f}" if p.tokens_per_s is not None else "unknown"
@@ -673,6 +674,8 @@ def llamacpp_plan_text(r) -> str:
         lines.append("  decode bound: " + "; ".join(f"{k} {v}" for k, v in first.speed.bandwidths.items()))
     if first.speed.why_none:
         lines.append(f"  decode bound {first.speed.why_none}")
+    lines += [f"  beyond the buffers, on each GPU: {r.beyond.gpu_source}",
+              f"  beyond the buffers, in RAM: {r.beyond.host_source}"]
     lines += ["", "run it with", "  " + first.command, "", "see its buffers as llama.cpp will log them",
               "  " + first.verify]
     if r.notes:
@@ -680,12 +683,18 @@ def llamacpp_plan_text(r) -> str:
     return "\n".join(lines)
 
 
-def llamacpp_json(e) -> dict:
-    """``estimate --engine llama.cpp --json``: llama.cpp's buffers under ``llama_cpp``, integer bytes."""
-    return {"engine": "llama.cpp", "model": e.model, "device_bytes": e.device_bytes(), "llama_cpp": e.to_dict()}
+def llamacpp_json(e, beyond=None) -> dict:
+    """``estimate --engine llama.cpp --json``: llama.cpp's buffers under ``llama_cpp``, integer bytes; each
+    device's total with what llama.cpp holds beyond its buffers (``beyond_buffers``, with where it came from)."""
+    from .estimator.llamacpp.fit import DEFAULT_BEYOND, gpu_totals, host_total
+
+    beyond = beyond or DEFAULT_BEYOND
+    return {"engine": "llama.cpp", "model": e.model, "device_bytes": e.device_bytes(),
+            "device_totals": {**gpu_totals(e, beyond=beyond), "CPU": host_total(e, beyond)},
+            "beyond_buffers": beyond.to_dict(), "llama_cpp": e.to_dict()}
 
 
-def llamacpp_table(e) -> str:
+def llamacpp_table(e, beyond=None) -> str:
     """``estimate --engine llama.cpp``: the buffer lines llama.cpp will print, then the total per device."""
     from .units import MIB
 
@@ -700,13 +709,34 @@ def llamacpp_table(e) -> str:
         lines += [f"  llama_kv_cache: {c['cache']}: {c['cells']:,} cells, {c['layers']} layers, "
                   f"{c['streams']} stream(s), K {c['k_bytes'] / MIB:.2f} MiB, V {c['v_bytes'] / MIB:.2f} MiB"
                   for c in e.kv_caches]
-    lines += ["", "per device"]
-    lines += [_row(dev, b) for dev, b in e.device_bytes().items()]
+    lines += ["", "per device: llama.cpp's buffers, then the total with what it holds beyond them"]
+    lines += _beyond_rows(e, beyond)
     weights = ", ".join(f"{t} {n / MIB:,.1f} MiB" for t, n in sorted(e.weight_types.items(), key=lambda x: -x[1]))
     lines += ["", f"weights as stored: {_g(e.weights_bytes)} ({weights})", f"compute: {e.compute_method}"]
     if e.notes:
         lines += ["", "notes"] + ["  " + n for n in e.notes]
     return "\n".join(lines)
+
+
+def _beyond_rows(e, beyond=None) -> list[str]:
+    """Each device's buffers, what llama.cpp holds there beyond them and the total, then where that came from."""
+    from .estimator.llamacpp.fit import DEFAULT_BEYOND, gpu_totals, host_total
+    from .units import MIB
+
+    beyond = beyond or DEFAULT_BEYOND
+    totals = {**gpu_totals(e, beyond=beyond), "CPU": host_total(e, beyond)}
+
+    def row(label: str, n: int | None) -> str:  # MiB, as llama.cpp prints its buffers
+        return f"  {label:<26} {'not known':>14}" if n is None else f"  {label:<26} {n / MIB:>14,.2f} MiB"
+
+    lines = []
+    for dev, b in e.device_bytes().items():
+        lines += [row(f"{dev} buffers", b), row(f"{dev} beyond them", beyond.host_bytes if dev == "CPU" else
+                                                                     beyond.gpu_bytes),
+                  row(f"{dev} total", totals.get(dev, b))]
+    lines.append(f"  beyond the buffers, on a GPU: {beyond.gpu_source}")
+    lines.append(f"  beyond the buffers, on the host: {beyond.host_source}")
+    return lines
 
 
 def priced_from_lines(p: dict | None, revision: str | None = None) -> list[str]:
@@ -734,7 +764,8 @@ def llamacpp_fit_table(f, budget: int, buffer: int) -> str:
         ts = f"  -ts {','.join(str(x) for x in f.tensor_split)}" if f.tensor_split else ""
         lines += [f"  -ngl {f.n_gpu_layers}{moe}{ts}  -c {f.ctx_size:,}   ({f.gpu_layers}/{f.n_layer + 1} layers on "
                   "the GPUs)",
-                  f"  largest GPU total {_g(f.peak_bytes)} (buffers + the CUDA context)",
+                  f"  largest GPU total {_g(f.peak_bytes)} (buffers + what llama.cpp holds beyond them: "
+                  f"{(f.beyond.gpu_source if f.beyond else 'the default CUDA context')})",
                   "", "  " + f.command]
     if f.notes:
         lines += ["", "notes"] + ["  " + n for n in f.notes]

@@ -34,8 +34,8 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..estimator.llamacpp.buffers import LlamaArgs, hparams_of, token_reads
-from ..estimator.llamacpp.fit import (MIN_CTX, LayoutSearch, ctx_limit, gpu_totals, host_total, server_argv,
-                                      split_list)
+from ..estimator.llamacpp.fit import (DEFAULT_BEYOND, MIN_CTX, Beyond, LayoutSearch, ctx_limit, gpu_totals, host_total,
+                                      server_argv, split_list)
 from ..estimator.llamacpp.gguf_file import GgufModel, gguf_models, read_gguf
 from ..estimator.speed import DecodeBound, sequential_bound
 from ..units import fmt_gib_gb
@@ -124,6 +124,7 @@ class LlamaPlanResult:
     shortfall: str | None = None
     notes: list[str] = field(default_factory=list)
     searched_s: float = 0.0
+    beyond: Beyond = DEFAULT_BEYOND  # what llama.cpp holds beyond its buffers, as priced in every plan
 
     def to_dict(self) -> dict:
         hw = self.hardware
@@ -133,7 +134,7 @@ class LlamaPlanResult:
                 "buffer_bytes": self.buffer, "goal": self.goal, "ctx": self.target_ctx, "ctx_asked": self.asked,
                 "files": [{"file": f, "bits_per_weight": round(b, 3)} for f, b in self.files],
                 "plans": [p.to_dict() for p in self.plans], "why_nothing_better": self.why,
-                "shortfall": self.shortfall, "notes": self.notes}
+                "shortfall": self.shortfall, "notes": self.notes, "beyond_buffers": self.beyond.to_dict()}
 
 
 def _rank(goal: str):
@@ -155,11 +156,12 @@ def _rank(goal: str):
 
 def plan_llamacpp(spec: str, hardware, *, buffer: int, goal: str = "quality", args: LlamaArgs | None = None,
                   pinned: frozenset[str] = frozenset(), kv_pinned: bool = False, progress=None,
-                  seconds: float | None = None) -> LlamaPlanResult:
+                  seconds: float | None = None, beyond: Beyond = DEFAULT_BEYOND) -> LlamaPlanResult:
     """The plans of the module's doc for ``spec`` (a GGUF, a split GGUF's first part, a folder of GGUF files
     or a cached Hub repository of them) on ``hardware`` (:mod:`vramcal.probes.hardware`). ``args``: the
     llama.cpp flags the user gave (kept); ``pinned``: which of them the search must not change (``ctx``,
-    ``ngl``, ``moe``, ``split``; ``kv_pinned``: -ctk/-ctv)."""
+    ``ngl``, ``moe``, ``split``; ``kv_pinned``: -ctk/-ctv). ``beyond``: what llama.cpp holds beyond its buffers
+    on each GPU and in RAM (the defaults, or this machine's runs for a plan of this machine)."""
     choice(goal, GOALS, "--goal")
     base = args or LlamaArgs()
     started = time.monotonic()
@@ -221,7 +223,7 @@ def plan_llamacpp(spec: str, hardware, *, buffer: int, goal: str = "quality", ar
                 continue
             a = replace(a, flash_attn="on")
         try:
-            s = LayoutSearch(m, a, budgets, host_budget, pinned=frozenset(pinned - {"ctx"}), tick=tick)
+            s = LayoutSearch(m, a, budgets, host_budget, pinned=frozenset(pinned - {"ctx"}), tick=tick, beyond=beyond)
             found = s.run(t, t if asked else limit)
         except OutOfTime:
             stopped = [f"{_short(mm)} -ctk {kk}" for mm, (kk, _) in steps[i - 1:]]
@@ -237,13 +239,13 @@ def plan_llamacpp(spec: str, hardware, *, buffer: int, goal: str = "quality", ar
         by_file[m.path].append(plan)
     plans.sort(key=_rank(goal))
     result = LlamaPlanResult(name, hardware, buffer, goal, target, asked,
-                             [(m.path, bits_per_weight(m)) for m in models], plans, notes=notes)
+                             [(m.path, bits_per_weight(m)) for m in models], plans, notes=notes, beyond=beyond)
     if plans:
         result.why = _why_not_better(plans[0], models, by_file, goal, budgets, host_budget) + why
     else:
         result.why = why
         result.shortfall = (f"no plan found within the search's {seconds:g} s" if stopped else
-                            _shortfall(models[-1], base, budgets, host_budget, gpus))
+                            _shortfall(models[-1], base, budgets, host_budget, gpus, beyond))
     if stopped:
         result.notes.append(f"the search stopped after {seconds:g} s (its bound): {', '.join(stopped)} searched in "
                             "part or not at all; give -c or fewer files for a shorter search")
@@ -277,7 +279,7 @@ def _plan(m: GgufModel, s: LayoutSearch, found, target: int, hardware, bw) -> Ll
     a, e = found.args, found.estimate
     gpus = hardware.gpus
     names = {f"{a.gpu_backend}{i}": g.device for i, g in enumerate(gpus)}
-    totals = {names.get(k, k): b for k, b in gpu_totals(e, len(gpus), a.gpu_backend).items()}
+    totals = {names.get(k, k): b for k, b in gpu_totals(e, len(gpus), a.gpu_backend, s.beyond).items()}
     reads = token_reads(m, a)
     read = {("cpu" if d == "CPU" else names.get(d, d)): b for d, b in reads.by_device().items()}
     speed = sequential_bound(read, bw, 1)
@@ -285,7 +287,7 @@ def _plan(m: GgufModel, s: LayoutSearch, found, target: int, hardware, bw) -> Ll
     argv = server_argv(m.path, a, s.n_layer)
     verify = shlex.join(["vramcal", "estimate", "--engine", "llama.cpp", *argv[2:], "--gpu-count", str(len(gpus))])
     return LlamaPlan(m.path, bits_per_weight(m), a.cache_type_k, a.cache_type_v, a.ctx_size, a.n_gpu_layers,
-                     s.n_layer, a.n_cpu_moe, ts, a.ctx_size >= target, totals, host_total(e),
+                     s.n_layer, a.n_cpu_moe, ts, a.ctx_size >= target, totals, host_total(e, s.beyond),
                      e.model_buffer_bytes.get("CPU_Mapped", 0), read, speed, argv, verify)
 
 
@@ -318,7 +320,8 @@ def _why_not_better(best: LlamaPlan, models: list[GgufModel], by_file: dict[str,
     return lines
 
 
-def _shortfall(m: GgufModel, base: LlamaArgs, budgets: list[int], host_budget: int, gpus) -> str:
+def _shortfall(m: GgufModel, base: LlamaArgs, budgets: list[int], host_budget: int, gpus,
+               beyond: Beyond = DEFAULT_BEYOND) -> str:
     """Nothing fits: what the smallest file at the shortest context needs, every layer on the GPUs (GPU memory)
     and every layer in RAM (RAM)."""
     from ..estimator.llamacpp.buffers import estimate_llamacpp
@@ -329,11 +332,11 @@ def _shortfall(m: GgufModel, base: LlamaArgs, budgets: list[int], host_budget: i
     shares = tuple(float(b) for b in budgets) if len(budgets) > 1 else None
     on = estimate_llamacpp(m, replace(a, n_gpu_layers=n_all, n_cpu_moe=0, cpu_moe=False, tensor_split=shares))
     off = estimate_llamacpp(m, replace(a, n_gpu_layers=0))
-    gpu_need = sum(gpu_totals(on, len(budgets), base.gpu_backend).values())
-    ram_off = host_total(off)
+    gpu_need = sum(gpu_totals(on, len(budgets), base.gpu_backend, beyond).values())
+    ram_off = host_total(off, beyond)
     parts = [f"{_short(m)} at -c 256 needs {fmt_gib_gb(gpu_need)} on the GPUs with every layer there "
              f"({fmt_gib_gb(max(gpu_need - total, 0))} more than the {fmt_gib_gb(total)} they have after the buffer)"]
-    off_totals = gpu_totals(off, len(budgets), base.gpu_backend)
+    off_totals = gpu_totals(off, len(budgets), base.gpu_backend, beyond)
     over_off = max(off_totals[f"{base.gpu_backend}{i}"] - b for i, b in enumerate(budgets))
     if over_off > 0:
         parts.append(f"and even with -ngl 0 its compute buffer and the CUDA context need {fmt_gib_gb(over_off)} more "
@@ -341,7 +344,7 @@ def _shortfall(m: GgufModel, base: LlamaArgs, budgets: list[int], host_budget: i
     else:
         parts.append(f"or {fmt_gib_gb(max(ram_off - host_budget, 0))} more RAM with -ngl 0 (the host buffers "
                      f"{fmt_gib_gb(ram_off)}; {fmt_gib_gb(host_budget)} of the RAM after the buffer)")
-    if host_total(on) > host_budget:
-        parts.append(f"(even every layer on the GPUs leaves {fmt_gib_gb(host_total(on))} in RAM, more than the "
+    if host_total(on, beyond) > host_budget:
+        parts.append(f"(even every layer on the GPUs leaves {fmt_gib_gb(host_total(on, beyond))} in RAM, more than the "
                      f"{fmt_gib_gb(host_budget)} usable)")
     return ", ".join(parts)

@@ -52,6 +52,12 @@ NOT_MODELLED_KV = ("deepseek2", "deepseek32", "glm-dsa", "minimax-m2", "qwen3nex
                    "falcon-h1", "granitehybrid", "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2moe", "plamo2")
 
 
+def device_of(buffer: str) -> str:
+    """The device a buffer llama.cpp logs lives on: a GPU's own (``CUDA0``, ``Vulkan1`` ...) or the host
+    (``CPU``, ``CPU_Mapped``, ``CPU_REPACK``, ``CUDA_Host`` ...)."""
+    return buffer if re.fullmatch(r"[A-Za-z]+\d+", buffer) and not buffer.startswith("CPU") else "CPU"
+
+
 def type_info(name: str) -> tuple[int, int]:
     """(values per block, bytes per block) of a ggml type by its name (F16, Q4_K, q8_0 ...)."""
     from .gguf_file import ggml_types
@@ -353,7 +359,7 @@ class LlamaEstimate:
         for d in (self.model_buffer_bytes, self.kv_buffer_bytes, self.compute_buffer_bytes,
                   {self.output_buffer: self.output_buffer_bytes}):
             for name, b in d.items():
-                dev = name if re.fullmatch(r"[A-Za-z]+\d+", name) and not name.startswith("CPU") else "CPU"
+                dev = device_of(name)
                 out[dev] = out.get(dev, 0) + b
         return out
 

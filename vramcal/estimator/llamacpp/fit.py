@@ -24,7 +24,6 @@ on the GPUs can help at that context.
 
 from __future__ import annotations
 
-import re
 import shlex
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -36,8 +35,29 @@ from .gguf_file import GgufModel, read_gguf
 MIN_CTX = 4096  # llama.cpp's fit_params_min_ctx (common/common.h): the context its own --fit will not go below
 CTX_STEP = 256  # llama-context.cpp pads n_ctx to 256
 SHORTEST_CTX = 256
-GPU_BUFFER = re.compile(r"^[A-Za-z]+\d+$")
 PINNABLE = frozenset({"ctx", "ngl", "moe", "split"})
+
+
+@dataclass(frozen=True)
+class Beyond:
+    """What a llama.cpp process holds besides the buffers it logs. On each GPU it uses: the CUDA context,
+    cuBLAS's handles and ggml-cuda's kernels. On the host: its own resident memory beyond the host buffers
+    (the vocabulary, the graph's metadata, the thread pool). By default the GPU's is the CUDA context the
+    other engines assume and the host's is not known (``None``, counted as nothing); a machine's own
+    llama.cpp runs replace either (:mod:`vramcal.calibrate.llamacpp_corrections`)."""
+
+    gpu_bytes: int = CUDA_DEFAULT.context_bytes
+    gpu_source: str = "default: the CUDA context the other engines assume, 512 MiB (docs/accounting.md)"
+    host_bytes: int | None = None
+    host_source: str = "not known without a llama.cpp run on this machine (a CPU probe measures it)"
+    source_runs: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"gpu_bytes": self.gpu_bytes, "gpu_source": self.gpu_source, "host_bytes": self.host_bytes,
+                "host_source": self.host_source, "source_runs": list(self.source_runs)}
+
+
+DEFAULT_BEYOND = Beyond()
 
 
 @dataclass
@@ -61,26 +81,31 @@ class LlamaFit:
     host_bytes: int | None = None  # every host buffer (CPU_Mapped included)
     llama_args: LlamaArgs | None = field(default=None, repr=False)  # the flags found, whole
     estimate: LlamaEstimate | None = field(default=None, repr=False)
+    beyond: Beyond | None = None  # what each GPU holds beyond the buffers, as priced
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("llama_args", "estimate")}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("llama_args", "estimate", "beyond")}
+        d["beyond_buffers"] = (self.beyond or DEFAULT_BEYOND).to_dict()
+        return d
 
 
-def gpu_totals(e, n_gpus: int | None = None, backend: str = "CUDA") -> dict[str, int]:
-    """Each GPU's bytes: its buffers plus the CUDA context (estimator.runtime's, as for the other engines).
-    ``n_gpus``: every GPU llama.cpp sees, each with the CUDA context at least, buffers or none (llama.cpp
-    initialises every visible device, and its scheduler reserves on the GPU even at -ngl 0)."""
-    out: dict[str, int] = {f"{backend}{i}": CUDA_DEFAULT.context_bytes for i in range(n_gpus or 0)}
+def gpu_totals(e, n_gpus: int | None = None, backend: str = "CUDA", beyond: Beyond = DEFAULT_BEYOND) -> dict[str, int]:
+    """Each GPU's bytes: its buffers plus what llama.cpp holds there beyond them (``beyond``: the CUDA context
+    by default, as for the other engines). ``n_gpus``: every GPU llama.cpp sees, each with the CUDA context at
+    least, buffers or none (llama.cpp initialises every visible device, and its scheduler reserves on the GPU
+    even at -ngl 0)."""
+    out: dict[str, int] = {f"{backend}{i}": beyond.gpu_bytes for i in range(n_gpus or 0)}
     for dev, b in e.device_bytes().items():
-        if GPU_BUFFER.match(dev) and not dev.startswith("CPU"):
-            out[dev] = b + CUDA_DEFAULT.context_bytes
+        if dev != "CPU":
+            out[dev] = b + beyond.gpu_bytes
     return out
 
 
-def host_total(e) -> int:
+def host_total(e, beyond: Beyond = DEFAULT_BEYOND) -> int:
     """The host's bytes: every host buffer llama.cpp logs (``CPU_Mapped``, ``CPU``, ``CPU_REPACK``,
-    ``CUDA_Host``), the KV and compute buffers of the CPU, the output buffer."""
-    return e.device_bytes().get("CPU", 0)
+    ``CUDA_Host``), the KV and compute buffers of the CPU, the output buffer; plus the process's own memory
+    beyond them where a run on this machine measured it."""
+    return e.device_bytes().get("CPU", 0) + (beyond.host_bytes or 0)
 
 
 def ctx_ladder(want: int, floor: int = SHORTEST_CTX) -> list[int]:
@@ -117,12 +142,14 @@ class LayoutSearch:
     can bound the search in time (it raises to stop)."""
 
     def __init__(self, m: GgufModel, args: LlamaArgs, gpu_budgets: list[int], host_budget: int | None = None, *,
-                 pinned: frozenset[str] = frozenset(), tick: Callable[[], None] | None = None):
+                 pinned: frozenset[str] = frozenset(), tick: Callable[[], None] | None = None,
+                 beyond: Beyond = DEFAULT_BEYOND):
         unknown = set(pinned) - PINNABLE
         if unknown:
             raise ValueError(f"unknown pinned {sorted(unknown)}")
         self.m, self.budgets, self.host_budget, self.pinned, self.tick = m, list(gpu_budgets), host_budget, \
             frozenset(pinned), tick
+        self.beyond = beyond
         self.base = replace(args, n_gpus=len(self.budgets)).validated()
         h = hparams_of(m)
         self.h, self.n_layer, self.n_all = h, h.n_layer, h.n_layer + 1
@@ -145,11 +172,11 @@ class LayoutSearch:
         return e
 
     def gpus_fit(self, e: LlamaEstimate) -> bool:
-        totals = gpu_totals(e, len(self.budgets), self.base.gpu_backend)
+        totals = gpu_totals(e, len(self.budgets), self.base.gpu_backend, self.beyond)
         return all(totals[f"{self.base.gpu_backend}{i}"] <= b for i, b in enumerate(self.budgets))
 
     def host_fits(self, e: LlamaEstimate) -> bool:
-        return self.host_budget is None or host_total(e) <= self.host_budget
+        return self.host_budget is None or host_total(e, self.beyond) <= self.host_budget
 
     # ------------------------------------------------------------------ the split across GPUs
     def split(self, ngl: int, ncm: int, ctx: int) -> Found | None:
@@ -194,7 +221,8 @@ class LayoutSearch:
             def holds(k: int) -> bool:
                 ts = tuple(counts + [k, rest - k] + [0] * (n - i - 2))
                 e = self.estimate(self.args_for(ngl, ncm, ctx, ts))
-                return gpu_totals(e, n, self.base.gpu_backend)[f"{self.base.gpu_backend}{i}"] <= self.budgets[i]
+                return gpu_totals(e, n, self.base.gpu_backend, self.beyond)[f"{self.base.gpu_backend}{i}"] \
+                    <= self.budgets[i]
 
             lo, hi = 0, rest
             while lo < hi:
@@ -300,14 +328,14 @@ def server_argv(path: str, a: LlamaArgs, n_layer: int | None = None) -> list[str
 
 
 def fit_llamacpp(spec, args: LlamaArgs, budget_bytes: int, *, ctx_given: bool, ngl_given: bool,
-                 moe_given: bool = False) -> LlamaFit:
+                 moe_given: bool = False, beyond: Beyond = DEFAULT_BEYOND) -> LlamaFit:
     """``fit --engine llama.cpp``: one budget for each GPU (the host is not checked); a -c or -ngl given is
     kept and the other searched. ``spec``: a GGUF path (or Hub id) to read, or a
     :class:`~.gguf_file.GgufModel` already read or derived from an HF config."""
     m = spec if isinstance(spec, GgufModel) else read_gguf(spec)
     pinned = {k for k, on in (("ctx", ctx_given), ("ngl", ngl_given), ("moe", moe_given or args.cpu_moe),
                               ("split", args.tensor_split is not None)) if on}
-    s = LayoutSearch(m, args, [budget_bytes] * max(args.n_gpus, 1), None, pinned=frozenset(pinned))
+    s = LayoutSearch(m, args, [budget_bytes] * max(args.n_gpus, 1), None, pinned=frozenset(pinned), beyond=beyond)
     limit = ctx_limit(m)
     if ctx_given:
         found = s.run(args.ctx_size or limit, args.ctx_size or limit, ladder=False)
@@ -318,19 +346,19 @@ def fit_llamacpp(spec, args: LlamaArgs, budget_bytes: int, *, ctx_given: bool, n
                         note=f"not even -ngl 0 -c 256 fits {budget_bytes / 1024**3:.2f} GiB per GPU: the compute "
                              "and the CUDA context alone are more" if not ctx_given and not ngl_given else
                         f"nothing with the -c / -ngl given fits {budget_bytes / 1024**3:.2f} GiB per GPU",
-                        priced_from=m.priced_from.to_dict() if m.priced_from is not None else None)
+                        priced_from=m.priced_from.to_dict() if m.priced_from is not None else None, beyond=beyond)
     return fit_of(m, s, found)
 
 
 def fit_of(m: GgufModel, s: LayoutSearch, found: Found) -> LlamaFit:
     a, e = found.args, found.estimate
-    totals = gpu_totals(e, len(s.budgets), a.gpu_backend)
+    totals = gpu_totals(e, len(s.budgets), a.gpu_backend, s.beyond)
     argv = server_argv(m.path, a, s.n_layer)
     ts = split_list(a)
     return LlamaFit(m.name, m.path, True, a.n_gpu_layers, e.n_gpu_layers, s.n_layer, a.ctx_size,
                     max(totals.values(), default=0), totals, shlex.join(argv), argv[1:], notes=list(e.notes),
-                    n_cpu_moe=a.n_cpu_moe, tensor_split=ts, host_bytes=host_total(e), llama_args=a, estimate=e,
-                    priced_from=e.priced_from)
+                    n_cpu_moe=a.n_cpu_moe, tensor_split=ts, host_bytes=host_total(e, s.beyond), llama_args=a,
+                    estimate=e, priced_from=e.priced_from, beyond=s.beyond)
 
 
 def split_list(a: LlamaArgs) -> list | None:
