@@ -134,6 +134,8 @@ def test_a_gguf_in_the_hugging_face_cache(tmp_path, dense):
     ("dense", ["-ctv", "q4_0", "-fa", "off"], "requires Flash Attention"),
     ("dense", ["-ot", "exps=CUDA7"], "no buffer type"),
     ("dense", ["-np", "0"], "-np/--parallel must be 1 or more"),
+    ("dense", ["-sm", "row", "--gpu-count", "2"], "ggml-org/llama.cpp#24216"),  # CUDA's split buffers are gone
+    ("dense", ["-sm", "tensor", "--gpu-count", "2"], "not modelled yet"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, dense, make, extra, needle):
     if make == "truncated":

@@ -42,8 +42,9 @@ def add_flags(p, command: str) -> None:
                         "its --fit search is not modelled)")
     g.add_argument("-ts", "--tensor-split", dest="tensor_split", default=None, metavar="N0,N1,...",
                    help="share of the layers per GPU, e.g. 3,1")
-    g.add_argument("-sm", "--split-mode", dest="split_mode", default=None, choices=("none", "layer", "row"),
-                   help="layer (default) | none | row")
+    g.add_argument("-sm", "--split-mode", dest="split_mode", default=None, choices=("none", "layer", "row", "tensor"),
+                   help="layer (default) | none (row: refused on CUDA, which llama.cpp dropped it from; tensor: not "
+                        "modelled yet)")
     g.add_argument("-mg", "--main-gpu", dest="main_gpu", type=int, default=None, help="the GPU of -sm none (default 0)")
     g.add_argument("-ot", "--override-tensor", dest="override_tensor", action="append", default=None,
                    metavar="PATTERN=BUFFER,...", help="tensors whose name matches PATTERN go to BUFFER (CPU, CUDA0 ...)")

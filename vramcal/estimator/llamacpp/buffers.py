@@ -141,8 +141,15 @@ class LlamaArgs:
                 raise UserError(f"{flag} {t!r} is not a cache type llama.cpp accepts: {', '.join(CACHE_TYPES)}")
         if self.flash_attn not in ("on", "off", "auto"):
             raise UserError(f"-fa/--flash-attn {self.flash_attn!r}: on, off or auto")
-        if self.split_mode not in ("none", "layer", "row"):
-            raise UserError(f"-sm/--split-mode {self.split_mode!r}: none, layer or row")
+        if self.split_mode not in ("none", "layer", "row", "tensor"):
+            raise UserError(f"-sm/--split-mode {self.split_mode!r}: none, layer, row or tensor")
+        if self.split_mode == "row" and self.n_gpus and self.gpu_backend == "CUDA":
+            raise UserError("-sm row: the llama.cpp modelled here stops loading with it ('device CUDA0 does not support "
+                            "split buffers'): CUDA's split buffers were removed in b9890 (ggml-org/llama.cpp#24216); "
+                            "use -sm layer (the default), or price an older build's run with its log")
+        if self.split_mode == "tensor" and self.n_gpus:
+            raise UserError("-sm tensor (llama.cpp's tensor parallelism, experimental) is not modelled yet by vramcal: "
+                            "its weights and KV are split by the meta backend; price -sm layer instead")
         if self.tensor_split is not None and (any(x < 0 for x in self.tensor_split) or not any(self.tensor_split)):
             raise UserError("-ts/--tensor-split needs shares of 0 or more, not all 0, e.g. 3,1")
         if self.n_gpus < 0:
@@ -492,8 +499,9 @@ def model_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, p: Placement) -> tuple
             last = max(t.offset + t.nbytes for t in ts)
             total += last - first
         out = {"CPU_Mapped": total, **out}
-    if a.split_mode == "row" and len(p.gpus) > 1:
-        notes.append("-sm row: the split buffers (CUDA_Split) are priced as -sm layer's; not modelled apart")
+    if a.split_mode == "row" and len(p.gpus) > 1:  # another backend than CUDA (validated() refuses CUDA's)
+        notes.append(f"-sm row: the split buffers ({a.gpu_backend}_Split) are priced as -sm layer's; not modelled "
+                     "apart")
     return out, notes
 
 
