@@ -452,3 +452,24 @@ def test_a_probe_teaches_what_llama_cpp_holds_beyond_its_buffers(tmp_path, dense
     w = _cli("records", "withdraw", str(doc["run_id"]), "--why", "a test run", "--db", db)
     assert w.returncode == 0, w.stderr
     assert json.loads(_cli(*est).stdout)["beyond_buffers"]["host_bytes"] is None
+
+
+@needs_llama
+def test_an_embeddings_context_keeps_each_outputs_embedding_in_the_output_buffer(tmp_path):
+    """--embedding: output_reserve keeps n_embd_out floats per output beside the logits (llama-context.cpp);
+    wide enough here (n_embd 1024, 4 sequences: 16 KiB) to show at the log's 0.01 MiB."""
+    path = write_tiny(tmp_path / "wide.gguf", n_embd=1024, n_ff=256, n_layer=1, n_head=8, n_head_kv=8)
+    a = LlamaArgs(ctx_size=1024, n_parallel=4, kv_unified=True, embeddings=True, **CPU)
+    est, logged = _probe(path, a)
+    h = hparams_of(read_gguf(path))
+    assert est.output_buffer_bytes == (h.n_vocab + 1024) * 4 * 4
+    assert _mib(estimate_llamacpp(path, LlamaArgs(ctx_size=1024, n_parallel=4, kv_unified=True, **CPU))
+                .output_buffer_bytes) != _mib(logged.output_buffer_bytes)  # the logits alone are not what it logs
+    assert_matches(est, logged)
+
+
+def test_embedding_on_the_command_line_lowers_the_batch_as_llama_server_does(dense):
+    r = _cli("estimate", "--engine", "llama.cpp", dense, "-c", "1024", "--embedding", "--device", "cpu", "--json")
+    assert r.returncode == 0, r.stderr
+    lc = json.loads(r.stdout)["llama_cpp"]
+    assert lc["n_batch"] == lc["n_ubatch"] == 512 and any("lowered to -ub 512" in n for n in lc["notes"])

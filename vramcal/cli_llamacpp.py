@@ -20,7 +20,8 @@ LLAMACPP_FLAGS = {
     "parallel": "--parallel",
     "kv_unified": "--kv-unified", "cache_type_k": "--cache-type-k", "cache_type_v": "--cache-type-v",
     "flash_attn": "--flash-attn", "batch_size": "--batch-size", "ubatch_size": "--ubatch-size",
-    "swa_full": "--swa-full", "no_kv_offload": "--no-kv-offload", "gpu_count": "--gpu-count",
+    "swa_full": "--swa-full", "no_kv_offload": "--no-kv-offload", "embedding": "--embedding",
+    "gpu_count": "--gpu-count",
     "type_name": "--type", "imatrix": "--imatrix",
     "model_draft": "--model-draft", "n_gpu_layers_draft": "--gpu-layers-draft",
     "cache_type_k_draft": "--cache-type-k-draft", "cache_type_v_draft": "--cache-type-v-draft",
@@ -76,6 +77,9 @@ def add_flags(p, command: str) -> None:
                    help="full-size sliding-window caches")
     g.add_argument("-nkvo", "--no-kv-offload", dest="no_kv_offload", action="store_true", default=None,
                    help="keep the KV cache in the CPU")
+    g.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true", default=None,
+                   help="an embeddings server: each output keeps its embedding too, and -b is lowered to -ub as "
+                        "llama-server lowers it")
     g.add_argument("-md", "--model-draft", dest="model_draft", default=None, metavar="FILE.gguf",
                    help="a draft model for speculative decoding: its buffers and KV on the same devices, with the "
                         "target's -c, -np, -fa, -ts (llama-server's common_base_params_to_speculative)")
@@ -186,6 +190,8 @@ def _or(value, default):
 
 def llama_args(args, **over):
     """The command line's flags as :class:`LlamaArgs` (validated there; one line on bad input)."""
+    from dataclasses import replace
+
     from .estimator.llamacpp.buffers import LlamaArgs
 
     n_gpus, note = (over["n_gpus"], None) if "n_gpus" in over else _gpu_count(args)
@@ -199,9 +205,11 @@ def llama_args(args, **over):
         kv_unified=bool(args.kv_unified), cache_type_k=(args.cache_type_k or "f16").lower(),
         cache_type_v=(args.cache_type_v or "f16").lower(), flash_attn=args.flash_attn or "auto",
         n_batch=_or(args.batch_size, 2048), n_ubatch=_or(args.ubatch_size, 512), swa_full=bool(args.swa_full),
-        offload_kqv=not args.no_kv_offload, n_gpus=n_gpus, draft=_draft(args))
-    from dataclasses import replace
-
+        offload_kqv=not args.no_kv_offload, embeddings=bool(args.embedding), n_gpus=n_gpus, draft=_draft(args))
+    if a.embeddings and a.n_batch > a.n_ubatch:  # llama-server (tools/server/server.cpp): one ubatch per request
+        note = "; ".join(x for x in (note, f"--embedding: -b {a.n_batch} lowered to -ub {a.n_ubatch}, as llama-server "
+                                     "does (embeddings need every token in one ubatch)") if x)
+        a = replace(a, n_batch=a.n_ubatch)
     return replace(a, **over).validated(), note
 
 

@@ -63,6 +63,7 @@ def main(argv: list[str]) -> int:
         cp.type_v = ggml_type(spec["cache_type_v"])
         cp.swa_full = bool(spec["swa_full"])
         cp.offload_kqv = bool(spec["offload_kqv"])
+        cp.embeddings = bool(spec.get("embeddings", False))
         cp.n_threads = cp.n_threads_batch = int(spec.get("threads", 2))
         ctx = llama_cpp.llama_init_from_model(model, cp)
         if not ctx:

@@ -85,7 +85,7 @@ def child_spec(path: str, args) -> dict:
             "ctx_size": a["ctx_size"], "n_batch": a["n_batch"], "n_ubatch": a["n_ubatch"],
             "n_parallel": a["n_parallel"], "kv_unified": a["kv_unified"], "flash_attn": a["flash_attn"],
             "cache_type_k": a["cache_type_k"], "cache_type_v": a["cache_type_v"], "swa_full": a["swa_full"],
-            "offload_kqv": a["offload_kqv"]}
+            "offload_kqv": a["offload_kqv"], "embeddings": a["embeddings"]}
 
 
 def run_llamacpp_probe(path: str, name: str, spec: dict, estimate, *, gpus: list[int], interval_ms: float = 5.0,

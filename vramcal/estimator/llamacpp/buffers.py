@@ -119,6 +119,7 @@ class LlamaArgs:
     n_ubatch: int = 512  # -ub
     swa_full: bool = False
     offload_kqv: bool = True  # -nkvo clears it
+    embeddings: bool = False  # --embedding: the context keeps each output's embedding beside its logits
     n_gpus: int = 1  # GPUs llama.cpp sees (0: a CPU-only build)
     gpu_backend: str = "CUDA"
     # ggml types a CPU-only build repacks into CPU_REPACK (ggml-cpu/repack.cpp for x86 AVX2: Q4_0, Q4_K,
@@ -191,6 +192,7 @@ class Hparams:
     n_swa: int
     is_swa: tuple[bool, ...]
     n_ff_exp: int = 0  # expert_feed_forward_length: the experts' width where it differs from the dense one
+    n_embd_out: int = 0  # embedding_length_out where the GGUF gives one (llama-hparams.cpp n_embd_out), else n_embd
 
     def n_embd_k_gqa(self, il: int) -> int:
         return self.n_embd_head_k * self.n_head_kv[il]
@@ -243,7 +245,8 @@ def hparams_of(m: GgufModel) -> Hparams:
                    n_expert_used=int(m.get(".expert_used_count", 0) or 0),
                    n_ff=_per_layer(ff if ff is not None else 0, n_layer, "feed_forward_length"),
                    n_swa=n_swa, is_swa=is_swa if any(is_swa) else (False,) * n_layer,
-                   n_ff_exp=int(m.get(".expert_feed_forward_length", 0) or 0))
+                   n_ff_exp=int(m.get(".expert_feed_forward_length", 0) or 0),
+                   n_embd_out=int(m.get(".embedding_length_out", 0) or 0))
 
 
 @dataclass(frozen=True)
@@ -551,9 +554,11 @@ def kv_buffers(h: Hparams, a: LlamaArgs, c: Context, p: Placement) -> tuple[dict
 
 
 def output_buffer(h: Hparams, a: LlamaArgs, c: Context, p: Placement) -> tuple[str, int]:
-    """``output_reserve(n_seq_max)`` at context creation: the logits of one output per sequence."""
+    """``output_reserve(n_seq_max)`` at context creation (llama-context.cpp): the logits of one output per
+    sequence, and with ``--embedding`` its embedding too (``n_embd_out`` floats), in float32."""
     name = "CPU" if p.output is None else f"{a.gpu_backend}_Host"
-    return name, h.n_vocab * c.n_seq_max * 4
+    per_output = h.n_vocab + ((h.n_embd_out or h.n_embd) if a.embeddings else 0)
+    return name, per_output * c.n_seq_max * 4
 
 
 @dataclass(frozen=True)

@@ -399,6 +399,8 @@ def _flags(a: LlamaArgs) -> list[str]:
         out += ["-ot", f"{p}={b}"]
     if not a.use_mmap:
         out.append("--no-mmap")
+    if a.embeddings:
+        out.append("--embedding")
     if a.swa_full:
         out.append("--swa-full")
     if not a.offload_kqv:
