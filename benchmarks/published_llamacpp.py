@@ -221,7 +221,7 @@ def args_of(row: dict):
                      flash_attn=row["flash_attn"], cache_type_k=row["cache_type_k"], cache_type_v=row["cache_type_v"],
                      n_batch=int(row["n_batch"]), n_ubatch=int(row["n_ubatch"]), tensor_split=ts,
                      overrides=overrides, n_gpus=int(row["n_gpus"]), use_mmap=row.get("use_mmap", "True") == "True",
-                     gpu_backend=row["backend"] if row["backend"] != "CPU" else "CUDA")
+                     embeddings=row.get("embeddings") == "True", gpu_backend=row["backend"] if row["backend"] != "CPU" else "CUDA")
 
 
 GPU_NAME = re.compile(r"^(?!CPU)[A-Za-z]+?(?P<i>\d+)(?:_Mapped)?$")
@@ -348,6 +348,8 @@ def _flags(row: dict) -> str:
         a.append(f"-ot {row['overrides']}")
     if row.get("use_mmap") == "False":
         a.append("--no-mmap")
+    if row.get("embeddings") == "True":
+        a.append("--embedding")
     return " ".join(a)
 
 
@@ -414,11 +416,11 @@ MISSES = [
     "output), so one layer's KV sits on the other side of its two buffers (-4.0 % / +14.3 %); and lc17 (early "
     "2025), whose build kept a full-size cache for gemma3's sliding-window layers, where today's keeps "
     "`n_swa + n_ubatch` cells (-74 %).",
-    "- **Output**: 15 of 19 equal. The four misses asked for embeddings beside the logits, `(n_vocab + "
-    "n_embd)` floats per output, which vramcal has no flag for: Ollama's runner (lc04: 4 x (128256 + 4096) x 4 "
-    "bytes = 2.02 MiB; lc20: 0.60 MiB), `--embedding` (lc05: 0.59 MiB), and GritLM, whose 2024 build also "
-    "reserved a whole batch "
-    "of outputs ((32000 + 4096) x 512 x 4 = 70.50 MiB). lc06's build printed an *input* buffer instead.",
+    "- **Output**: 18 of 19 equal. Three of them ask for embeddings beside the logits, `(n_vocab + n_embd)` "
+    "floats per output, priced by `--embedding` (the `embeddings` column, read from each log: Ollama's runner, "
+    "lc04: 4 x (128256 + 4096) x 4 bytes = 2.02 MiB; lc20: 0.60 MiB; `--embedding`, lc05: 0.59 MiB). The miss "
+    "is GritLM, whose 2024 build reserved a whole batch of outputs ((32000 + 4096) x 512 x 4 = 70.50 MiB). "
+    "lc06's build printed an *input* buffer instead.",
     "- **Model**: compared for the three single-type files only. Qwen3-Coder-30B Q8_0 on CUDA (lc01): "
     "30,658.12 and 315.30 MiB, equal; on Vulkan, gemma-3-1b Q8_0 with its tied output (lc17) 75 KiB over "
     "(0.007 %) and DeepSeek-R1-Distill-Qwen-1.5B Q6_K (lc14) 11 KiB over (0.001 %): vramcal applies CUDA's "

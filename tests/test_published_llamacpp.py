@@ -122,9 +122,10 @@ def test_the_corpus_compares_as_docs_validation_reports(compared):
     # rule, lc17 (early 2025) kept a full-size cache for gemma3's sliding-window layers
     kv_miss = {c.id for r in results for c in r.compared if c.term == "KV" and c.err_pct != 0}
     assert kv_miss == {"lc02", "lc17"}
-    # output: exact to the log's 0.01 MiB but where the build or the program asked for embeddings too
+    # output: exact to the log's 0.01 MiB, the three that asked for embeddings too (--embedding) included, but
+    # GritLM's 2024 build, which reserved a whole batch of outputs
     out_miss = {c.id for r in results for c in r.compared if c.term == "output" and c.err_pct != 0}
-    assert out_miss == {"lc02", "lc04", "lc05", "lc20"}
+    assert out_miss == {"lc02"}
     # model buffers: the three single-type files (one with a tied output), every buffer within 0.01 %
     model = [c for r in results for c in r.compared if c.term == "model" and c.err_pct is not None]
     assert {c.id for c in model} == {"lc01", "lc14", "lc17"} and max(abs(c.err_pct) for c in model) < 0.01
