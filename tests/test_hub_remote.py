@@ -9,6 +9,7 @@ subprocess with HF_ENDPOINT in its environment, as a user would.
 from __future__ import annotations
 
 import json
+import shlex
 import os
 import subprocess
 import sys
@@ -99,6 +100,7 @@ def repos(tmp_path_factory) -> dict[str, Path]:
     (root / "gguf-llama").mkdir()
     for wt in ("F16", "Q8_0"):  # a real llama.cpp model in two quant files (the tensor data is most of each)
         write_tiny(root / "gguf-llama" / f"tiny-{wt}.gguf", weight_type=wt, n_embd=512, n_ff=1536, n_layer=4)
+    (root / "gguf-llama" / "mmproj-tiny-F16.gguf").write_bytes(b"GGUF")  # a projector: never read as a model
     out["org/gguf-llama"] = root / "gguf-llama"
     return out
 
@@ -441,3 +443,33 @@ def test_llamacpp_estimate_of_a_hub_gguf_reads_its_header_only(hubenv, repos, ca
     assert rc == 2 and "--file" in err and len(err.strip().splitlines()) == 1
     rc, out, err = _cli(capsys, "estimate", "org/gguf-llama", "--file", "tiny-Q8_0.gguf")
     assert rc == 2 and "--engine llama.cpp" in err
+
+
+def test_llamacpp_plan_of_a_hub_repository_searches_each_quantization(hubenv, repos, capsys):
+    """`plan --engine llama.cpp owner/repo` for a repository not on this machine: its GGUF files listed by the
+    Hub, the projector left out, each quantization's header read by range reads (a small share of the files
+    served), and every plan priced as the same file on disk is."""
+    folder = repos["org/gguf-llama"]
+    hw = ["--hardware", "cuda:0=24GiB,cpu=64GiB", "--json"]
+    rc, out, err = _cli(capsys, "plan", "--engine", "llama.cpp", str(folder), *hw)
+    assert rc == 0, err
+    local = json.loads(out)
+    hubenv.reset()
+    rc, out, err = _cli(capsys, "plan", "--engine", "llama.cpp", "org/gguf-llama", *hw)
+    assert rc == 0, err
+    remote = json.loads(out)
+    assert [f["file"] for f in remote["files"]] == ["org/gguf-llama/tiny-F16.gguf", "org/gguf-llama/tiny-Q8_0.gguf"]
+    assert hubenv.bytes_served < 0.2 * sum(p.stat().st_size for p in folder.glob("tiny-*.gguf"))
+    assert len(remote["plans"]) == len(local["plans"]) == 6  # two files x three KV types
+    for r, loc in zip(remote["plans"], local["plans"]):
+        assert r["file"] == "org/gguf-llama/" + Path(loc["file"]).name
+        assert (r["gpu_bytes"], r["host_bytes"], r["ctx_size"], r["n_gpu_layers"]) == \
+            (loc["gpu_bytes"], loc["host_bytes"], loc["ctx_size"], loc["n_gpu_layers"])
+        # llama-server downloads it itself; vramcal's own check reads the header it cached
+        assert r["args"][:4] == ["-hf", "org/gguf-llama", "--hf-file", Path(loc["file"]).name]
+        assert r["args"][4:] == loc["args"][2:]
+        assert r["estimate_command"].split()[4] == r["file"]
+    hubenv.reset()
+    rc, out, err = _cli(capsys, "estimate", "--engine", "llama.cpp", *shlex.split(remote["plans"][0]["estimate_command"])[4:],
+                        "--json")
+    assert rc == 0 and hubenv.bytes_served == 0, err  # the plan's own check asks the Hub for nothing more

@@ -219,7 +219,7 @@ def cmd_plan(args, io) -> int:
     from . import present
     from .calibrate.check import DEFAULT_BUFFER
     from .calibrate.plan_llamacpp import plan_llamacpp
-    from .cli import _progress
+    from .cli import _progress, hub_options
     from .cli_plan import machine
     from .units import size_option
     from .workload import GOALS, choice
@@ -247,7 +247,7 @@ def cmd_plan(args, io) -> int:
         "no runs applied: a described machine (--hardware) has none of its own")
     result = plan_llamacpp(args.model, hardware, buffer=buffer, goal=args.goal, args=a, pinned=pinned,
                            kv_pinned=args.cache_type_k is not None or args.cache_type_v is not None,
-                           progress=_progress(args), beyond=beyond)
+                           progress=_progress(args), beyond=beyond, hub=hub_options(args, io.progress()))
     io.out(json.dumps(result.to_dict()) if args.json else present.llamacpp_plan_text(result))
     return 0 if result.plans else 1
 

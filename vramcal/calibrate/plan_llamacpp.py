@@ -156,12 +156,14 @@ def _rank(goal: str):
 
 def plan_llamacpp(spec: str, hardware, *, buffer: int, goal: str = "quality", args: LlamaArgs | None = None,
                   pinned: frozenset[str] = frozenset(), kv_pinned: bool = False, progress=None,
-                  seconds: float | None = None, beyond: Beyond = DEFAULT_BEYOND) -> LlamaPlanResult:
+                  seconds: float | None = None, beyond: Beyond = DEFAULT_BEYOND, hub=None) -> LlamaPlanResult:
     """The plans of the module's doc for ``spec`` (a GGUF, a split GGUF's first part, a folder of GGUF files
     or a cached Hub repository of them) on ``hardware`` (:mod:`vramcal.probes.hardware`). ``args``: the
     llama.cpp flags the user gave (kept); ``pinned``: which of them the search must not change (``ctx``,
     ``ngl``, ``moe``, ``split``; ``kv_pinned``: -ctk/-ctv). ``beyond``: what llama.cpp holds beyond its buffers
-    on each GPU and in RAM (the defaults, or this machine's runs for a plan of this machine)."""
+    on each GPU and in RAM (the defaults, or this machine's runs for a plan of this machine). ``hub``: the
+    :class:`~vramcal.estimator.hub.HubOptions` a Hub repository not on this machine is read with (each
+    quantization's header by range reads)."""
     choice(goal, GOALS, "--goal")
     base = args or LlamaArgs()
     started = time.monotonic()
@@ -184,10 +186,10 @@ def plan_llamacpp(spec: str, hardware, *, buffer: int, goal: str = "quality", ar
                         f"for the {len(gpus)} GPU(s) of the machine: give one per GPU")
 
     draft = None if base.draft is None else str(Path(base.draft.path).expanduser().resolve())
-    files = [f for f in gguf_models(spec) if draft is None or str(Path(f).expanduser().resolve()) != draft]
+    files = [f for f in gguf_models(spec, hub) if draft is None or str(Path(f).expanduser().resolve()) != draft]
     if not files:
         raise UserError(f"{spec} holds no GGUF but the draft model (-md): give the target model too")
-    models = [read_gguf(f) for f in files]
+    models = [read_gguf(f, hub=hub) for f in files]
     models.sort(key=lambda m: -bits_per_weight(m))
     name = models[0].name
     notes: list[str] = []
@@ -231,15 +233,15 @@ def plan_llamacpp(spec: str, hardware, *, buffer: int, goal: str = "quality", ar
         except UserError as exc:
             why.append(f"{label}: {exc}")
             continue
-        by_file.setdefault(m.path, [])
+        by_file.setdefault(m.spec, [])
         if found is None:
             continue
         plan = _plan(m, s, found, t, hardware, bw)
         plans.append(plan)
-        by_file[m.path].append(plan)
+        by_file[m.spec].append(plan)
     plans.sort(key=_rank(goal))
     result = LlamaPlanResult(name, hardware, buffer, goal, target, asked,
-                             [(m.path, bits_per_weight(m)) for m in models], plans, notes=notes, beyond=beyond)
+                             [(m.spec, bits_per_weight(m)) for m in models], plans, notes=notes, beyond=beyond)
     if plans:
         result.why = _why_not_better(plans[0], models, by_file, goal, budgets, host_budget) + why
     else:
@@ -284,9 +286,10 @@ def _plan(m: GgufModel, s: LayoutSearch, found, target: int, hardware, bw) -> Ll
     read = {("cpu" if d == "CPU" else names.get(d, d)): b for d, b in reads.by_device().items()}
     speed = sequential_bound(read, bw, 1)
     ts = split_list(a)
-    argv = server_argv(m.path, a, s.n_layer)
-    verify = shlex.join(["vramcal", "estimate", "--engine", "llama.cpp", *argv[2:], "--gpu-count", str(len(gpus))])
-    return LlamaPlan(m.path, bits_per_weight(m), a.cache_type_k, a.cache_type_v, a.ctx_size, a.n_gpu_layers,
+    argv = server_argv(m, a, s.n_layer)
+    rest = argv[1 + len(m.server_model_args()):]
+    verify = shlex.join(["vramcal", "estimate", "--engine", "llama.cpp", m.spec, *rest, "--gpu-count", str(len(gpus))])
+    return LlamaPlan(m.spec, bits_per_weight(m), a.cache_type_k, a.cache_type_v, a.ctx_size, a.n_gpu_layers,
                      s.n_layer, a.n_cpu_moe, ts, a.ctx_size >= target, totals, host_total(e, s.beyond),
                      e.model_buffer_bytes.get("CPU_Mapped", 0), read, speed, argv, verify)
 
@@ -296,10 +299,10 @@ def _why_not_better(best: LlamaPlan, models: list[GgufModel], by_file: dict[str,
     """One line for each file of higher precision than the best plan's: why it is not first."""
     lines = []
     for m in models:
-        if m.path == best.file:
+        if m.spec == best.file:
             break
         name = f"{_short(m)} ({bits_per_weight(m):.2f} bits/weight)"
-        found = by_file.get(m.path)
+        found = by_file.get(m.spec)
         if found is None:
             continue  # not searched (the time bound)
         if found:

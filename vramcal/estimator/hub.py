@@ -34,7 +34,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from ..errors import UserError
 from ..paths import cache_dir
@@ -343,6 +343,36 @@ def gguf_header(repo_id: str, filename: str | None = None, options: HubOptions =
         return _fetch_gguf(repo_id, filename, revision, endpoint, repo_dir, options.progress)
 
 
+def gguf_files(repo_id: str, options: HubOptions = HubOptions()) -> tuple[list[str], str]:
+    """Every GGUF model of ``repo_id`` at the revision (the first part of a split one; names sorted) and the
+    commit, for a search over its quantizations: the Hub's file list (``model_info``), or -- offline -- the
+    files whose headers vramcal's cache keeps for the cached commit. Nothing is downloaded here; each header
+    is then read by :func:`gguf_header`."""
+    check_repo_id(repo_id)
+    endpoint = _endpoint()
+    revision = options.revision or "main"
+    repo_dir = _repo_dir(repo_id, endpoint)
+    if offline_requested(options):
+        commit = _cached_commit(repo_dir, revision)
+        kept = sorted(unquote(p.name[:-len(".json")]) for p in (repo_dir / "gguf" / commit).glob("*.json")) \
+            if commit else []
+        if not kept:
+            raise UserError(f"{repo_id}: no GGUF header of it is in vramcal's cache and fetching is off (--offline or "
+                            "HF_HUB_OFFLINE=1): drop it to list the repository's GGUF files on the Hub")
+        return _first_parts(kept), commit
+    with _hub_errors(repo_id, endpoint, revision):
+        _, info, commit = _repo_at(repo_id, revision, endpoint, options.progress)
+    names = _first_parts(sorted(s.rfilename for s in (info.siblings or []) if s.rfilename.endswith(".gguf")))
+    if not names:
+        raise UserError(f"{repo_id} holds no GGUF file at {revision}: give a repository of .gguf files")
+    return names, commit
+
+
+def _first_parts(names: list[str]) -> list[str]:
+    """The GGUF models among file names: each file, and of a split model (``-0000K-of-0000N``) its first part."""
+    return [n for n in names if not re.search(r"-(?!00001)\d{5}-of-\d{5}\.gguf$", n)]
+
+
 def _gguf_paths(repo_dir: Path, commit: str, filename: str) -> tuple[Path, Path]:
     stem = repo_dir / "gguf" / commit / quote(filename, safe="")
     return stem.with_name(stem.name + ".header"), stem.with_name(stem.name + ".json")
@@ -369,7 +399,7 @@ def _fetch_gguf(repo_id, filename, revision, endpoint, repo_dir, progress) -> Gg
     sizes = {s.rfilename: s.size for s in (info.siblings or [])}
     ggufs = sorted(n for n in sizes if n.endswith(".gguf"))
     if filename is None:
-        firsts = [n for n in ggufs if not re.search(r"-(?!00001)\d{5}-of-\d{5}\.gguf$", n)]
+        firsts = _first_parts(ggufs)
         if len(firsts) != 1:
             raise UserError(f"{repo_id} holds " + (f"{len(firsts)} GGUF files ({', '.join(firsts[:6])}"
                                                    f"{' ...' if len(firsts) > 6 else ''}): pick one with --file"

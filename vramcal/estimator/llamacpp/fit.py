@@ -315,8 +315,9 @@ def ctx_limit(m: GgufModel) -> int:
     return max(SHORTEST_CTX, int(v) if isinstance(v, int) else 0)
 
 
-def server_argv(path: str, a: LlamaArgs, n_layer: int | None = None) -> list[str]:
-    """``llama-server -m FILE -c N -ngl N ...``: the flags of ``a`` that differ from llama.cpp's defaults.
+def server_argv(model: GgufModel | str, a: LlamaArgs, n_layer: int | None = None) -> list[str]:
+    """``llama-server -m FILE -c N -ngl N ...`` (``-hf REPO --hf-file FILE`` for a Hub GGUF): the flags of ``a``
+    that differ from llama.cpp's defaults.
     With ``n_layer``, the MoE flags as a person writes them: ``--cpu-moe`` for every layer's experts, none
     with no layer on a GPU (the experts are in the CPU anyway); the same placement either way."""
     if n_layer is not None and a.n_cpu_moe and not a.overrides:
@@ -324,7 +325,8 @@ def server_argv(path: str, a: LlamaArgs, n_layer: int | None = None) -> list[str
             a = replace(a, n_cpu_moe=0, cpu_moe=False)
         elif a.n_cpu_moe >= n_layer:
             a = replace(a, n_cpu_moe=0, cpu_moe=True)
-    return ["llama-server", "-m", path, "-c", str(a.ctx_size), "-ngl", str(a.n_gpu_layers)] + _flags(a)
+    given = model.server_model_args() if isinstance(model, GgufModel) else ["-m", model]
+    return ["llama-server", *given, "-c", str(a.ctx_size), "-ngl", str(a.n_gpu_layers)] + _flags(a)
 
 
 def fit_llamacpp(spec, args: LlamaArgs, budget_bytes: int, *, ctx_given: bool, ngl_given: bool,
@@ -342,7 +344,7 @@ def fit_llamacpp(spec, args: LlamaArgs, budget_bytes: int, *, ctx_given: bool, n
     else:
         found = s.run(min(MIN_CTX, limit), limit)
     if found is None:
-        return LlamaFit(m.name, m.path, False, None, None, s.n_layer, None, None, {}, "", [],
+        return LlamaFit(m.name, m.spec, False, None, None, s.n_layer, None, None, {}, "", [],
                         note=f"not even -ngl 0 -c 256 fits {budget_bytes / 1024**3:.2f} GiB per GPU: the compute "
                              "and the CUDA context alone are more" if not ctx_given and not ngl_given else
                         f"nothing with the -c / -ngl given fits {budget_bytes / 1024**3:.2f} GiB per GPU",
@@ -353,9 +355,9 @@ def fit_llamacpp(spec, args: LlamaArgs, budget_bytes: int, *, ctx_given: bool, n
 def fit_of(m: GgufModel, s: LayoutSearch, found: Found) -> LlamaFit:
     a, e = found.args, found.estimate
     totals = gpu_totals(e, len(s.budgets), a.gpu_backend, s.beyond)
-    argv = server_argv(m.path, a, s.n_layer)
+    argv = server_argv(m, a, s.n_layer)
     ts = split_list(a)
-    return LlamaFit(m.name, m.path, True, a.n_gpu_layers, e.n_gpu_layers, s.n_layer, a.ctx_size,
+    return LlamaFit(m.name, m.spec, True, a.n_gpu_layers, e.n_gpu_layers, s.n_layer, a.ctx_size,
                     max(totals.values(), default=0), totals, shlex.join(argv), argv[1:], notes=list(e.notes),
                     n_cpu_moe=a.n_cpu_moe, tensor_split=ts, host_bytes=host_total(e, s.beyond), llama_args=a,
                     estimate=e, priced_from=e.priced_from, beyond=s.beyond)

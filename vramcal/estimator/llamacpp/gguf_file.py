@@ -73,6 +73,16 @@ class GgufModel:
     # a header derived from an HF config and a file type, not read from a file (.from_config.PricedFrom)
     priced_from: object | None = field(default=None, hash=False, compare=False)
 
+    @property
+    def spec(self) -> str:
+        """How vramcal is given this model again: its path, or ``owner/repo/FILE.gguf`` for a Hub GGUF."""
+        return f"{self.revision.split('@')[0]}/{self.path}" if self.revision else self.path
+
+    def server_model_args(self) -> list[str]:
+        """How llama-server is given it: ``-m FILE``, or for a Hub GGUF ``-hf REPO --hf-file FILE`` (llama.cpp's
+        own download; common/arg.cpp)."""
+        return ["-hf", self.revision.split("@")[0], "--hf-file", self.path] if self.revision else ["-m", self.path]
+
     def get(self, key: str, default=None):
         """``{arch}.key`` for a key starting with ``.``, else the key itself."""
         return self.metadata.get(f"{self.arch}{key}" if key.startswith(".") else key, default)
@@ -106,17 +116,32 @@ def models_in(folder: Path, depth: int = 0) -> list[Path]:
     globs = ["*.gguf"] + (["*/*.gguf"] if depth else [])
     found = sorted({q for g in globs for q in folder.glob(g)
                     if q.is_file() and (not SPLIT.match(q.name) or SPLIT.match(q.name)["no"] == "00001")})
-    return [q for q in found if "mmproj" not in q.name.lower()]
+    return [q for q in found if not is_projector(q.name)]
 
 
-def gguf_models(spec: str) -> list[str]:
+def is_projector(name: str) -> bool:
+    """A multimodal projector's GGUF (``mmproj-*.gguf``), which a quantization search leaves out."""
+    return "mmproj" in Path(name).name.lower()
+
+
+def gguf_models(spec: str, hub=None) -> list[str]:
     """Every GGUF model ``spec`` names, for a search over quantizations: a folder's (and its sub-folders')
-    GGUF files, a cached Hub repository's, or the one file (a Hub file not on this machine: the spec as it
-    is, read by its header). One line when a folder holds none."""
+    GGUF files, a cached Hub repository's, a Hub repository's not on this machine (``owner/repo/FILE.gguf``
+    each, read later by its header alone; ``hub``: :class:`vramcal.estimator.hub.HubOptions`), or the one
+    file. Projectors (``mmproj``) are not models. One line when a folder holds none."""
     p = Path(spec).expanduser()
     folder = p if p.is_dir() else None
-    if folder is None and not p.exists() and spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+    repo = not p.exists() and spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
+    if folder is None and repo:
         folder = _cached_snapshot(spec)
+        if folder is None:
+            from ..hub import HubOptions, gguf_files
+
+            names, _ = gguf_files(spec, hub or HubOptions())
+            models = [f"{spec}/{n}" for n in names if not is_projector(n)]
+            if not models:
+                raise UserError(f"{spec} holds only multimodal projectors (mmproj), no GGUF model")
+            return models
     if folder is None:
         return [spec]
     found = models_in(folder, depth=1)
