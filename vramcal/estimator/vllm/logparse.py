@@ -108,6 +108,10 @@ def _first(log: VllmLogged, name: str, value) -> None:
 def parse_log(text: str) -> VllmLogged:
     """Every startup term in ``text`` (a whole log, or the lines kept of one)."""
     log = VllmLogged()
+    # "Graph capturing finished ... took X GiB" stands for the capture only where no line names the actual
+    # pool: from 0.29 profile_cudagraph_memory captures once before the KV cache is sized (its own "took"
+    # line), and "CUDA graph pool memory: A (actual)" / "... GiB for CUDAGraph memory" give the real one
+    taken: int | None = None
     for line in text.splitlines():
         if line.lstrip().startswith("#"):
             continue  # a fixture's own comments
@@ -173,8 +177,8 @@ def parse_log(text: str) -> VllmLogged:
             _first(log, "max_model_len", int(_n(m.group(1))))
             _first(log, "max_concurrency", _n(m.group(2)))
         m = _PATTERNS["graph_taken"].search(line)
-        if m and log.cuda_graph_bytes is None:
-            _first(log, "cuda_graph_bytes", _gib(m.group(2)))
+        if m and taken is None:
+            taken = _gib(m.group(2))
         m = _PATTERNS["startup"].search(line)
         if m and log.total_bytes is None:
             log.startup_free_bytes, log.total_bytes = _gib(m.group(1)), _gib(m.group(2))
@@ -202,6 +206,8 @@ def parse_log(text: str) -> VllmLogged:
             e = _PATTERNS["estimated_len"].search(line)
             if e:
                 log.estimated_max_model_len = int(_n(e.group(1)))
+    if log.cuda_graph_bytes is None and taken is not None:
+        log.cuda_graph_bytes = taken
     if log.activation_bytes is None and log.peak_with_graphs_bytes is not None \
             and log.cuda_graph_estimate_bytes is not None:
         log.activation_bytes = max(log.peak_with_graphs_bytes - log.cuda_graph_estimate_bytes, 0)
