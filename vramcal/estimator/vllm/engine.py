@@ -22,6 +22,7 @@ from ...units import GIB, MIB
 from ...workload import count
 from ..quant import DTYPE_BYTES
 from ..resolve import ModelSource, resolve_model, text_config
+from . import allreduce as A
 from . import kv as K
 from . import messages as M
 from . import versions as V
@@ -69,6 +70,8 @@ class VllmArgs:
     mamba_cache_dtype: str = "auto"  # a hybrid model's conv state dtype (vLLM's --mamba-cache-dtype)
     mamba_ssm_cache_dtype: str = "auto"  # ... and its SSM / recurrent state's (--mamba-ssm-cache-dtype)
     enable_prefix_caching: bool | None = None  # --enable-prefix-caching / --no-enable-prefix-caching (None: vLLM's)
+    interconnect: A.Interconnect | None = None  # how the tp GPUs connect (None: not known; allreduce.resolve)
+    disable_custom_all_reduce: bool = False  # vLLM's --disable-custom-all-reduce
 
     def validated(self) -> VllmArgs:
         u = self.gpu_memory_utilization
@@ -98,6 +101,8 @@ class VllmArgs:
             raise UserError(f"--gpu-memory must be a GPU's total memory, e.g. 80GiB; got {self.gpu_memory_bytes}")
         if self.flashinfer_sampler not in (None, True, False):
             raise UserError(f"flashinfer_sampler must be yes or no, got {self.flashinfer_sampler!r}")
+        if self.interconnect is not None:
+            A.parse(self.interconnect.kind)
         if self.usage not in ("serve", "llm"):
             raise UserError(f"unknown usage {self.usage!r}: serve or llm")
         return self
@@ -173,7 +178,10 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     specs = K.layer_specs(arch, tp, kv_bytes, block, v, hybrid)
     util = V.default_utilization(v) if args.gpu_memory_utilization is None else float(args.gpu_memory_utilization)
     requested = int(total * util)
-    non_torch, non_torch_why = V.non_torch_default(v, tp, pp)
+    ic = A.resolve(args.interconnect, args.gpu_name) if tp > 1 else None
+    car = A.custom_all_reduce(v, tp, ic, args.disable_custom_all_reduce) if ic else None
+    non_torch, non_torch_why = V.non_torch_default(v, tp, pp, ic.kind if ic else "nvlink",
+                                                   car.non_torch_bytes(v) if car else 0)
     non_torch = max(non_torch + offsets.get("non_torch_bytes", 0), 0)
     subtract_graphs = V.graphs_off_budget(v, source.config.get("architectures"), bool(arch.experts),
                                           "linear" in arch.layer_kinds, args.enforce_eager)
@@ -259,6 +267,8 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     }
     if hybrid is not None:
         methods["kv_cache"] = f"hybrid pages (docs/vllm.md): {hybrid_why}"
+    if ic is not None:
+        methods["interconnect"] = f"{ic.kind} ({ic.source}); custom all-reduce {car.why}"
     if quant.mxfp4 is not None:
         methods["mxfp4"] = f"MXFP4 experts on the {quant.mxfp4.name} backend: {quant.mxfp4.why}"
     return VllmEstimate(
@@ -272,7 +282,8 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
         max_num_seqs=seqs, max_num_batched_tokens=mnbt, dtype=dtype,
         kv_cache_dtype=str(args.kv_cache_dtype).lower(), quantization=quant.label, enforce_eager=args.enforce_eager,
         page_bytes=g.page_bytes, block_bytes=g.bytes_per_block, hybrid_groups=g.num_groups, limiting_rank=limiting.rank, error=error,
-        log_lines=lines, methods=methods, notes=notes, ranks=ranks if len(ranks) > 1 else None)
+        log_lines=lines, methods=methods, notes=notes, ranks=ranks if len(ranks) > 1 else None,
+        interconnect=ic.kind if ic else None, custom_all_reduce=car.on if car else None)
 
 
 def _hybrid(arch, tc: dict, filled: dict | None, tp: int, v, el: int, kv_bytes: int, max_len: int,
