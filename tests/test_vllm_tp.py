@@ -166,3 +166,29 @@ def test_plan_prices_each_group_over_the_interconnect_given(capsys):
         assert f"--interconnect {link}" in two["command"]
         out[link] = two["kv_cache_bytes"]
     assert out["pcie"] - out["nvlink"] == int(2.10 * GIB) - int(0.25 * GIB)
+
+
+@pytest.mark.parametrize("log, tp, ic, logged, why", [
+    # 8x L40S, 0.10.2: "Custom allreduce is disabled because it's not supported on more than two PCIe-only GPUs"
+    (ROOT / "tests" / "data" / "vllm" / "r001.log", 8, PCIE, "more than two PCIe-only GPUs",
+     "more than two PCIe-only GPUs"),
+    # 2x A100 80GB without P2P, 0.10.1.1: "... your platform lacks GPU P2P capability or P2P test failed"
+    (ROOT / "benchmarks" / "published" / "vllm" / "logs" / "dl22_qwen2-7b_a100-80gb_tp2_u0.5.log", 2,
+     A.Interconnect("pcie", "the log", p2p=False), "lacks GPU P2P capability", "no P2P access"),
+])
+def test_custom_all_reduce_is_off_where_the_published_logs_say_it_is(log, tp, ic, logged, why):
+    text = log.read_text()
+    assert "Custom allreduce is disabled" in text and logged in text
+    car = A.custom_all_reduce((0, 10, 2), tp, ic)
+    assert not car.on and why in car.why and car.non_torch_bytes((0, 10, 2)) == 0
+
+
+def test_the_0_10_pcie_figure_against_the_8x_l40s_log():
+    """r001.log (0.10.2, tp 8 over PCIe, custom all-reduce off): "0.21 / 0.18 / 0.17 GiB for non-torch memory"
+    per worker; the 0.10 default is 0.20 GiB (no custom all-reduce buffers: off at tp 8 over PCIe)."""
+    text = (ROOT / "tests" / "data" / "vllm" / "r001.log").read_text()
+    for logged in ("0.21 GiB f", "0.18 GiB f", "0.17 GiB f"):
+        assert logged in text
+    car = A.custom_all_reduce((0, 10, 2), 8, PCIE)
+    got, _ = V.non_torch_default((0, 10, 2), 8, 1, "pcie", car.non_torch_bytes((0, 10, 2)))
+    assert 0.17 * GIB <= got <= 0.21 * GIB

@@ -184,7 +184,7 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
                                                    car.non_torch_bytes(v) if car else 0)
     non_torch = max(non_torch + offsets.get("non_torch_bytes", 0), 0)
     subtract_graphs = V.graphs_off_budget(v, source.config.get("architectures"), bool(arch.experts),
-                                          "linear" in arch.layer_kinds, args.enforce_eager)
+                                          hybrid is not None, args.enforce_eager)
     ranks: list[VllmRank] = []
     rank_specs: list[list[K.LayerSpec]] = []
     for i, w in enumerate(weights):
@@ -196,7 +196,7 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
             avail = args.kv_cache_memory_bytes
         else:
             avail = requested - w.bytes - act_bytes - non_torch - (graphs if subtract_graphs else 0)
-        mine = specs[lo:hi]
+        mine = K.flat(specs[lo:hi])
         g = K.grouping(mine, v)
         blocks = max(avail, 0) // g.bytes_per_block if any(s is not None for s in mine) else 0
         rank_specs.append(mine)
@@ -289,7 +289,7 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
 def _hybrid(arch, tc: dict, filled: dict | None, tp: int, v, el: int, kv_bytes: int, max_len: int,
             args: VllmArgs) -> tuple[H.Unified | None, str]:
     """The unified page of a model with Mamba / linear-attention layers (:mod:`.mamba`), or None."""
-    if "mamba" not in arch.layer_kinds:
+    if "mamba" not in arch.layer_kinds and "parallel" not in arch.layer_kinds:
         for value, flag in ((args.mamba_cache_dtype, "--mamba-cache-dtype"),
                             (args.mamba_ssm_cache_dtype, "--mamba-ssm-cache-dtype")):
             if value != "auto":
@@ -300,6 +300,9 @@ def _hybrid(arch, tc: dict, filled: dict | None, tp: int, v, el: int, kv_bytes: 
                         "model: give --vllm-version 0.10.1 or newer")
     if arch.architecture == "Qwen3NextForCausalLM" and v < (0, 10, 2):
         raise UserError(f"Qwen3-Next needs vLLM 0.10.2 or newer (qwen3_next.py), not {V.fmt_version(v)}")
+    if arch.architecture in ("JambaForCausalLM", "FalconH1ForCausalLM") and v < (0, 10, 2):
+        raise UserError(f"{arch.architecture} on the V1 engine is modelled from vLLM 0.10.2 (the oldest read with it), "
+                        f"not {V.fmt_version(v)}: give --vllm-version 0.10.2 or newer")
     if "mla" in arch.layer_kinds or any(k in ("sliding", "chunked") for k in arch.layer_kinds):
         raise UserError(f"{arch.architecture} mixes Mamba layers with MLA or windowed attention: not modelled")
     if tc is not None and filled:
