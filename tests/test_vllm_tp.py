@@ -192,3 +192,10 @@ def test_the_0_10_pcie_figure_against_the_8x_l40s_log():
     car = A.custom_all_reduce((0, 10, 2), 8, PCIE)
     got, _ = V.non_torch_default((0, 10, 2), 8, 1, "pcie", car.non_torch_bytes((0, 10, 2)))
     assert 0.17 * GIB <= got <= 0.21 * GIB
+
+
+def test_interconnect_belongs_to_the_vllm_engine(capsys):
+    assert _cli("estimate", "qwen2.5-7b", "--interconnect", "pcie") == 2
+    assert _cli("plan", "qwen2.5-7b", "--hardware", "cuda:0=80GiB", "--interconnect", "pcie") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("--interconnect belongs to --engine vllm" in e for e in err)

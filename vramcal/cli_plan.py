@@ -149,8 +149,8 @@ def plan_transformers(args, io) -> int:
 
     out = io.out
     choice(args.goal, GOALS, "--goal")
-    if args.gpu_memory_utilization is not None or args.vllm_version is not None or args.interconnect is not None:
-        raise UserError("--gpu-memory-utilization, --vllm-version and --interconnect belong to --engine vllm")
+    if args.gpu_memory_utilization is not None or args.vllm_version is not None:
+        raise UserError("--gpu-memory-utilization and --vllm-version belong to --engine vllm")
     work, asked, buffer, hardware = _inputs(args)
     check_images(resolve_model(args.model).config, work.images, args.model)  # bad input, before the search
 
