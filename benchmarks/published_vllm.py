@@ -56,6 +56,7 @@ def model_ref(row: dict, corpus_dir: Path) -> str:
 
 
 def args_of(row: dict):
+    from vramcal.estimator.vllm.allreduce import Interconnect, parse
     from vramcal.estimator.vllm.engine import VllmArgs
 
     def i(key):
@@ -72,7 +73,11 @@ def args_of(row: dict):
                     allow_long_max_model_len=True,
                     flashinfer_sampler={"True": True, "False": False}.get(row.get("flashinfer_sampler") or ""),
                     mxfp4_backend=row.get("mxfp4_backend") or None,
-                    enable_prefix_caching={"True": True, "False": False}.get(row.get("enable_prefix_caching") or ""))
+                    enable_prefix_caching={"True": True, "False": False}.get(row.get("enable_prefix_caching") or ""),
+                    # an optional column: nvlink | pcie as the source says (blank: the GPU's name, else nvlink)
+                    interconnect=Interconnect(parse(row["interconnect"]), "the corpus row")
+                    if row.get("interconnect") else None,
+                    disable_custom_all_reduce=row.get("disable_custom_all_reduce") == "True")
 
 
 def logs_peak_with_graphs(row: dict, est) -> bool:

@@ -31,7 +31,7 @@ class FakeNVML:
     def __init__(self, script: dict[int, list], total: int = 80 * 1024**3, procs=None, fail_init: bool = False,
                  names: dict[int, str] | None = None, gpu_name: str = "NVIDIA H200", pcie: tuple | None = None,
                  memory_clock: tuple | None = None, reserved: int | None = None,
-                 compute_capability: tuple[int, int] | None = None):
+                 compute_capability: tuple[int, int] | None = None, p2p: dict | None = None):
         self.script = {k: list(v) for k, v in script.items()}
         self.calls = {k: 0 for k in script}
         self.total = total
@@ -46,6 +46,9 @@ class FakeNVML:
         self.memory_clock = memory_clock  # (max memory clock MHz, bus width bits); None: not supported
         self.reserved = reserved  # the driver's reserve (NVML v2 memory info); None: a binding without v2
         self.compute_capability = compute_capability  # None: not supported (an old driver)
+        # (caps index) -> P2P status of every pair, or an exception to raise (nvmlDeviceGetP2PStatus);
+        # a caps index not in it: NVML says "Not Supported"
+        self.p2p = p2p or {}
         if reserved is not None:
             self.nvmlMemory_v2 = 0x02000028
 
@@ -115,6 +118,14 @@ class FakeNVML:
         if self.memory_clock is None:
             raise NVMLError_NotSupported()
         return self.memory_clock[1]
+
+    def nvmlDeviceGetP2PStatus(self, a, b, caps):
+        v = self.p2p.get(caps)
+        if v is None:
+            raise NVMLError_NotSupported()
+        if isinstance(v, Exception):
+            raise v
+        return v
 
     def nvmlDeviceGetUUID(self, h):
         return f"GPU-fake-{h}"

@@ -343,6 +343,7 @@ def test_vllm_plans_start_as_the_vllm_engine_says(capsys):
     starts with its --max-model-len; tensor parallelism only where it divides the heads; the longest
     length one GPU allows is its own largest (a longer one does not start)."""
     from vramcal.calibrate.plan_vllm import plan_vllm
+    from vramcal.estimator.vllm.allreduce import Interconnect
     from vramcal.estimator.vllm.engine import VllmArgs, estimate_vllm
 
     hw = described(parse_hardware("cuda:0=24GiB,cuda:1=24GiB"), ["RTX 4090"])
@@ -353,7 +354,9 @@ def test_vllm_plans_start_as_the_vllm_engine_says(capsys):
         args = VllmArgs(gpu_memory_utilization=r.utilization, gpu_memory_bytes=24 * GIB,
                         tensor_parallel_size=p.tensor_parallel_size,
                         quantization=p.quantization, kv_cache_dtype=p.kv_cache_dtype, max_model_len=p.max_model_len,
-                        vllm_version=r.version)
+                        vllm_version=r.version,
+                        interconnect=Interconnect(p.interconnect, "the plan") if p.interconnect else None)
+        assert (p.interconnect == "pcie") is (p.tensor_parallel_size == 2)  # an RTX 4090 pair: PCIe, by its name
         e = estimate_vllm("llama-3.1-8b", args)
         assert e.fits and e.kv_cache_tokens == p.kv_cache_tokens, p
         if not p.reaches:

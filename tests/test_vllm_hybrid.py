@@ -154,8 +154,8 @@ def test_mxfp4_experts_by_backend_match_the_two_h100_logs_by_hand():
 
 
 def test_an_unmodelled_hybrid_architecture_is_named():
-    with pytest.raises(UserError, match="FalconH1ForCausalLM"):
-        H.state_shape("FalconH1ForCausalLM", {}, 1)
+    with pytest.raises(UserError, match="Zamba2ForCausalLM"):
+        H.state_shape("Zamba2ForCausalLM", {}, 1)
 
 
 def test_parser_reads_the_hybrid_and_mxfp4_lines_of_the_real_excerpts():

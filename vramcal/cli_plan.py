@@ -58,6 +58,9 @@ def add_plan(sub, func) -> None:
                    help="vLLM's share of each GPU (default the version's: 0.9 up to 0.19, 0.92 from 0.20)")
     v.add_argument("--vllm-version", default=None, metavar="X.Y", help="default: the installed vLLM's, else the newest "
                                                                        "modelled")
+    from .cli_vllm import add_interconnect_arg
+
+    add_interconnect_arg(v)
     from .cli_llamacpp import add_flags
 
     add_flags(p, "plan")
@@ -126,8 +129,12 @@ def plan_vllm_cmd(args, io) -> int:
                         "(vLLM takes --gpu-memory-utilization of each GPU and batches requests itself; its "
                         "--max-model-len, from --ctx, is prompt and generated tokens together)")
     _, _, _, hardware = _inputs(args)
+    from .estimator.vllm.allreduce import Interconnect, parse
+
+    given = None if args.interconnect is None else Interconnect(parse(args.interconnect), "--interconnect")
     vres = plan_vllm(args.model, hardware, ctx=args.ctx, goal=args.goal,
-                     utilization=args.gpu_memory_utilization, vllm_version=args.vllm_version)
+                     utilization=args.gpu_memory_utilization, vllm_version=args.vllm_version,
+                     interconnect=given, this_machine=args.hardware is None)
     io.out(json.dumps(vres.to_dict()) if args.json else present.vllm_plan_text(vres))
     return 0 if vres.plans else 1
 

@@ -19,6 +19,7 @@ VLLM_FLAGS = {
     "vllm_entrypoint": "--vllm-entrypoint", "flashinfer_sampler": "--flashinfer-sampler",
     "mxfp4_backend": "--mxfp4-backend", "mamba_cache_dtype": "--mamba-cache-dtype",
     "mamba_ssm_cache_dtype": "--mamba-ssm-cache-dtype", "enable_prefix_caching": "--enable-prefix-caching",
+    "interconnect": "--interconnect", "disable_custom_all_reduce": "--disable-custom-all-reduce",
 }
 
 
@@ -67,10 +68,35 @@ def add_vllm_args(p, *, fit: bool = False) -> None:
     g.add_argument("--enable-prefix-caching", action="store_true", default=None, dest="enable_prefix_caching",
                    help="vLLM's flag (hybrid models: the Mamba cache mode follows it; default: vLLM's, on from 0.26)")
     g.add_argument("--no-enable-prefix-caching", action="store_false", dest="enable_prefix_caching")
+    add_interconnect_arg(g)
+    g.add_argument("--disable-custom-all-reduce", action="store_true", default=None,
+                   help="vLLM's flag: NCCL does every all-reduce (tp > 1)")
     if fit:
         g.add_argument("--concurrency", type=float, default=None,
                        help="with --max-model-len: the requests of that length to hold at once; fit then says the "
                             "utilization (and --kv-cache-memory-bytes) it needs")
+
+
+def add_interconnect_arg(g) -> None:
+    g.add_argument("--interconnect", default=None, metavar="nvlink|pcie",
+                   help="tp > 1: how the GPUs reach each other, which sets the non-torch term (default: this "
+                        "machine's, read through NVML; for a described one its GPU's name, else nvlink)")
+
+
+def interconnect(args, tp: int, here: bool):
+    """The tensor-parallel GPUs' interconnect: ``--interconnect``, else this machine's through NVML when the
+    estimate is for it (``here``), else None (the estimate guesses from the GPU's name and says so)."""
+    from .estimator.vllm.allreduce import Interconnect, parse
+
+    given = getattr(args, "interconnect", None)
+    if given is not None:
+        return Interconnect(parse(given), "--interconnect")
+    if tp < 2 or not here:
+        return None
+    from .probes import nvml
+    from .probes.hardware import interconnect_here
+
+    return interconnect_here(list(range(tp))) if nvml.available()[0] else None
 
 
 def vllm_flags_used(args) -> list[str]:
@@ -140,11 +166,12 @@ def vllm_args(args):
     elif total is None:
         total, name = this_gpu()
     dtype = "auto" if args.dtype is None else args.dtype
+    tp = 1 if args.tensor_parallel_size is None else args.tensor_parallel_size
     return VllmArgs(
         gpu_memory_utilization=args.gpu_memory_utilization,  # None: the version's default
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        tensor_parallel_size=1 if args.tensor_parallel_size is None else args.tensor_parallel_size,
+        tensor_parallel_size=tp,
         pipeline_parallel_size=1 if args.pipeline_parallel_size is None else args.pipeline_parallel_size,
         dtype=dtype, kv_cache_dtype="auto" if args.kv_cache_dtype is None else args.kv_cache_dtype,
         quantization=args.quantization,
@@ -157,7 +184,9 @@ def vllm_args(args):
         mxfp4_backend=getattr(args, "mxfp4_backend", None),
         mamba_cache_dtype=getattr(args, "mamba_cache_dtype", None) or "auto",
         mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", None) or "auto",
-        enable_prefix_caching=getattr(args, "enable_prefix_caching", None))
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", None),
+        interconnect=interconnect(args, tp, here=getattr(args, "gpu", None) is None),
+        disable_custom_all_reduce=bool(getattr(args, "disable_custom_all_reduce", None)))
 
 
 def cmd_estimate_vllm(args, out, progress) -> int:
@@ -239,7 +268,8 @@ def cmd_probe_vllm(args, out, *, check: bool) -> int:
                   "kv_cache_memory_bytes": vargs.kv_cache_memory_bytes,
                   "mamba_cache_dtype": None if vargs.mamba_cache_dtype == "auto" else vargs.mamba_cache_dtype,
                   "mamba_ssm_cache_dtype": None if vargs.mamba_ssm_cache_dtype == "auto" else vargs.mamba_ssm_cache_dtype,
-                  "enable_prefix_caching": vargs.enable_prefix_caching}
+                  "enable_prefix_caching": vargs.enable_prefix_caching,
+                  "disable_custom_all_reduce": vargs.disable_custom_all_reduce or None}
     if synthetic:
         child_args.update(load_format="dummy", skip_tokenizer_init=True)
     gpus = list(range(vargs.tensor_parallel_size * vargs.pipeline_parallel_size))

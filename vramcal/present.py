@@ -473,7 +473,8 @@ def vllm_table(e) -> str:
     v = e.vllm
     head = (f"{e.model}  [{e.architecture}]  vLLM {v.version} ({v.version_source})  dtype={v.dtype}  "
             f"kv-cache-dtype={v.kv_cache_dtype}  quantization={v.quantization}")
-    setup = (f"tp={v.tensor_parallel_size} pp={v.pipeline_parallel_size}  gpu memory {gib(v.gpu_memory_bytes):.2f} GiB "
+    link = f" over {v.interconnect}" if getattr(v, "interconnect", None) else ""
+    setup = (f"tp={v.tensor_parallel_size}{link} pp={v.pipeline_parallel_size}  gpu memory {gib(v.gpu_memory_bytes):.2f} GiB "
              f"x {v.gpu_memory_utilization:g} = {gib(v.requested_bytes):.2f} GiB  max-model-len={v.max_model_len:,}  "
              f"max-num-seqs={v.max_num_seqs}  max-num-batched-tokens={v.max_num_batched_tokens}  block={v.block_size}"
              + ("  enforce-eager" if v.enforce_eager else ""))

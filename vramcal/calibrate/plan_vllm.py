@@ -42,6 +42,7 @@ class VllmPlan:
     command: str  # the vramcal estimate that shows its startup
     gpus: list[str] = field(default_factory=list)  # the GPUs it runs on
     gpu_memory_bytes: int = 0  # each GPU's total it is priced at: the smallest of ``gpus``
+    interconnect: str | None = None  # tp > 1: nvlink | pcie, as priced (the estimate's methods say why)
 
     def to_dict(self) -> dict:
         return dict(vars(self))
@@ -91,9 +92,11 @@ def _visible(group: list, gpus: list) -> list[str]:
 
 
 def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "quality", utilization: float | None = None,
-              vllm_version: str | None = None) -> VllmPlanResult:
+              vllm_version: str | None = None, interconnect=None, this_machine: bool = False) -> VllmPlanResult:
     """The plans of the module's doc for ``hardware`` (:mod:`vramcal.probes.hardware`). Each tensor-parallel
-    size runs on the largest GPUs there are (:func:`_group`), priced on the smallest of them."""
+    size runs on the largest GPUs there are (:func:`_group`), priced on the smallest of them, over
+    ``interconnect`` (:class:`~vramcal.estimator.vllm.allreduce.Interconnect`; None: this machine's group
+    as NVML says when ``this_machine``, else the GPU name's guess, as the estimate makes it)."""
     import shlex
 
     from ..estimator.resolve import resolve_model
@@ -125,6 +128,15 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
         bandwidth = min(g.memory_bandwidth.bytes_per_s for g in group) \
             if all(g.memory_bandwidth.bytes_per_s for g in group) else None
         env = _visible(group, gpus)
+        link = interconnect
+        if link is None and this_machine and tp > 1:
+            from ..probes.hardware import interconnect_here
+
+            link = interconnect_here([int(g.device.split(":")[1]) for g in group])
+        if link is None and tp > 1:
+            from ..estimator.vllm.allreduce import from_name
+
+            link = from_name(group[0].name)
         if len({size(g) for g in gpus}) > 1:
             notes.append(f"tp {tp}: on {', '.join(g.device for g in group)}, priced at "
                          f"{fmt_gib_gb(memory)} each (vLLM takes {util:g} of every GPU of the group"
@@ -132,7 +144,7 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
         for q in quants:
             for kv in KV_CHOICES:
                 args = replace(base, tensor_parallel_size=tp, quantization=q, kv_cache_dtype=kv,
-                               gpu_memory_bytes=memory)
+                               gpu_memory_bytes=memory, interconnect=link)
                 label = f"tp {tp}, weights {q or 'as stored'}, KV {kv}"
                 try:
                     fit, est = longest(source, args)
@@ -156,10 +168,11 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
                 hub = (source.config.get("_vramcal_catalog") or {}).get("hub_id") or source.ref
                 serve = " ".join(env + [shlex.join(["vllm", "serve", hub, *flags])])
                 verify = shlex.join(["vramcal", "estimate", source.ref, "--engine", "vllm", *flags,
-                                     "--gpu-memory", str(memory), "--vllm-version", est.version])
+                                     "--gpu-memory", str(memory), "--vllm-version", est.version,
+                                     *(["--interconnect", est.interconnect] if est.interconnect else [])])
                 plans.append(VllmPlan(tp, q, kv, length, fit.max_model_len >= target,
                                       at.kv_cache_tokens, at.max_concurrency, at.weights_bytes, at.kv_cache_bytes,
-                                      speed, serve, verify, [g.device for g in group], memory))
+                                      speed, serve, verify, [g.device for g in group], memory, est.interconnect))
     rank = {"quality": lambda p: (not p.reaches, p.quantization is not None, KV_CHOICES.index(p.kv_cache_dtype),
                                   p.tensor_parallel_size, -p.max_model_len),
             "context": lambda p: (-p.max_model_len, p.quantization is not None, KV_CHOICES.index(p.kv_cache_dtype),

@@ -325,3 +325,27 @@ def this_machine(bandwidths: dict[str, int] | None = None) -> Hardware:
     _override(gpus, bandwidths or {})
     return Hardware(gpus, int(psutil.virtual_memory().available), None, source="this machine, now (NVML, psutil)",
                     cpu_bandwidth=cpu_bandwidth(bandwidths or {}))
+
+
+def interconnect_here(gpus: list[int]):
+    """How this machine's GPUs ``gpus`` reach each other, through the NVML door: NVLink when NVML says every
+    pair is NVLink-connected (vLLM's own test, ``is_fully_connected``), else PCIe, with whether the driver allows
+    P2P reads between them. None for fewer than two GPUs, or when NVML cannot say (an estimate then assumes,
+    and says so)."""
+    from ..estimator.vllm.allreduce import Interconnect
+    from . import nvml
+
+    have = nvml.query("nvmlDeviceGetCount")
+    if isinstance(have, nvml.NA) or len(gpus) < 2 or max(gpus) >= int(have):
+        return None
+    which = f"this machine's GPUs {','.join(map(str, gpus))}"
+    nvlink = nvml.p2p_all(gpus, nvml.P2P_CAPS_NVLINK)
+    if nvlink is True:
+        return Interconnect("nvlink", f"{which}: NVML's P2P status says NVLink for every pair")
+    p2p = nvml.p2p_all(gpus, nvml.P2P_CAPS_READ)
+    if isinstance(nvlink, nvml.NA) and isinstance(p2p, nvml.NA):
+        return None
+    said = "not every pair on NVLink" if nvlink is False else f"NVLink not readable ({nvlink.reason}; vLLM reads that as none)"
+    peer = "P2P reads allowed" if p2p is True else "no P2P reads" if p2p is False else f"P2P not readable ({p2p.reason})"
+    return Interconnect("pcie", f"{which}: NVML's P2P status says {said}, {peer}",
+                        p2p=p2p if isinstance(p2p, bool) else None)

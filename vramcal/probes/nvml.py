@@ -270,3 +270,29 @@ def device_info(index: int) -> dict:
         "total_bytes": memory_total(h),
         "driver": text(query("nvmlSystemGetDriverVersion")),
     }
+
+
+# NVML's P2P capability indices and status (nvml.h: nvmlGpuP2PCapsIndex_t, nvmlGpuP2PStatus_t)
+P2P_CAPS_READ = 0  # NVML_P2P_CAPS_INDEX_READ: peer reads, over PCIe or NVLink
+P2P_CAPS_NVLINK = 2  # NVML_P2P_CAPS_INDEX_NVLINK
+P2P_STATUS_OK = 0  # NVML_P2P_STATUS_OK
+
+
+def p2p_all(indices: list[int], caps: int) -> bool | NA:
+    """Whether every pair of devices ``indices`` answers ``nvmlDeviceGetP2PStatus(a, b, caps)`` OK: with
+    ``P2P_CAPS_NVLINK`` it is vLLM's own NVLink test (``CudaPlatform.is_fully_connected``,
+    ``platforms/cuda.py``), with ``P2P_CAPS_READ`` whether the driver allows peer access at all. False as
+    soon as one pair answers another status; NA when NVML cannot say for a pair (vLLM reads that as no
+    NVLink; here it is not known)."""
+    handles = [device_handle(i) for i in indices]
+    for h in handles:
+        if isinstance(h, NA):
+            return h
+    for i, a in enumerate(handles):
+        for b in handles[i + 1:]:
+            status = query("nvmlDeviceGetP2PStatus", a, b, caps)
+            if isinstance(status, NA):
+                return status
+            if int(status) != P2P_STATUS_OK:
+                return False
+    return True

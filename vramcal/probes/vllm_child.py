@@ -25,7 +25,7 @@ def engine_kwargs(spec: dict) -> dict:
     keys = ("gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
             "tensor_parallel_size", "pipeline_parallel_size", "dtype", "kv_cache_dtype", "quantization", "block_size",
             "enforce_eager", "kv_cache_memory_bytes", "load_format", "skip_tokenizer_init", "mamba_cache_dtype",
-            "mamba_ssm_cache_dtype", "enable_prefix_caching")
+            "mamba_ssm_cache_dtype", "enable_prefix_caching", "disable_custom_all_reduce")
     return {k: spec[k] for k in keys if spec.get(k) is not None}
 
 

@@ -25,7 +25,8 @@ class Arch:
     shared_intermediate: int  # a MoE model's shared experts (or its dense layers' MLP); 0 if none
     experts: int  # 0 for a dense model
     experts_per_token: int
-    layer_kinds: tuple[str, ...]  # per decoder layer: full | sliding | chunked | mla | mamba | none (no cache)
+    layer_kinds: tuple[str, ...]  # per decoder layer: full | sliding | chunked | mla | mamba | parallel (attention
+    # and Mamba side by side: Falcon-H1) | none (no cache)
     sliding_window: int | None
     chunk_size: int | None
     kv_lora_rank: int | None  # MLA
@@ -52,7 +53,17 @@ def layer_kinds(tc: dict, layers: int) -> tuple[str, ...]:
         # Nemotron-H (``nemotron_h.py``, ``ALL_DECODER_LAYER_TYPES``): M a Mamba-2 layer, * attention, - an MLP and
         # E a MoE layer, which hold no cache
         return tuple("mamba" if c == "M" else "full" if c == "*" else "none" for c in pattern)
-    types = tc.get("layer_types")
+    mt = str(tc.get("model_type", ""))
+    if mt == "falcon_h1":
+        # Falcon-H1 (``falcon_h1.py``, ``FalconH1ParallelHybrid``): every decoder layer runs a Mamba-2 mixer and an
+        # attention layer side by side, each with its own cache
+        return ("parallel",) * layers
+    if mt == "jamba" and tc.get("attn_layer_period"):
+        # Jamba (``jamba.py``: ``config.layers_block_type``, transformers' JambaConfig): attention where
+        # i % attn_layer_period == attn_layer_offset, Mamba-1 elsewhere
+        period, offset = int(tc["attn_layer_period"]), int(tc.get("attn_layer_offset") or 0)
+        return tuple("full" if i % period == offset else "mamba" for i in range(layers))
+    types = tc.get("layer_types") or (tc.get("layers_block_type") if mt == "jamba" else None)
     if isinstance(types, list) and len(types) == layers:
         out = []
         for t in types:
@@ -60,7 +71,6 @@ def layer_kinds(tc: dict, layers: int) -> tuple[str, ...]:
             out.append("sliding" if "sliding" in t else "chunked" if "chunk" in t else
                        "mamba" if ("linear" in t or "mamba" in t) else "full")
         return tuple(out)
-    mt = str(tc.get("model_type", ""))
     window = tc.get("sliding_window")
     if mt == "gemma2" and window:
         return tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))
@@ -98,7 +108,7 @@ def arch_of(config: dict, filled: dict | None = None) -> Arch:
     # (model_executor/layers/rotary_embedding/__init__.py); Gemma 3 has a local and a global one
     partial = float(tc.get("partial_rotary_factor") or 1.0)
     rot = rope_dim if mla else int(head_dim * partial)
-    ropes = [(max_pos, rot)]
+    ropes = [(max_pos, rot)] if str(tc.get("model_type")) != "jamba" else []  # Jamba's attention has no rotary
     if tc.get("rope_local_base_freq") is not None:
         ropes.append((max_pos, rot))
     return Arch(model_type=str(tc.get("model_type", "?")), layers=layers, hidden=hidden, heads=heads, kv_heads=kv,

@@ -22,6 +22,7 @@ from ...units import GIB, MIB
 from ...workload import count
 from ..quant import DTYPE_BYTES
 from ..resolve import ModelSource, resolve_model, text_config
+from . import allreduce as A
 from . import kv as K
 from . import messages as M
 from . import versions as V
@@ -69,6 +70,8 @@ class VllmArgs:
     mamba_cache_dtype: str = "auto"  # a hybrid model's conv state dtype (vLLM's --mamba-cache-dtype)
     mamba_ssm_cache_dtype: str = "auto"  # ... and its SSM / recurrent state's (--mamba-ssm-cache-dtype)
     enable_prefix_caching: bool | None = None  # --enable-prefix-caching / --no-enable-prefix-caching (None: vLLM's)
+    interconnect: A.Interconnect | None = None  # how the tp GPUs connect (None: not known; allreduce.resolve)
+    disable_custom_all_reduce: bool = False  # vLLM's --disable-custom-all-reduce
 
     def validated(self) -> VllmArgs:
         u = self.gpu_memory_utilization
@@ -98,6 +101,8 @@ class VllmArgs:
             raise UserError(f"--gpu-memory must be a GPU's total memory, e.g. 80GiB; got {self.gpu_memory_bytes}")
         if self.flashinfer_sampler not in (None, True, False):
             raise UserError(f"flashinfer_sampler must be yes or no, got {self.flashinfer_sampler!r}")
+        if self.interconnect is not None:
+            A.parse(self.interconnect.kind)
         if self.usage not in ("serve", "llm"):
             raise UserError(f"unknown usage {self.usage!r}: serve or llm")
         return self
@@ -173,10 +178,13 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     specs = K.layer_specs(arch, tp, kv_bytes, block, v, hybrid)
     util = V.default_utilization(v) if args.gpu_memory_utilization is None else float(args.gpu_memory_utilization)
     requested = int(total * util)
-    non_torch, non_torch_why = V.non_torch_default(v, tp, pp)
+    ic = A.resolve(args.interconnect, args.gpu_name) if tp > 1 else None
+    car = A.custom_all_reduce(v, tp, ic, args.disable_custom_all_reduce) if ic else None
+    non_torch, non_torch_why = V.non_torch_default(v, tp, pp, ic.kind if ic else "nvlink",
+                                                   car.non_torch_bytes(v) if car else 0)
     non_torch = max(non_torch + offsets.get("non_torch_bytes", 0), 0)
     subtract_graphs = V.graphs_off_budget(v, source.config.get("architectures"), bool(arch.experts),
-                                          "linear" in arch.layer_kinds, args.enforce_eager)
+                                          hybrid is not None, args.enforce_eager)
     ranks: list[VllmRank] = []
     rank_specs: list[list[K.LayerSpec]] = []
     for i, w in enumerate(weights):
@@ -188,7 +196,7 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
             avail = args.kv_cache_memory_bytes
         else:
             avail = requested - w.bytes - act_bytes - non_torch - (graphs if subtract_graphs else 0)
-        mine = specs[lo:hi]
+        mine = K.flat(specs[lo:hi])
         g = K.grouping(mine, v)
         blocks = max(avail, 0) // g.bytes_per_block if any(s is not None for s in mine) else 0
         rank_specs.append(mine)
@@ -259,6 +267,8 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     }
     if hybrid is not None:
         methods["kv_cache"] = f"hybrid pages (docs/vllm.md): {hybrid_why}"
+    if ic is not None:
+        methods["interconnect"] = f"{ic.kind} ({ic.source}); custom all-reduce {car.why}"
     if quant.mxfp4 is not None:
         methods["mxfp4"] = f"MXFP4 experts on the {quant.mxfp4.name} backend: {quant.mxfp4.why}"
     return VllmEstimate(
@@ -272,13 +282,14 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
         max_num_seqs=seqs, max_num_batched_tokens=mnbt, dtype=dtype,
         kv_cache_dtype=str(args.kv_cache_dtype).lower(), quantization=quant.label, enforce_eager=args.enforce_eager,
         page_bytes=g.page_bytes, block_bytes=g.bytes_per_block, hybrid_groups=g.num_groups, limiting_rank=limiting.rank, error=error,
-        log_lines=lines, methods=methods, notes=notes, ranks=ranks if len(ranks) > 1 else None)
+        log_lines=lines, methods=methods, notes=notes, ranks=ranks if len(ranks) > 1 else None,
+        interconnect=ic.kind if ic else None, custom_all_reduce=car.on if car else None)
 
 
 def _hybrid(arch, tc: dict, filled: dict | None, tp: int, v, el: int, kv_bytes: int, max_len: int,
             args: VllmArgs) -> tuple[H.Unified | None, str]:
     """The unified page of a model with Mamba / linear-attention layers (:mod:`.mamba`), or None."""
-    if "mamba" not in arch.layer_kinds:
+    if "mamba" not in arch.layer_kinds and "parallel" not in arch.layer_kinds:
         for value, flag in ((args.mamba_cache_dtype, "--mamba-cache-dtype"),
                             (args.mamba_ssm_cache_dtype, "--mamba-ssm-cache-dtype")):
             if value != "auto":
@@ -289,6 +300,9 @@ def _hybrid(arch, tc: dict, filled: dict | None, tp: int, v, el: int, kv_bytes: 
                         "model: give --vllm-version 0.10.1 or newer")
     if arch.architecture == "Qwen3NextForCausalLM" and v < (0, 10, 2):
         raise UserError(f"Qwen3-Next needs vLLM 0.10.2 or newer (qwen3_next.py), not {V.fmt_version(v)}")
+    if arch.architecture in ("JambaForCausalLM", "FalconH1ForCausalLM") and v < (0, 10, 2):
+        raise UserError(f"{arch.architecture} on the V1 engine is modelled from vLLM 0.10.2 (the oldest read with it), "
+                        f"not {V.fmt_version(v)}: give --vllm-version 0.10.2 or newer")
     if "mla" in arch.layer_kinds or any(k in ("sliding", "chunked") for k in arch.layer_kinds):
         raise UserError(f"{arch.architecture} mixes Mamba layers with MLA or windowed attention: not modelled")
     if tc is not None and filled:

@@ -59,13 +59,19 @@ class LayerSpec:
 
 
 def layer_specs(arch: Arch, tp: int, kv_bytes: int, block: int, v: V.Version,
-                hybrid: Unified | None = None) -> list[LayerSpec | None]:
+                hybrid: Unified | None = None) -> list[LayerSpec | None | tuple[LayerSpec, ...]]:
     """One spec per decoder layer (global index); None for a layer that holds no cache (Nemotron-H's MLP and
-    MoE layers). ``hybrid``: the unified page of a model with Mamba layers (:func:`.mamba.unify`)."""
-    out: list[LayerSpec | None] = []
+    MoE layers), a tuple for one that holds two (Falcon-H1's attention and Mamba side by side: :func:`flat`
+    makes a rank's list). ``hybrid``: the unified page of a model with Mamba layers (:func:`.mamba.unify`)."""
+    out: list[LayerSpec | None | tuple[LayerSpec, ...]] = []
     for kind in arch.layer_kinds:
         if kind == "none":
             out.append(None)
+            continue
+        if kind == "parallel":
+            attn = LayerSpec("full", 2 * block * max(1, arch.kv_heads // tp) * arch.head_dim * kv_bytes)
+            out.append((attn, LayerSpec("mamba", hybrid.page_bytes, mode=hybrid.mode,
+                                        state_block=hybrid.mamba_block_size)))
             continue
         if kind == "mamba":
             if hybrid is None:
@@ -83,6 +89,14 @@ def layer_specs(arch: Arch, tp: int, kv_bytes: int, block: int, v: V.Version,
             out.append(LayerSpec("chunked", page, int(arch.chunk_size)))
         else:  # up to 0.9.0 sliding-window layers are sized as full attention
             out.append(LayerSpec("full", page))
+    return out
+
+
+def flat(specs: list) -> list[LayerSpec | None]:
+    """The cache layers of some decoder layers of :func:`layer_specs`, one entry each."""
+    out: list[LayerSpec | None] = []
+    for s in specs:
+        out.extend(s if isinstance(s, tuple) else (s,))
     return out
 
 

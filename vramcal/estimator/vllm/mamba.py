@@ -1,5 +1,6 @@
-"""Hybrid models' recurrent state in vLLM's KV cache (V1 engine): Qwen3-Next's Gated DeltaNet layers and
-the Mamba-2 layers of Nemotron-H and Granite-4.0-H, beside their full-attention layers. Pure arithmetic.
+"""Hybrid models' recurrent state in vLLM's KV cache (V1 engine): Qwen3-Next's Gated DeltaNet layers, the
+Mamba-2 layers of Nemotron-H, Granite-4.0-H and Falcon-H1 and the Mamba-1 layers of Jamba, beside their
+full-attention layers (Falcon-H1's run side by side with one in every decoder layer). Pure arithmetic.
 
 **One state page** (``v1/kv_cache_interface.py``, ``MambaSpec.page_size_bytes``): the sum over the
 layer's state tensors of elements x dtype bytes, per rank (``layers/mamba/mamba_utils.py``,
@@ -9,7 +10,13 @@ layer's state tensors of elements x dtype bytes, per rank (``layers/mamba/mamba_
   v_heads x v_dim) / tp`` and the recurrent state ``v_heads / tp x k_dim x v_dim``;
 - Mamba-2 (``mamba2_state_shape``): conv ``(kernel - 1) x (intermediate + 2 x groups' x state) / tp``
   (``groups'`` is the groups padded to tp when tp does not divide them) and the SSM state
-  ``heads / tp x head_dim x state``.
+  ``heads / tp x head_dim x state``; Falcon-H1's intermediate is ``mamba_d_ssm``, else ``mamba_expand x
+  hidden`` (``falcon_h1.py``, ``get_mamba_state_shape_from_config``; transformers' config fills
+  ``mamba_d_ssm`` with 1024 when the checkpoint leaves it out);
+- Mamba-1 (``mamba1_state_shape``, Jamba's ``get_mamba_state_shape_from_config`` in ``jamba.py``): conv
+  ``(kernel - 1) x intermediate / tp`` and the SSM state ``intermediate / tp x state``, with intermediate
+  ``mamba_expand x hidden`` (0.10.2, 0.19.1 and 0.33.0 read; 0.10.2 orients the conv state the other way, the
+  same elements). Dtypes as Mamba-2's (``mamba1_state_dtype``).
 
 Dtypes (``MambaStateDtypeCalculator``): the conv state in ``mamba_cache_dtype`` (``auto``: the model
 dtype, never the KV cache's fp8); the SSM state in ``mamba_ssm_cache_dtype`` when it is set, else the
@@ -36,8 +43,9 @@ and ``--block-size``). With Mamba prefix caching in mode ``all`` the block is in
 (``MambaModelConfig``): off for hybrid models up to 0.25 (0.10-0.11 force it off; 0.12-0.25
 ``is_prefix_caching_supported`` is False for them), on by default from 0.26 ("Generative hybrid models
 support prefix caching"), where the mode is ``all`` up to 0.31 for architectures that implement
-``SupportsMambaPrefixCaching`` (Nemotron-H and Granite-4.0-H) and ``align`` otherwise (Qwen3-Next; every
-architecture from 0.32).
+``SupportsMambaPrefixCaching`` (Nemotron-H, Granite-4.0-H, Jamba and Falcon-H1: 0.15.1, 0.19.1 and 0.27.1
+read) and ``align`` otherwise (Qwen3-Next; every architecture from 0.32, where only Mamba-2 layers add a
+checkpoint page).
 The state layers' block size is ``max_model_len`` in mode ``none`` (one block a request), the attention
 block otherwise; "GPU KV cache size" up to 0.19 counts ``num_blocks // groups x`` the smaller of the two.
 """
@@ -50,9 +58,9 @@ from math import lcm
 from ...errors import UserError
 
 MAMBA_ARCHS = {"Qwen3NextForCausalLM": "gdn", "NemotronHForCausalLM": "mamba2",
-               "GraniteMoeHybridForCausalLM": "mamba2"}
+               "GraniteMoeHybridForCausalLM": "mamba2", "FalconH1ForCausalLM": "mamba2", "JambaForCausalLM": "mamba1"}
 # architectures whose Mamba layers take prefix caching mode "all" (SupportsMambaPrefixCaching, 0.12-0.32)
-ALL_MODE_ARCHS = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM")
+ALL_MODE_ARCHS = ("NemotronHForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "JambaForCausalLM")
 STATE_DTYPES = {"auto": None, "float32": 4, "float16": 2, "half": 2, "bfloat16": 2}
 ALIGN = 16
 
@@ -61,7 +69,7 @@ ALIGN = 16
 class StateShape:
     """One state layer's tensors per rank, as element counts (conv state, recurrent / SSM state)."""
 
-    family: str  # gdn | mamba2
+    family: str  # gdn | mamba2 | mamba1
     conv_elems: int
     ssm_elems: int
     chunk_size: int  # the Mamba-2 kernel's chunk (prefix caching mode "all"); 2048 when the config has none
@@ -88,13 +96,20 @@ def state_shape(architecture: str, tc: dict, tp: int) -> StateShape:
         conv = (kernel - 1) * _divide(2 * k_heads * k_dim + v_heads * v_dim, tp, "Gated DeltaNet conv width")
         ssm = _divide(v_heads, tp, "linear-attention value heads") * k_dim * v_dim
         return StateShape(family, conv, ssm, chunk)
+    if family == "mamba1":
+        inter = int(tc.get("mamba_expand", 2)) * int(tc["hidden_size"])
+        state, kernel = int(tc["mamba_d_state"]), int(tc["mamba_d_conv"])
+        per_rank = _divide(inter, tp, "Mamba intermediate size")
+        return StateShape(family, (kernel - 1) * per_rank, per_rank * state, chunk)
     if architecture == "NemotronHForCausalLM":
         heads, head_dim = int(tc["mamba_num_heads"]), int(tc["mamba_head_dim"])
         inter, groups = heads * head_dim, int(tc["n_groups"])
         state, kernel = int(tc["ssm_state_size"]), int(tc["conv_kernel"])
-    else:  # GraniteMoeHybrid
+    else:  # GraniteMoeHybrid, FalconH1
         heads, head_dim = int(tc["mamba_n_heads"]), int(tc["mamba_d_head"])
         inter, groups = int(tc.get("mamba_expand", 2)) * int(tc["hidden_size"]), int(tc.get("mamba_n_groups", 1))
+        if architecture == "FalconH1ForCausalLM" and tc.get("mamba_d_ssm") is not None:
+            inter = int(tc["mamba_d_ssm"])
         state, kernel = int(tc["mamba_d_state"]), int(tc["mamba_d_conv"])
     if groups % tp:  # extra_groups_for_head_shards: the groups are replicated up to tp
         groups = tp
@@ -139,7 +154,7 @@ def cache_mode(v: tuple[int, int, int], architecture: str, prefix_caching: bool 
         return "all" if architecture in ALL_MODE_ARCHS else "align"
     if MAMBA_ARCHS.get(architecture) == "mamba2":
         return "align+checkpoint"  # mamba_mixer2.get_kv_cache_spec: num_prefill_checkpoint_blocks=1 (0.32 on)
-    if v >= (0, 33, 0):
+    if v >= (0, 33, 0) and MAMBA_ARCHS.get(architecture) == "gdn":
         raise UserError("vLLM 0.33 gives Gated DeltaNet layers prefill checkpoint state pages under Mamba prefix "
                         "caching (on by default for hybrid models) when the model can export them, which vramcal "
                         "does not model: give --no-enable-prefix-caching, or --vllm-version 0.32 or older")

@@ -69,6 +69,8 @@ class VllmEstimate:
     notes: list[str] = field(default_factory=list)
     ranks: list[VllmRank] | None = None  # every GPU when tp x pp > 1
     correction: dict | None = None  # this machine's learned terms, when applied (raw terms kept here)
+    interconnect: str | None = None  # nvlink | pcie, assumed for tp > 1 (methods["interconnect"] says why)
+    custom_all_reduce: bool | None = None  # whether vLLM's custom all-reduce is on (tp > 1)
 
     def to_dict(self) -> dict:
         d = asdict(self)

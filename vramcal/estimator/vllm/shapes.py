@@ -35,17 +35,19 @@ from dataclasses import dataclass
 from ..quant import QuantSpec
 from ..resolve import ModelSource
 
-SHAPES_VERSION = 3  # bump when the roles below change: the disk cache keys on it (2: the filled config too;
-# 3: Mamba / Gated DeltaNet layers split by tp)
+SHAPES_VERSION = 4  # bump when the roles below change: the disk cache keys on it (2: the filled config too;
+# 3: Mamba / Gated DeltaNet layers split by tp; 4: Mamba-1's x_proj and dt_proj)
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 COL = {"q_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "gate_up_proj", "fc1", "w1", "w3", "c_fc",
        "dense_h_to_4h", "query_key_value", "qkv_proj", "Wqkv", "c_attn", "in_proj", "wq", "wk", "wv",
-       "in_proj_qkvz", "in_proj_ba", "conv1d"}  # Mamba / Gated DeltaNet: split on their output (mamba_mixer2.py,
-# qwen3_next.py: ColumnParallelLinear / MergedColumnParallelLinear; the conv weight as one)
+       "in_proj_qkvz", "in_proj_ba", "conv1d", "dt_proj"}  # Mamba / Gated DeltaNet: split on their output
+# (mamba_mixer2.py, mamba_mixer.py, qwen3_next.py: ColumnParallelLinear / MergedColumnParallelLinear; the conv weight
+# as one)
 STATE_PER_HEAD = {"A_log", "D", "dt_bias"}  # a Mamba / GDN layer's per-head tensors: split by tp with the heads
 KV = {"k_proj", "v_proj"}
-ROW = {"o_proj", "down_proj", "dense", "fc2", "w2", "c_proj", "out_proj", "dense_4h_to_h", "wo"}
+ROW = {"o_proj", "down_proj", "dense", "fc2", "w2", "c_proj", "out_proj", "dense_4h_to_h", "wo",
+       "x_proj"}  # Mamba-1's x_proj: RowParallelLinear on the intermediate size (mamba_mixer.py)
 REPLICATED_LINEAR = {"q_a_proj", "kv_a_proj_with_mqa"}  # quantized like every linear layer, not split
 VISION = ("vision", "visual", "multi_modal_projector", "mm_projector", "image_newline")
 

@@ -249,15 +249,35 @@ def scheduler_defaults(v: Version, total_bytes: int, gpu_name: str | None, usage
 
 # ------------------------------------------------------------------------------ non-torch defaults
 
-def non_torch_default(v: Version, tp: int, pp: int) -> tuple[int, str]:
-    """Non-torch memory the profile adds (cuBLAS / attention workspaces, NCCL and custom all-reduce
-    buffers made during the profile): a default per setup, taken from the logs in
-    benchmarks/published/vllm/ (calibration replaces it with what a machine measured)."""
+def comms_before_snapshot(v: Version) -> bool:
+    """Whether ``Worker.init_device`` (``v1/worker/gpu_worker.py``) sets up the distributed environment -- NCCL's
+    communicators, custom all-reduce's buffers -- before its init memory snapshot (0.11.0 on: outside the
+    profile's non-torch figure) or after it (0.10.2 and before: inside)."""
+    return v >= (0, 11, 0)
+
+
+def non_torch_default(v: Version, tp: int, pp: int, interconnect: str = "nvlink",
+                      custom_ar_bytes: int = 0) -> tuple[int, str]:
+    """Non-torch memory the profile adds (cuBLAS / attention workspaces, and with tp > 1 NCCL's buffers
+    connected at the first collectives): a default per setup, taken from the logs in
+    benchmarks/published/vllm/ (calibration replaces it with what a machine measured). With tp > 1 it
+    depends on the ``interconnect`` (:mod:`.allreduce`); ``custom_ar_bytes`` is what custom all-reduce
+    allocates inside the figure (before 0.11 only: :meth:`.allreduce.CustomAllReduce.non_torch_bytes`)."""
     gib = 1024**3
     if tp > 1:
-        if v >= (0, 11, 0):
-            return int(2.10 * gib), "TP > 1 on NVLink GPUs, 0.19 logs: 2.06-2.21 GiB per rank (custom all-reduce)"
-        return int(0.20 * gib), "TP > 1, 0.10 logs: 0.17-0.21 GiB per rank (PCIe, custom all-reduce off)"
+        if not comms_before_snapshot(v):
+            ar = f" + custom all-reduce's buffers {custom_ar_bytes / 1024**2:.0f} MiB" if custom_ar_bytes else ""
+            return (int(0.20 * gib) + custom_ar_bytes,
+                    f"TP > 1 before 0.11, 0.10 logs: 0.17-0.21 GiB per rank (PCIe, custom all-reduce off){ar}; NCCL's "
+                    "communicators are made after vLLM's snapshot and counted in it (an NVLink figure is not fitted)")
+        if interconnect == "nvlink":
+            return (int(2.10 * gib), "TP > 1 over NVLink, 0.19 H100 SXM logs: 2.06-2.21 GiB per rank, fitted: NCCL's "
+                                     "buffers connected during the profile, for which vLLM's source has no formula "
+                                     "(custom all-reduce's are made before vLLM's snapshot, outside it)")
+        one, why = non_torch_default(v, 1, pp)
+        return one, (f"TP > 1 over PCIe: as without TP ({why}); custom all-reduce's buffers and NCCL's communicators "
+                     "are made before vLLM's snapshot (0.11 on), and NCCL's PCIe channel buffers are not counted "
+                     "(no PCIe TP log with the profile line to fit them to)")
     if pp > 1:
         return int(0.07 * gib), "PP only, 0.19 logs: 0.07 GiB per rank"
     if v >= (0, 18, 0):

@@ -1,0 +1,201 @@
+"""Tensor parallelism by interconnect (issue 27): vLLM's custom all-reduce, its buffers, what of them the
+profile's non-torch figure sees, and the interconnect read through the NVML door or given."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vramcal.estimator.vllm import allreduce as A
+from vramcal.estimator.vllm import versions as V
+from vramcal.estimator.vllm.engine import VllmArgs, estimate_vllm
+
+ROOT = Path(__file__).parent.parent
+CONFIGS = ROOT / "benchmarks" / "published" / "vllm" / "configs"
+GIB, MIB = 1024**3, 1024**2
+H100 = int(79.19 * GIB)
+NVLINK = A.Interconnect("nvlink", "test")
+PCIE = A.Interconnect("pcie", "test")
+
+
+def _est(**kw):
+    base = dict(gpu_memory_bytes=H100, gpu_memory_utilization=0.95, max_model_len=8192, vllm_version="0.19.0",
+                tensor_parallel_size=2)
+    return estimate_vllm("llama-3.1-8b", VllmArgs(**{**base, **kw}))
+
+
+def _cli(*argv):
+    from vramcal.cli import main
+
+    return main(list(argv))
+
+
+# ------------------------------------------------------------------ custom all-reduce, as its source says
+
+def test_custom_all_reduce_buffers_per_rank_as_the_source_allocates_them():
+    """custom_all_reduce.py: meta_size() + max_size, a registered buffer of max_size (0.27: max(max_size,
+    2 MiB all-gather, 16 MiB reduce-scatter)), both cudaMalloc'd; rank_data 8 MiB by torch; max_size 8 MiB."""
+    on = A.custom_all_reduce((0, 19, 1), 2, NVLINK)
+    assert on.on and on.device_bytes == 8 * MIB + 8 * MIB and on.torch_bytes == 8 * MIB
+    assert A.custom_all_reduce((0, 27, 1), 2, NVLINK).device_bytes == 8 * MIB + 16 * MIB
+    assert A.custom_all_reduce((0, 19, 1), 8, NVLINK).device_bytes == 16 * MIB  # not by world size
+
+
+@pytest.mark.parametrize("v, tp, ic, disabled, on, why", [
+    ((0, 19, 1), 2, PCIE, False, True, "two PCIe GPUs"),  # two PCIe GPUs with P2P take it
+    ((0, 19, 1), 4, PCIE, False, False, "more than two PCIe-only GPUs"),
+    ((0, 19, 1), 4, NVLINK, False, True, "NVLink"),
+    ((0, 19, 1), 2, A.Interconnect("pcie", "t", p2p=False), False, False, "no P2P"),
+    ((0, 19, 1), 3, NVLINK, False, False, "world size 3"),
+    ((0, 19, 1), 16, NVLINK, False, False, "world size 16"),  # _SUPPORTED_WORLD_SIZES [2, 4, 6, 8]
+    ((0, 27, 1), 16, NVLINK, False, True, "NVLink"),  # ... [2, 4, 6, 8, 16]
+    ((0, 19, 1), 2, NVLINK, True, False, "--disable-custom-all-reduce"),
+    ((0, 19, 1), 1, NVLINK, False, False, "one GPU"),
+])
+def test_when_custom_all_reduce_turns_itself_on(v, tp, ic, disabled, on, why):
+    car = A.custom_all_reduce(v, tp, ic, disabled)
+    assert car.on is on and why in car.why
+    assert (car.device_bytes > 0) is on
+
+
+def test_its_buffers_are_non_torch_only_before_0_11():
+    """gpu_worker.py: 0.10.2 takes the init snapshot before init_worker_distributed_environment, 0.11.0 after."""
+    car = A.custom_all_reduce((0, 10, 2), 2, PCIE)
+    assert car.non_torch_bytes((0, 10, 2)) == 16 * MIB and car.non_torch_bytes((0, 11, 0)) == 0
+    base, _ = V.non_torch_default((0, 10, 2), 2, 1, "pcie")
+    with_ar, why = V.non_torch_default((0, 10, 2), 2, 1, "pcie", car.non_torch_bytes((0, 10, 2)))
+    assert with_ar - base == 16 * MIB and "custom all-reduce's buffers 16 MiB" in why
+
+
+# ------------------------------------------------------------------ non-torch by interconnect
+
+def test_non_torch_over_pcie_is_the_one_gpu_figure_and_nvlink_the_fitted_one():
+    nv = _est(interconnect=NVLINK)
+    pc = _est(interconnect=PCIE)
+    one, _ = V.non_torch_default((0, 19, 0), 1, 1)
+    assert nv.non_torch_bytes == int(2.10 * GIB) and pc.non_torch_bytes == one == int(0.25 * GIB)
+    # everything else is the same: the KV memory moves by the difference, on every rank
+    assert pc.kv_cache_bytes - nv.kv_cache_bytes == nv.non_torch_bytes - pc.non_torch_bytes
+    assert pc.weights_bytes == nv.weights_bytes and pc.kv_cache_tokens > nv.kv_cache_tokens
+    assert nv.interconnect == "nvlink" and pc.interconnect == "pcie" and pc.custom_all_reduce is True
+    assert "pcie (test)" in pc.methods["interconnect"] and "over PCIe" in pc.methods["non_torch"]
+
+
+def test_the_nvlink_figure_against_the_published_h100_tp2_log():
+    """llm-d-planner's 0.19.0 2x H100 SXM log of Llama-3.1-8B: "non-torch forward increase memory: 2.07GiB";
+    the fitted NVLink default is 2.10 (the rows it was fitted to say 2.06-2.21)."""
+    log = (ROOT / "benchmarks" / "published" / "vllm" / "logs" /
+           "llmd_meta-llama-llama-3-1-8b_-h100-80gb_tp2pp1dp1_8192.log").read_text()
+    assert "non-torch forward increase memory: 2.07GiB" in log
+    e = _est(gpu_name="NVIDIA H100 80GB HBM3")
+    assert e.interconnect == "nvlink" and "guessed from the GPU's name" in e.methods["interconnect"]
+    assert abs(e.non_torch_bytes - 2.07 * GIB) < 0.05 * GIB
+
+
+def test_without_a_word_on_it_the_estimate_assumes_by_name_then_nvlink_and_says_so():
+    assert A.from_name("NVIDIA RTX PRO 6000 Blackwell Workstation Edition").kind == "pcie"
+    assert A.from_name("NVIDIA GeForce RTX 4090").kind == "pcie"
+    assert A.from_name("NVIDIA H100 PCIe").kind == "pcie"
+    assert A.from_name("NVIDIA A100-SXM4-80GB").kind == "nvlink"
+    assert A.from_name("NVIDIA H100 NVL").kind == "nvlink"
+    assert A.from_name("NVIDIA A100 80GB") is None and A.from_name(None) is None
+    e = _est()
+    assert e.interconnect == "nvlink" and "not known: NVLink assumed" in e.methods["interconnect"]
+    assert _est(tensor_parallel_size=1).interconnect is None  # no all-reduce, nothing assumed
+    assert _est(gpu_name="NVIDIA RTX PRO 6000 Blackwell Workstation Edition").non_torch_bytes == int(0.25 * GIB)
+
+
+# ------------------------------------------------------------------ this machine, through the NVML door
+
+def test_this_machines_interconnect_through_the_nvml_door(fake):
+    from fake_nvml import NVMLError_NotSupported
+
+    from vramcal.probes.hardware import interconnect_here
+
+    fake({0: [0], 1: [0]}, p2p={2: 0})  # NVML_P2P_CAPS_INDEX_NVLINK: OK
+    ic = interconnect_here([0, 1])
+    assert ic.kind == "nvlink" and "GPUs 0,1" in ic.source
+    fake({0: [0], 1: [0]}, p2p={2: 5, 0: 0})  # NVLink: NOT_SUPPORTED; READ: OK
+    ic = interconnect_here([0, 1])
+    assert ic.kind == "pcie" and ic.p2p is True and "P2P reads allowed" in ic.source
+    fake({0: [0], 1: [0]}, p2p={2: NVMLError_NotSupported(), 0: 2})  # an NVML error, as vLLM reads it: no NVLink
+    ic = interconnect_here([0, 1])
+    assert ic.kind == "pcie" and ic.p2p is False and "vLLM reads that as none" in ic.source
+    assert A.custom_all_reduce((0, 19, 1), 2, ic).on is False
+    fake({0: [0], 1: [0]})  # NVML says nothing on either: not known
+    assert interconnect_here([0, 1]) is None
+    assert interconnect_here([0, 1, 2]) is None  # fewer GPUs than the group
+
+
+def test_estimate_on_this_machine_reads_nvml_and_the_flag_wins(fake, capsys):
+    fake({0: [0], 1: [0]}, p2p={2: 5, 0: 0}, gpu_name="NVIDIA H100 80GB HBM3")
+    args = ("estimate", "llama-3.1-8b", "--engine", "vllm", "--gpu-memory", "79.19GiB", "-tp", "2",
+            "--max-model-len", "8192", "--vllm-version", "0.19", "--json", "--no-correction")
+    assert _cli(*args) == 0
+    v = json.loads(capsys.readouterr().out)["vllm"]
+    assert v["interconnect"] == "pcie" and "this machine's GPUs 0,1" in v["methods"]["interconnect"]
+    assert v["non_torch_bytes"] == int(0.25 * GIB)
+    assert _cli(*args, "--interconnect", "NVLink") == 0
+    v = json.loads(capsys.readouterr().out)["vllm"]
+    assert v["interconnect"] == "nvlink" and "--interconnect" in v["methods"]["interconnect"]
+    assert v["non_torch_bytes"] == int(2.10 * GIB)
+
+
+@pytest.mark.parametrize("command", [
+    ("estimate", "qwen2.5-7b", "--engine", "vllm", "--gpu-memory", "80GiB", "--no-correction", "-tp", "2"),
+    ("fit", "qwen2.5-7b", "--engine", "vllm", "--gpu-memory", "80GiB", "--no-correction", "-tp", "2"),
+    ("plan", "qwen2.5-7b", "--engine", "vllm", "--hardware", "cuda:0=80GiB,cuda:1=80GiB"),
+], ids=lambda c: c[0])
+def test_an_unknown_interconnect_is_one_line_and_exit_2(command, capsys):
+    rc = _cli(*command, "--interconnect", "infiniband")
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("vramcal: ") and "\n" not in err and "nvlink" in err, err
+
+
+def test_plan_prices_each_group_over_the_interconnect_given(capsys):
+    hw = ("plan", "llama-3.1-8b", "--engine", "vllm", "--hardware", "cuda:0=79.19GiB,cuda:1=79.19GiB",
+          "--vllm-version", "0.19", "--ctx", "8192", "--json")
+    out = {}
+    for link in ("nvlink", "pcie"):
+        assert _cli(*hw, "--interconnect", link) == 0
+        plans = json.loads(capsys.readouterr().out)["plans"]
+        two = next(p for p in plans if p["tensor_parallel_size"] == 2 and p["quantization"] is None
+                   and p["kv_cache_dtype"] == "auto")
+        assert f"--interconnect {link}" in two["command"]
+        out[link] = two["kv_cache_bytes"]
+    assert out["pcie"] - out["nvlink"] == int(2.10 * GIB) - int(0.25 * GIB)
+
+
+@pytest.mark.parametrize("log, tp, ic, logged, why", [
+    # 8x L40S, 0.10.2: "Custom allreduce is disabled because it's not supported on more than two PCIe-only GPUs"
+    (ROOT / "tests" / "data" / "vllm" / "r001.log", 8, PCIE, "more than two PCIe-only GPUs",
+     "more than two PCIe-only GPUs"),
+    # 2x A100 80GB without P2P, 0.10.1.1: "... your platform lacks GPU P2P capability or P2P test failed"
+    (ROOT / "benchmarks" / "published" / "vllm" / "logs" / "dl22_qwen2-7b_a100-80gb_tp2_u0.5.log", 2,
+     A.Interconnect("pcie", "the log", p2p=False), "lacks GPU P2P capability", "no P2P access"),
+])
+def test_custom_all_reduce_is_off_where_the_published_logs_say_it_is(log, tp, ic, logged, why):
+    text = log.read_text()
+    assert "Custom allreduce is disabled" in text and logged in text
+    car = A.custom_all_reduce((0, 10, 2), tp, ic)
+    assert not car.on and why in car.why and car.non_torch_bytes((0, 10, 2)) == 0
+
+
+def test_the_0_10_pcie_figure_against_the_8x_l40s_log():
+    """r001.log (0.10.2, tp 8 over PCIe, custom all-reduce off): "0.21 / 0.18 / 0.17 GiB for non-torch memory"
+    per worker; the 0.10 default is 0.20 GiB (no custom all-reduce buffers: off at tp 8 over PCIe)."""
+    text = (ROOT / "tests" / "data" / "vllm" / "r001.log").read_text()
+    for logged in ("0.21 GiB f", "0.18 GiB f", "0.17 GiB f"):
+        assert logged in text
+    car = A.custom_all_reduce((0, 10, 2), 8, PCIE)
+    got, _ = V.non_torch_default((0, 10, 2), 8, 1, "pcie", car.non_torch_bytes((0, 10, 2)))
+    assert 0.17 * GIB <= got <= 0.21 * GIB
+
+
+def test_interconnect_belongs_to_the_vllm_engine(capsys):
+    assert _cli("estimate", "qwen2.5-7b", "--interconnect", "pcie") == 2
+    assert _cli("plan", "qwen2.5-7b", "--hardware", "cuda:0=80GiB", "--interconnect", "pcie") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("--interconnect belongs to --engine vllm" in e for e in err)
