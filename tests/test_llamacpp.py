@@ -426,6 +426,9 @@ STATE_CASES = [
                                                                                       flash_attn="off")),
     ("jamba", "jamba", dict(kinds="MAMM", d_state=64), dict(ctx_size=2048)),
     ("lfm2-np4", "lfm2", dict(kinds="CCAC", E=256), dict(ctx_size=2048, n_parallel=4)),
+    ("falcon-h1-np2", "falcon_h1", dict(d_state=64), dict(ctx_size=2048, n_parallel=2)),
+    ("nemotron_h", "nemotron_h", dict(kinds="MFAFMF", d_state=64), dict(ctx_size=2048)),
+    ("qwen3next-np2", "qwen3next", dict(n_layer=8, d_state=64), dict(ctx_size=2048, n_parallel=2)),
     ("deepseek2-mla", "deepseek2", dict(), dict(ctx_size=4096)),
     ("deepseek2-mla-np2-no-fa", "deepseek2", dict(kv_lora=128), dict(ctx_size=2048, n_parallel=2, flash_attn="off")),
 ]
@@ -445,4 +448,5 @@ def test_state_buffers_equal_what_llama_cpp_logs(tmp_path, case):
         assert _mib(logged.rs_size_bytes) == _mib(est.rs_cache["r_bytes"] + est.rs_cache["s_bytes"])
     else:
         assert logged.rs_buffer_bytes == {}
+    assert logged.kv_layers == [c["layers"] for c in est.kv_caches]  # the attention layers only
     assert any("approximate" in n for n in est.notes)

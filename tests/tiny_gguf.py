@@ -393,3 +393,86 @@ def write_deepseek2(path, *, n_layer: int = 2, E: int = 128, n_head: int = 4, q_
           "expert_used_count": n_expert_used, "expert_feed_forward_length": F_exp, "expert_shared_count": 1,
           "expert_weights_scale": 1.0, "attention.layer_norm_rms_epsilon": 1e-6}
     return write_gguf(path, "deepseek2", kv, t, n_vocab=V)
+
+
+def write_falcon_h1(path, *, n_layer: int = 2, E: int = 128, n_head: int = 4, n_head_kv: int = 2, F: int = 256,
+                    d_state: int = 16, d_conv: int = 4, n_group: int = 1, head_dim: int = 32, V: int = 512,
+                    n_ctx_train: int = 2048) -> str:
+    """src/models/falcon-h1.cpp: every layer runs attention and a Mamba2 mixer side by side, then a dense
+    feed-forward (its norm is named ``blk.N.ffn_norm``, without ``.weight``)."""
+    d_inner = 2 * E
+    n_ssm_head = d_inner // head_dim
+    conv = d_inner + 2 * n_group * d_state
+    hd = E // n_head
+    t = _common(E, V)
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        t += _mamba2_mixer(b, E, d_inner, d_state, n_group, n_ssm_head, d_conv, d_inner + conv + n_ssm_head)
+        t += _attn(b, E, n_head, n_head_kv, hd) + [(b + "attn_norm.weight", (E,)), (b + "ffn_norm", (E,))]
+        t += _ffn(b, E, F)[1:]
+    kv = {"context_length": n_ctx_train, "embedding_length": E, "block_count": n_layer, "feed_forward_length": F,
+          "attention.head_count": n_head, "attention.head_count_kv": n_head_kv, "rope.dimension_count": hd,
+          "ssm.conv_kernel": d_conv, "ssm.inner_size": d_inner, "ssm.state_size": d_state,
+          "ssm.time_step_rank": n_ssm_head, "ssm.group_count": n_group, "attention.layer_norm_rms_epsilon": 1e-5}
+    return write_gguf(path, "falcon-h1", kv, t, n_vocab=V)
+
+
+def write_qwen3next(path, *, n_layer: int = 4, E: int = 128, n_head: int = 4, n_head_kv: int = 2, hd: int = 32,
+                    d_state: int = 32, n_k_heads: int = 2, n_v_heads: int = 4, d_conv: int = 4, n_expert: int = 4,
+                    n_expert_used: int = 2, F_exp: int = 64, V: int = 512, n_ctx_train: int = 2048) -> str:
+    """src/models/qwen3next.cpp: gated delta-net layers (recurrent) with a full-attention layer every
+    ``full_attention_interval`` (default 4), MoE with a gated shared expert in every layer."""
+    key_dim, value_dim = d_state * n_k_heads, d_state * n_v_heads
+    t = _common(E, V)
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        t += [(b + "attn_norm.weight", (E,)), (b + "post_attention_norm.weight", (E,))]
+        if (i + 1) % 4 == 0:
+            t += [(b + "attn_q.weight", (E, n_head * hd * 2)), (b + "attn_k.weight", (E, n_head_kv * hd)),
+                  (b + "attn_v.weight", (E, n_head_kv * hd)), (b + "attn_output.weight", (n_head * hd, E)),
+                  (b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
+        else:
+            t += [(b + "ssm_in.weight", (E, 2 * key_dim + 2 * value_dim)),
+                  (b + "ssm_conv1d.weight", (d_conv, 2 * key_dim + value_dim)), (b + "ssm_dt.bias", (n_v_heads,)),
+                  (b + "ssm_a", (n_v_heads,)), (b + "ssm_ba.weight", (E, 2 * n_v_heads)),
+                  (b + "ssm_norm.weight", (d_state,)), (b + "ssm_out.weight", (value_dim, E))]
+        t += [(b + "ffn_gate_inp.weight", (E, n_expert)), (b + "ffn_down_exps.weight", (F_exp, E, n_expert)),
+              (b + "ffn_gate_exps.weight", (E, F_exp, n_expert)), (b + "ffn_up_exps.weight", (E, F_exp, n_expert)),
+              (b + "ffn_gate_inp_shexp.weight", (E,)), (b + "ffn_gate_shexp.weight", (E, F_exp)),
+              (b + "ffn_up_shexp.weight", (E, F_exp)), (b + "ffn_down_shexp.weight", (F_exp, E))]
+    kv = {"context_length": n_ctx_train, "embedding_length": E, "block_count": n_layer, "feed_forward_length": F_exp,
+          "attention.head_count": n_head, "attention.head_count_kv": n_head_kv, "attention.key_length": hd,
+          "attention.value_length": hd, "rope.dimension_count": hd // 4, "expert_count": n_expert,
+          "expert_used_count": n_expert_used, "expert_feed_forward_length": F_exp,
+          "expert_shared_feed_forward_length": F_exp, "ssm.conv_kernel": d_conv, "ssm.inner_size": value_dim,
+          "ssm.state_size": d_state, "ssm.time_step_rank": n_v_heads, "ssm.group_count": n_k_heads,
+          "attention.layer_norm_rms_epsilon": 1e-6}
+    return write_gguf(path, "qwen3next", kv, t, n_vocab=V)
+
+
+def write_nemotron_h(path, *, kinds: str = "MFAF", E: int = 128, n_head: int = 4, n_head_kv: int = 2, F: int = 256,
+                     d_state: int = 16, d_conv: int = 4, n_group: int = 2, head_dim: int = 32, V: int = 512,
+                     n_ctx_train: int = 2048) -> str:
+    """src/models/nemotron-h.cpp: M a Mamba2 mixer (no KV heads, no feed-forward), A attention (KV heads, no
+    feed-forward), F an MLP (a feed-forward, no KV heads): per-layer head_count_kv and feed_forward_length."""
+    d_inner = 2 * E
+    n_ssm_head = d_inner // head_dim
+    hd = E // n_head
+    t = _common(E, V)
+    for i, k in enumerate(kinds):
+        b = f"blk.{i}."
+        t.append((b + "attn_norm.weight", (E,)))
+        if k == "M":
+            t += _mamba2_mixer(b, E, d_inner, d_state, n_group, n_ssm_head, d_conv,
+                               2 * d_inner + 2 * n_group * d_state + n_ssm_head)
+        elif k == "A":
+            t += _attn(b, E, n_head, n_head_kv, hd)
+        else:
+            t += [(b + "ffn_down.weight", (F, E)), (b + "ffn_up.weight", (E, F))]
+    kv = {"context_length": n_ctx_train, "embedding_length": E, "block_count": len(kinds),
+          "feed_forward_length": [F if k == "F" else 0 for k in kinds], "attention.head_count": n_head,
+          "attention.head_count_kv": [n_head_kv if k == "A" else 0 for k in kinds], "attention.key_length": hd,
+          "attention.value_length": hd, "ssm.conv_kernel": d_conv, "ssm.inner_size": d_inner,
+          "ssm.state_size": d_state, "ssm.time_step_rank": n_ssm_head, "ssm.group_count": n_group,
+          "attention.layer_norm_epsilon": 1e-5, "attention.layer_norm_rms_epsilon": 1e-5}
+    return write_gguf(path, "nemotron_h", kv, t, n_vocab=V)
