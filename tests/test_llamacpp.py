@@ -397,6 +397,29 @@ def test_state_bytes_from_first_principles(tmp_path):
     assert any("MLA" in n for n in d.notes) and any("not replayed" in n for n in d.notes)
 
 
+def test_a_published_qwen35_log_on_a_gpu(tmp_path):
+    """Held out: a llama-server log others published (Qwen3.5-27B Q4_K_S, build 8586 (64ac9ab66), RTX 4070,
+    ``-c 131072 -np 1 -ngl 26 -b 1024 -ub 1024``; a GitHub repository file, search-index file id 58671331675).
+    Its header keys (the loader's dump) give, with 39 layers on the CPU and 25 on CUDA0, the KV of the 16
+    full-attention layers and the RS of the 48 gated delta-net ones, per device, as the log prints them."""
+    from vramcal.estimator.llamacpp.buffers import kv_buffers, placement_of, rs_buffers
+
+    kv = {"block_count": 64, "context_length": 262144, "embedding_length": 5120, "feed_forward_length": 17408,
+          "attention.head_count": 24, "attention.head_count_kv": 4, "attention.key_length": 256,
+          "attention.value_length": 256, "ssm.conv_kernel": 4, "ssm.state_size": 128, "ssm.group_count": 16,
+          "ssm.time_step_rank": 48, "ssm.inner_size": 6144, "full_attention_interval": 4}
+    m = read_gguf(tiny_gguf.write_gguf(tmp_path / "q35.gguf", "qwen35", kv, [("token_embd.weight", (64, 512))]))
+    h = hparams_of(m)
+    a = LlamaArgs(ctx_size=131072, n_gpu_layers=26, n_batch=1024, n_ubatch=1024, n_gpus=1)
+    c, p = context_of(h, a), placement_of(h, a)
+    kv_bytes, caches, _ = kv_buffers(h, a, c, p)
+    rs_bytes, rs = rs_buffers(h, a, c, p)
+    assert {k: _mib(v) for k, v in kv_bytes.items()} == {"CPU": "4608.00", "CUDA0": "3584.00"}
+    assert caches[0]["layers"] == 16
+    assert {k: _mib(v) for k, v in rs_bytes.items()} == {"CPU": "93.52", "CUDA0": "56.11"}
+    assert (rs["cells"], rs["layers"], _mib(rs["r_bytes"]), _mib(rs["s_bytes"])) == (1, 48, "5.62", "144.00")
+
+
 def test_logparse_reads_the_recurrent_state_lines():
     from vramcal.estimator.llamacpp.logparse import parse_log
 
