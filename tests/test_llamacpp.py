@@ -445,6 +445,7 @@ STATE_CASES = [
     ("mamba-np3", "mamba", dict(E=256, d_state=64), dict(ctx_size=1536, n_parallel=3)),
     ("mamba2", "mamba2", dict(E=256, d_state=64, head_dim=64), dict(ctx_size=1024)),
     ("rwkv6-np4", "rwkv6", dict(E=256, head_size=64), dict(ctx_size=1024, n_parallel=4)),
+    ("rwkv7-np2", "rwkv7", dict(E=256, head_size=64), dict(ctx_size=1024, n_parallel=2)),
     ("granitehybrid-np2-no-fa", "granitehybrid", dict(kinds="MAMA", d_state=64), dict(ctx_size=2048, n_parallel=2,
                                                                                       flash_attn="off")),
     ("jamba", "jamba", dict(kinds="MAMM", d_state=64), dict(ctx_size=2048)),

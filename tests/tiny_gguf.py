@@ -476,3 +476,30 @@ def write_nemotron_h(path, *, kinds: str = "MFAF", E: int = 128, n_head: int = 4
           "ssm.state_size": d_state, "ssm.time_step_rank": n_ssm_head, "ssm.group_count": n_group,
           "attention.layer_norm_epsilon": 1e-5, "attention.layer_norm_rms_epsilon": 1e-5}
     return write_gguf(path, "nemotron_h", kv, t, n_vocab=V)
+
+
+def write_rwkv7(path, *, n_layer: int = 2, E: int = 128, head_size: int = 32, F: int = 256, V: int = 512,
+                lora: int = 16, n_ctx_train: int = 2048) -> str:
+    """src/models/rwkv7.cpp: the time mix's low-rank decay, in-context learning rate, value-residual and gate
+    projections, the six-way fused lerp; the first layer has no value-residual mix of its own."""
+    t = [("token_embd.weight", (E, V)), ("token_embd_norm.weight", (E,)), ("token_embd_norm.bias", (E,)),
+         ("output_norm.weight", (E,)), ("output_norm.bias", (E,)), ("output.weight", (E, V))]
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        t += [(b + "attn_norm.weight", (E,)), (b + "attn_norm.bias", (E,)), (b + "attn_norm_2.weight", (E,)),
+              (b + "attn_norm_2.bias", (E,))]
+        for x in ("w", "a", "v"):
+            t += [(b + f"time_mix_{x}0.weight", (E,)), (b + f"time_mix_{x}1.weight", (E, lora)),
+                  (b + f"time_mix_{x}2.weight", (lora, E))]
+        t += [(b + "time_mix_g1.weight", (E, lora)), (b + "time_mix_g2.weight", (lora, E)),
+              (b + "time_mix_lerp_fused.weight", (E, 1, 1, 6)), (b + "time_mix_k_k.weight", (E,)),
+              (b + "time_mix_k_a.weight", (E,)), (b + "time_mix_r_k.weight", (E,)), (b + "time_mix_key.weight", (E, E)),
+              (b + "time_mix_value.weight", (E, E)), (b + "time_mix_receptance.weight", (E, E)),
+              (b + "time_mix_ln.weight", (E,)), (b + "time_mix_ln.bias", (E,)), (b + "time_mix_output.weight", (E, E)),
+              (b + "channel_mix_lerp_k.weight", (E, 1, 1)), (b + "channel_mix_key.weight", (E, F)),
+              (b + "channel_mix_value.weight", (F, E))]
+    kv = {"context_length": n_ctx_train, "embedding_length": E, "block_count": n_layer, "feed_forward_length": F,
+          "attention.head_count": 0, "wkv.head_size": head_size, "attention.decay_lora_rank": lora,
+          "attention.iclr_lora_rank": lora, "attention.value_residual_mix_lora_rank": lora,
+          "attention.gate_lora_rank": lora, "attention.layer_norm_epsilon": 1e-5}
+    return write_gguf(path, "rwkv7", kv, t, n_vocab=V)
