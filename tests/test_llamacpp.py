@@ -454,6 +454,7 @@ STATE_CASES = [
     ("nemotron_h", "nemotron_h", dict(kinds="MFAFMF", d_state=64), dict(ctx_size=2048)),
     ("qwen3next-np2", "qwen3next", dict(n_layer=8, d_state=64), dict(ctx_size=2048, n_parallel=2)),
     ("deepseek2-mla", "deepseek2", dict(), dict(ctx_size=4096)),
+    ("deepseek2-mla-mtp", "deepseek2", dict(nextn=1), dict(ctx_size=2048)),  # the MTP layer has no KV here
     ("deepseek2-mla-np2-no-fa", "deepseek2", dict(kv_lora=128), dict(ctx_size=2048, n_parallel=2, flash_attn="off")),
 ]
 

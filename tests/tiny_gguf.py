@@ -366,7 +366,7 @@ def write_rwkv6(path, *, n_layer: int = 2, E: int = 128, head_size: int = 32, F:
 
 def write_deepseek2(path, *, n_layer: int = 2, E: int = 128, n_head: int = 4, q_lora: int = 64, kv_lora: int = 64,
                     nope: int = 32, rope: int = 16, v_head: int = 32, n_expert: int = 4, n_expert_used: int = 2,
-                    F: int = 256, F_exp: int = 64, V: int = 512, n_ctx_train: int = 2048) -> str:
+                    F: int = 256, F_exp: int = 64, V: int = 512, n_ctx_train: int = 2048, nextn: int = 0) -> str:
     """src/models/deepseek2.cpp as convert_hf_to_gguf.py writes it today: MLA with the decompression split into
     ``attn_k_b`` / ``attn_v_b``, one KV head of ``kv_lora_rank + rope`` values (key_length), ``key_length_mla`` /
     ``value_length_mla`` the per-head widths; the first layer dense, the rest MoE with a shared expert."""
@@ -392,6 +392,8 @@ def write_deepseek2(path, *, n_layer: int = 2, E: int = 128, n_head: int = 4, q_
           "rope.dimension_count": rope, "leading_dense_block_count": 1, "expert_count": n_expert,
           "expert_used_count": n_expert_used, "expert_feed_forward_length": F_exp, "expert_shared_count": 1,
           "expert_weights_scale": 1.0, "attention.layer_norm_rms_epsilon": 1e-6}
+    if nextn:  # MTP layers counted in block_count, their tensors left out (a trunk-only file: llama.cpp skips them)
+        kv.update(block_count=n_layer + nextn, nextn_predict_layers=nextn)
     return write_gguf(path, "deepseek2", kv, t, n_vocab=V)
 
 
