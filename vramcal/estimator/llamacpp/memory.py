@@ -33,10 +33,13 @@ RECURRENT_ARCHS = ("mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7")
 HYBRID_ARCHS = {"jamba": "no_kv_heads", "granitehybrid": "no_kv_heads", "lfm2": "no_kv_heads",
                 "lfm2moe": "no_kv_heads", "falcon-h1": "every_layer", "nemotron_h": "nemotron",
                 "nemotron_h_moe": "nemotron", "qwen3next": "interval", "qwen35": "interval", "qwen35moe": "interval"}
-# caches of their own (src/llama-kv-cache-dsa*.cpp, -msa, -dsv4, llama-memory-hybrid-idx.cpp), or a recurrent
-# state whose width comes from keys not modelled here (kimi's KDA heads, minimax-01's linear attention)
-NOT_MODELLED = ("deepseek32", "glm-dsa", "glm5-next", "deepseek4", "minimax-m3", "hy-v4", "dots3note", "qwen4exp",
-                "kimi-linear", "kimi-k3", "minimax-01", "bailingmoe3", "plamo2", "minimax-m2")
+_OWN_CACHE = ("llama.cpp gives it a cache of its own (a sparse-attention indexer cache: src/llama-kv-cache-dsa*.cpp, "
+              "-msa, -dsv4, llama-memory-hybrid-idx.cpp)")
+_OTHER_STATE = "its recurrent state's widths come from keys vramcal does not read (KDA heads, linear attention)"
+NOT_MODELLED = {**dict.fromkeys(("deepseek32", "glm-dsa", "glm5-next", "deepseek4", "minimax-m3", "hy-v4", "dots3note",
+                                 "qwen4exp"), _OWN_CACHE),
+                **dict.fromkeys(("kimi-linear", "kimi-k3", "minimax-01", "bailingmoe3"), _OTHER_STATE),
+                "plamo2": "a hybrid (Mamba2 and attention) not yet loaded in a test against llama.cpp"}
 
 
 @dataclass(frozen=True)
@@ -59,10 +62,8 @@ def memory_of(m: GgufModel, n_layer: int, n_head_kv: tuple[int, ...], n_ff: tupl
     """The memory llama.cpp creates for this GGUF's architecture (``create_memory``)."""
     arch = m.arch
     if arch in NOT_MODELLED:
-        raise UserError(f"{arch}: llama.cpp gives it a cache of its own (sparse-attention indexer, or a recurrent "
-                        "state from keys vramcal does not read) that vramcal's llama.cpp engine does not model yet; "
-                        f"modelled: attention caches, {', '.join(RECURRENT_ARCHS)}, {', '.join(HYBRID_ARCHS)} and "
-                        "MLA (deepseek2)")
+        raise UserError(f"{arch}: not modelled yet by vramcal's llama.cpp engine -- {NOT_MODELLED[arch]}; modelled: "
+                        f"attention caches, MLA (deepseek2), {', '.join(RECURRENT_ARCHS)}, {', '.join(HYBRID_ARCHS)}")
     nextn = _int(m, ".nextn_predict_layers")
     n_main = n_layer - nextn
     main = tuple(il < n_main for il in range(n_layer))
