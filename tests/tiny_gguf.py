@@ -350,7 +350,8 @@ def write_rwkv6(path, *, n_layer: int = 2, E: int = 128, head_size: int = 32, F:
         t += [(b + "attn_norm.weight", (E,)), (b + "attn_norm.bias", (E,)), (b + "attn_norm_2.weight", (E,)),
               (b + "attn_norm_2.bias", (E,)), (b + "time_mix_w1.weight", (E, mix_dim * 5)),
               (b + "time_mix_w2.weight", (mix_dim, E, 5)), (b + "time_mix_lerp_x.weight", (E, 1, 1)),
-              (b + "time_mix_lerp_fused.weight", (E, 1, 1, 5)), (b + "time_mix_first.weight", (head_size, E // head_size)),
+              (b + "time_mix_lerp_fused.weight", (E, 1, 1, 5)),
+              (b + "time_mix_first.weight", (head_size, E // head_size)),
               (b + "time_mix_decay.weight", (E,)), (b + "time_mix_decay_w1.weight", (E, decay_dim)),
               (b + "time_mix_decay_w2.weight", (decay_dim, E)), (b + "time_mix_key.weight", (E, E)),
               (b + "time_mix_value.weight", (E, E)), (b + "time_mix_receptance.weight", (E, E)),
@@ -382,7 +383,8 @@ def write_deepseek2(path, *, n_layer: int = 2, E: int = 128, n_head: int = 4, q_
             t += _ffn(b, E, F)
         else:
             t += [(b + "ffn_norm.weight", (E,)), (b + "ffn_gate_inp.weight", (E, n_expert)),
-                  (b + "ffn_down_exps.weight", (F_exp, E, n_expert)), (b + "ffn_gate_exps.weight", (E, F_exp, n_expert)),
+                  (b + "ffn_down_exps.weight", (F_exp, E, n_expert)),
+                  (b + "ffn_gate_exps.weight", (E, F_exp, n_expert)),
                   (b + "ffn_up_exps.weight", (E, F_exp, n_expert)), (b + "ffn_gate_shexp.weight", (E, F_exp)),
                   (b + "ffn_down_shexp.weight", (F_exp, E)), (b + "ffn_up_shexp.weight", (E, F_exp))]
     kv = {"context_length": n_ctx_train, "embedding_length": E, "block_count": n_layer, "feed_forward_length": F,
