@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+import tiny_gguf  # noqa: E402
 from tiny_gguf import write_tiny  # noqa: E402
 
 from vramcal.errors import UserError  # noqa: E402
@@ -193,15 +194,18 @@ def _mib(n: int) -> str:
     return f"{n / MIB:.2f}"
 
 
-def assert_matches(est, logged, compute_tol: float = 0.01):
+def assert_matches(est, logged, compute_tol: float | None = 0.01):
+    """Every buffer equal to the log's 0.01 MiB; the compute buffer within ``compute_tol`` (None: not compared,
+    for the architectures whose graph the replay does not write down -- the estimate's notes say so)."""
     assert logged.lines >= 4, "llama.cpp printed no buffer lines"
     assert logged.n_ctx == est.n_ctx
-    assert {k: _mib(v) for k, v in est.model_buffer_bytes.items()} == \
-        {k: _mib(v) for k, v in logged.model_buffer_bytes.items()}
-    assert {k: _mib(v) for k, v in est.kv_buffer_bytes.items()} == \
-        {k: _mib(v) for k, v in logged.kv_buffer_bytes.items()}
+    for kind in ("model", "kv", "rs"):
+        assert {k: _mib(v) for k, v in getattr(est, f"{kind}_buffer_bytes").items()} == \
+            {k: _mib(v) for k, v in getattr(logged, f"{kind}_buffer_bytes").items()}, kind
     assert _mib(est.output_buffer_bytes) == _mib(logged.output_buffer_bytes)
     assert set(est.compute_buffer_bytes) == set(logged.compute_buffer_bytes)
+    if compute_tol is None:
+        return
     for name, b in logged.compute_buffer_bytes.items():
         assert abs(est.compute_buffer_bytes[name] - b) <= compute_tol * b + MIB // 200, \
             (name, est.compute_buffer_bytes, b)
@@ -473,3 +477,103 @@ def test_embedding_on_the_command_line_lowers_the_batch_as_llama_server_does(den
     assert r.returncode == 0, r.stderr
     lc = json.loads(r.stdout)["llama_cpp"]
     assert lc["n_batch"] == lc["n_ubatch"] == 512 and any("lowered to -ub 512" in n for n in lc["notes"])
+
+
+# ------------------------------------------------------------------ recurrent, hybrid and MLA state
+
+def test_state_bytes_from_first_principles(tmp_path):
+    """mamba: per layer f32 R rows of (d_conv - 1) x d_inner and S rows of d_state x d_inner, one cell per
+    sequence, no KV; granitehybrid: KV for its attention layers only, RS for its Mamba2 ones; deepseek2 (MLA):
+    K only, one head of kv_lora_rank + rope values."""
+    m = estimate_llamacpp(tiny_gguf.write_mamba(tmp_path / "m.gguf", E=128, d_state=16, d_conv=4),
+                          LlamaArgs(ctx_size=1024, n_parallel=3, **CPU))
+    assert m.kv_buffer_bytes == {} and m.memory == "recurrent"
+    assert m.rs_buffer_bytes == {"CPU": 2 * 3 * (3 * 256 + 16 * 256) * 4} and m.rs_cache["cells"] == 3
+    g = estimate_llamacpp(tiny_gguf.write_granitehybrid(tmp_path / "g.gguf", kinds="MAMA", n_head_kv=2, d_state=16,
+                                                        n_group=1), LlamaArgs(ctx_size=1024, **CPU))
+    assert g.kv_buffer_bytes == {"CPU": 2 * 2 * (2 * 32 * 2) * 1024}  # 2 attention layers, K + V, 2 heads of 32
+    assert g.rs_buffer_bytes == {"CPU": 2 * (3 * (256 + 2 * 16) + 16 * 256) * 4} and g.rs_cache["layers"] == 2
+    d = estimate_llamacpp(tiny_gguf.write_deepseek2(tmp_path / "d.gguf", kv_lora=64, rope=16),
+                          LlamaArgs(ctx_size=1024, **CPU))
+    assert d.kv_buffer_bytes == {"CPU": 2 * (64 + 16) * 2 * 1024} and d.kv_caches[0]["v_bytes"] == 0
+    assert any("MLA" in n for n in d.notes) and any("not replayed" in n for n in d.notes)
+
+
+def test_a_published_qwen35_log_on_a_gpu(tmp_path):
+    """Held out: a llama-server log others published (Qwen3.5-27B Q4_K_S, build 8586 (64ac9ab66), RTX 4070,
+    ``-c 131072 -np 1 -ngl 26 -b 1024 -ub 1024``; a GitHub repository file, search-index file id 58671331675).
+    Its header keys (the loader's dump) give, with 39 layers on the CPU and 25 on CUDA0, the KV of the 16
+    full-attention layers and the RS of the 48 gated delta-net ones, per device, as the log prints them."""
+    from vramcal.estimator.llamacpp.buffers import kv_buffers, placement_of, rs_buffers
+
+    kv = {"block_count": 64, "context_length": 262144, "embedding_length": 5120, "feed_forward_length": 17408,
+          "attention.head_count": 24, "attention.head_count_kv": 4, "attention.key_length": 256,
+          "attention.value_length": 256, "ssm.conv_kernel": 4, "ssm.state_size": 128, "ssm.group_count": 16,
+          "ssm.time_step_rank": 48, "ssm.inner_size": 6144, "full_attention_interval": 4}
+    m = read_gguf(tiny_gguf.write_gguf(tmp_path / "q35.gguf", "qwen35", kv, [("token_embd.weight", (64, 512))]))
+    h = hparams_of(m)
+    a = LlamaArgs(ctx_size=131072, n_gpu_layers=26, n_batch=1024, n_ubatch=1024, n_gpus=1)
+    c, p = context_of(h, a), placement_of(h, a)
+    kv_bytes, caches, _ = kv_buffers(h, a, c, p)
+    rs_bytes, rs = rs_buffers(h, a, c, p)
+    assert {k: _mib(v) for k, v in kv_bytes.items()} == {"CPU": "4608.00", "CUDA0": "3584.00"}
+    assert caches[0]["layers"] == 16
+    assert {k: _mib(v) for k, v in rs_bytes.items()} == {"CPU": "93.52", "CUDA0": "56.11"}
+    assert (rs["cells"], rs["layers"], _mib(rs["r_bytes"]), _mib(rs["s_bytes"])) == (1, 48, "5.62", "144.00")
+
+
+def test_logparse_reads_the_recurrent_state_lines():
+    from vramcal.estimator.llamacpp.logparse import parse_log
+
+    log = ("llama_memory_recurrent:        CPU RS buffer size =     0.27 MiB\n"
+           "llama_memory_recurrent: size =    0.27 MiB (     3 cells,   4 layers,  3 seqs  0 rs_seq), R (f32):    0.02 "
+           "MiB, S (f32):    0.25 MiB, P (f32):    0.00 MiB\n"
+           "llama_kv_cache:        CPU KV buffer size =     4.00 MiB\n")
+    g = parse_log(log)
+    assert g.rs_buffer_bytes == {"CPU": round(0.27 * MIB)} and g.rs_cells == 3
+    assert g.rs_size_bytes == round(0.27 * MIB) and g.kv_buffer_bytes == {"CPU": 4 * MIB} and g.kv_cells == []
+
+
+def test_an_architecture_still_refused_is_one_line(tmp_path):
+    path = tiny_gguf.write_gguf(tmp_path / "k.gguf", "kimi-linear", {"block_count": 1, "embedding_length": 64,
+                                                                     "context_length": 512},
+                                [("token_embd.weight", (64, 512))])
+    r = _cli("estimate", "--engine", "llama.cpp", path, "--device", "cpu")
+    err = r.stderr.strip()
+    assert r.returncode == 2 and "\n" not in err and "kimi-linear" in err and "not model" in err, err
+
+
+STATE_CASES = [
+    ("mamba-np3", "mamba", dict(E=256, d_state=64), dict(ctx_size=1536, n_parallel=3)),
+    ("mamba2", "mamba2", dict(E=256, d_state=64, head_dim=64), dict(ctx_size=1024)),
+    ("rwkv6-np4", "rwkv6", dict(E=256, head_size=64), dict(ctx_size=1024, n_parallel=4)),
+    ("rwkv7-np2", "rwkv7", dict(E=256, head_size=64), dict(ctx_size=1024, n_parallel=2)),
+    ("granitehybrid-np2-no-fa", "granitehybrid", dict(kinds="MAMA", d_state=64), dict(ctx_size=2048, n_parallel=2,
+                                                                                      flash_attn="off")),
+    ("jamba", "jamba", dict(kinds="MAMM", d_state=64), dict(ctx_size=2048)),
+    ("lfm2-np4", "lfm2", dict(kinds="CCAC", E=256), dict(ctx_size=2048, n_parallel=4)),
+    ("falcon-h1-np2", "falcon_h1", dict(d_state=64), dict(ctx_size=2048, n_parallel=2)),
+    ("nemotron_h", "nemotron_h", dict(kinds="MFAFMF", d_state=64), dict(ctx_size=2048)),
+    ("qwen3next-np2", "qwen3next", dict(n_layer=8, d_state=64), dict(ctx_size=2048, n_parallel=2)),
+    ("deepseek2-mla", "deepseek2", dict(), dict(ctx_size=4096)),
+    ("deepseek2-mla-mtp", "deepseek2", dict(nextn=1), dict(ctx_size=2048)),  # the MTP layer has no KV here
+    ("deepseek2-mla-np2-no-fa", "deepseek2", dict(kv_lora=128), dict(ctx_size=2048, n_parallel=2, flash_attn="off")),
+]
+
+
+@needs_llama
+@pytest.mark.parametrize("case", STATE_CASES, ids=[c[0] for c in STATE_CASES])
+def test_state_buffers_equal_what_llama_cpp_logs(tmp_path, case):
+    """Model, KV, RS and output buffers equal llama.cpp's log; the compute buffer is not compared (the replay
+    has no recurrent or MLA nodes: the estimate says it is approximate)."""
+    name, arch, model, flags = case
+    path = getattr(tiny_gguf, f"write_{arch}")(tmp_path / f"{name}.gguf", **model)
+    est, logged = _probe(path, LlamaArgs(**flags, **CPU))
+    assert_matches(est, logged, compute_tol=None)
+    if est.rs_cache is not None:
+        assert logged.rs_cells == est.rs_cache["cells"] == flags.get("n_parallel", 1)
+        assert _mib(logged.rs_size_bytes) == _mib(est.rs_cache["r_bytes"] + est.rs_cache["s_bytes"])
+    else:
+        assert logged.rs_buffer_bytes == {}
+    assert logged.kv_layers == [c["layers"] for c in est.kv_caches]  # the attention layers only
+    assert any("approximate" in n for n in est.notes)

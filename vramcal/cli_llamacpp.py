@@ -456,8 +456,8 @@ def _predicted(est, base: int | None) -> dict[str, int | None]:
     """Each stage as predicted: the buffers over the run's own baseline (on a CPU-only run, the child's
     resident set before loading; on a GPU, NVML's used memory, whose baseline the sampler subtracts)."""
     model_b = sum(est.model_buffer_bytes.values())
-    context_b = model_b + sum(est.kv_buffer_bytes.values()) + sum(est.compute_buffer_bytes.values()) + \
-        est.output_buffer_bytes
+    context_b = model_b + sum(est.kv_buffer_bytes.values()) + sum(est.rs_buffer_bytes.values()) + \
+        sum(est.compute_buffer_bytes.values()) + est.output_buffer_bytes
     predicted = {"baseline": base, "post_load": None if base is None else base + model_b}
     for k in ("context", "first_token", "end"):
         predicted[k] = None if base is None else base + context_b

@@ -710,6 +710,10 @@ def llamacpp_table(e, beyond=None) -> str:
         lines += [f"  llama_kv_cache: {c['cache']}: {c['cells']:,} cells, {c['layers']} layers, "
                   f"{c['streams']} stream(s), K {c['k_bytes'] / MIB:.2f} MiB, V {c['v_bytes'] / MIB:.2f} MiB"
                   for c in e.kv_caches]
+    if e.rs_cache:
+        r = e.rs_cache
+        lines.append(f"  llama_memory_recurrent: {r['cells']:,} cells, {r['layers']} layers, R (f32) "
+                     f"{r['r_bytes'] / MIB:.2f} MiB, S (f32) {r['s_bytes'] / MIB:.2f} MiB")
     lines += ["", "per device: llama.cpp's buffers, then the total with what it holds beyond them"]
     lines += _beyond_rows(e, beyond)
     weights = ", ".join(f"{t} {n / MIB:,.1f} MiB" for t, n in sorted(e.weight_types.items(), key=lambda x: -x[1]))
@@ -783,7 +787,7 @@ def llamacpp_probe_table(r, run_id) -> str:
         lines.append("  " + r.error)
     lines += ["", f"  {'buffer':<30} {'predicted MiB':>14} {'logged MiB':>12}"]
     e, g = r.estimate, r.logged
-    for kind in ("model", "kv", "compute"):
+    for kind in ("model", "kv", "rs", "compute"):
         pred, got = getattr(e, f"{kind}_buffer_bytes", {}) or {}, getattr(g, f"{kind}_buffer_bytes", {}) or {}
         for name in list(dict.fromkeys([*pred, *got])):
             p, q = pred.get(name), got.get(name)

@@ -49,7 +49,7 @@ def beyond_of(result: dict) -> tuple[str, int] | None:
     else:
         return None
     held = 0
-    for part in ("model_buffer_bytes", "kv_buffer_bytes", "compute_buffer_bytes"):
+    for part in ("model_buffer_bytes", "kv_buffer_bytes", "rs_buffer_bytes", "compute_buffer_bytes"):
         held += sum(b for name, b in (logged.get(part) or {}).items() if device_of(name) == device)
     if logged.get("output_buffer") and device_of(logged["output_buffer"]) == device:
         held += logged.get("output_buffer_bytes") or 0

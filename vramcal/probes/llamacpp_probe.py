@@ -19,7 +19,8 @@ from ..estimator.llamacpp.logparse import LlamaLogged, parse_log
 from .engine_run import run_child
 from .sampler import nvml_reader, rss_reader
 
-TERMS = ("model_buffer_bytes", "kv_buffer_bytes", "compute_buffer_bytes", "output_buffer_bytes", "n_ctx")
+TERMS = ("model_buffer_bytes", "kv_buffer_bytes", "rs_buffer_bytes", "compute_buffer_bytes", "output_buffer_bytes",
+         "n_ctx")
 
 
 def preflight(gpus: int) -> None:

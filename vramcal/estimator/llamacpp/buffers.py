@@ -15,7 +15,10 @@ tree llama-cpp-python 0.3.36 vendors; docs/llamacpp.md has each rule with its fi
 - **KV buffers** (llama-kv-cache.cpp, llama-kv-cache-iswa.cpp): per attention layer a K tensor of
   ``row(type_k, n_embd_k_gqa) x kv_size x n_stream`` and V alike, on the layer's device (``-nkvo``:
   the CPU); ``n_stream`` is np without ``--kv-unified``. Sliding-window layers get
-  ``pad(min(kv_size, n_swa x (unified ? np : 1) + n_ubatch), 256)`` cells unless ``--swa-full``.
+  ``pad(min(kv_size, n_swa x (unified ? np : 1) + n_ubatch), 256)`` cells unless ``--swa-full``. Only the
+  layers the architecture's memory gives an attention cache (:mod:`.memory`); MLA caches K alone.
+- **RS buffers** (llama-memory-recurrent.cpp): per recurrent layer f32 R and S tensors of ``n_embd_r`` /
+  ``n_embd_s`` values x ``max(1, np)`` cells, on the layer's device (``-nkvo``: the CPU).
 - **output buffer** (llama-context.cpp ``output_reserve``): ``n_vocab x np`` floats of logits, in the
   output device's host buffer (``CUDA_Host``) or the CPU.
 - **compute buffers**: :mod:`.compute` (the graph reservation).
@@ -30,6 +33,7 @@ from functools import lru_cache
 from ...errors import UserError
 from ...units import MIB
 from .gguf_file import GgufModel, GgufTensor
+from .memory import Memory, memory_of
 
 MODEL_ID = "llamacpp-buffers/1"  # the arithmetic's id: runs record it, corrections are fitted per id
 CPU_ALIGN = 32  # ggml-impl.h TENSOR_ALIGNMENT: the CPU buffer type's alignment
@@ -47,9 +51,6 @@ SWA_ARCHS = {"gemma2": (2, False, 4096), "gemma3": (6, False, 0), "gemma3n": (5,
              "cohere2": (4, False, 0), "llama4": (4, False, 0), "olmo2": (4, False, 0),
              "gpt-oss": (2, False, 0), "exaone4": (4, False, 0), "smallthinker": (4, True, 0),
              "afmoe": (4, False, 0), "plamo3": (8, False, 0)}
-RECURRENT_ARCHS = ("mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7")
-NOT_MODELLED_KV = ("deepseek2", "deepseek32", "glm-dsa", "minimax-m2", "qwen3next", "qwen35", "qwen35moe", "jamba",
-                   "falcon-h1", "granitehybrid", "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2moe", "plamo2")
 
 
 def device_of(buffer: str) -> str:
@@ -193,6 +194,7 @@ class Hparams:
     is_swa: tuple[bool, ...]
     n_ff_exp: int = 0  # expert_feed_forward_length: the experts' width where it differs from the dense one
     n_embd_out: int = 0  # embedding_length_out where the GGUF gives one (llama-hparams.cpp n_embd_out), else n_embd
+    memory: Memory | None = None  # the caches llama.cpp creates (:mod:`.memory`): which layers hold KV, RS
 
     def n_embd_k_gqa(self, il: int) -> int:
         return self.n_embd_head_k * self.n_head_kv[il]
@@ -239,14 +241,15 @@ def hparams_of(m: GgufModel) -> Hparams:
             n_pattern = int(given) if isinstance(given, int) else n_pattern
             is_swa = tuple((n_pattern == 0 or il % n_pattern != 0) if dense_first else
                            (n_pattern == 0 or il % n_pattern < n_pattern - 1) for il in range(n_layer))
+    n_ff = _per_layer(ff if ff is not None else 0, n_layer, "feed_forward_length")
     return Hparams(arch=m.arch, n_layer=n_layer, n_ctx_train=int(m.get(".context_length", 0) or 0), n_embd=n_embd,
                    n_head=n_head, n_head_kv=n_head_kv, n_embd_head_k=int(k_len), n_embd_head_v=int(v_len),
                    n_vocab=int(n_vocab), n_expert=int(m.get(".expert_count", 0) or 0),
                    n_expert_used=int(m.get(".expert_used_count", 0) or 0),
-                   n_ff=_per_layer(ff if ff is not None else 0, n_layer, "feed_forward_length"),
-                   n_swa=n_swa, is_swa=is_swa if any(is_swa) else (False,) * n_layer,
+                   n_ff=n_ff, n_swa=n_swa, is_swa=is_swa if any(is_swa) else (False,) * n_layer,
                    n_ff_exp=int(m.get(".expert_feed_forward_length", 0) or 0),
-                   n_embd_out=int(m.get(".embedding_length_out", 0) or 0))
+                   n_embd_out=int(m.get(".embedding_length_out", 0) or 0),
+                   memory=memory_of(m, n_layer, n_head_kv, n_ff))
 
 
 @dataclass(frozen=True)
@@ -361,12 +364,16 @@ class LlamaEstimate:
     # a GGUF not read but derived from an HF config and a file type (.from_config.PricedFrom.to_dict())
     priced_from: dict | None = None
     draft: LlamaEstimate | None = None  # -md: the draft model's own buffers, on the same devices
+    # the recurrent state (llama_memory_recurrent: a recurrent or hybrid model's R and S tensors) per device
+    rs_buffer_bytes: dict[str, int] = field(default_factory=dict)
+    rs_cache: dict | None = None  # its cells, layers, R and S bytes (None: the model has no recurrent layer)
+    memory: str = "kv"  # kv | recurrent | hybrid (:mod:`.memory`)
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes per device (CUDA0 ..., "CPU" for host memory: CPU, CPU_Mapped, CUDA_Host, the output), a draft
         model's (-md) included."""
         out: dict[str, int] = dict(self.draft.device_bytes()) if self.draft is not None else {}
-        for d in (self.model_buffer_bytes, self.kv_buffer_bytes, self.compute_buffer_bytes,
+        for d in (self.model_buffer_bytes, self.kv_buffer_bytes, self.rs_buffer_bytes, self.compute_buffer_bytes,
                   {self.output_buffer: self.output_buffer_bytes}):
             for name, b in d.items():
                 dev = device_of(name)
@@ -380,6 +387,7 @@ class LlamaEstimate:
                 "n_ubatch": self.n_ubatch, "flash_attn": self.flash_attn, "n_gpu_layers": self.n_gpu_layers,
                 "n_layer": self.n_layer, "model_buffer_bytes": dict(self.model_buffer_bytes),
                 "kv_buffer_bytes": dict(self.kv_buffer_bytes), "kv_caches": list(self.kv_caches),
+                "memory": self.memory, "rs_buffer_bytes": dict(self.rs_buffer_bytes), "rs_cache": self.rs_cache,
                 "compute_buffer_bytes": dict(self.compute_buffer_bytes),
                 "output_buffer_bytes": self.output_buffer_bytes, "output_buffer": self.output_buffer,
                 "compute_method": self.compute_method, "weights_bytes": self.weights_bytes,
@@ -396,6 +404,8 @@ class LlamaEstimate:
         for c in self.kv_caches:
             for name, b in c["buffer_bytes"].items():
                 lines.append(f"llama_kv_cache: {name:>10} KV buffer size = {b / MIB:8.2f} MiB")
+        lines += [f"llama_memory_recurrent: {name:>10} RS buffer size = {b / MIB:8.2f} MiB"
+                  for name, b in self.rs_buffer_bytes.items()]
         lines += [f"sched_reserve: {name:>10} compute buffer size = {b / MIB:8.2f} MiB"
                   for name, b in self.compute_buffer_bytes.items()]
         if self.draft is not None:
@@ -519,30 +529,35 @@ def swa_cells(h: Hparams, a: LlamaArgs, c: Context) -> int | None:
 
 
 def kv_buffers(h: Hparams, a: LlamaArgs, c: Context, p: Placement) -> tuple[dict[str, int], list[dict], list[str]]:
-    """Each KV cache's buffers (llama_kv_cache per cache, one buffer per device)."""
+    """Each KV cache's buffers (llama_kv_cache per cache, one buffer per device), over the layers the
+    architecture's memory gives an attention cache (:mod:`.memory`: a hybrid's attention layers; none for a
+    recurrent model). With MLA a layer caches K only (V is a view of it); without flash attention V is
+    transposed and every layer's V row is the widest one (llama-kv-cache.cpp ``[TAG_V_CACHE_VARIABLE]``)."""
     notes: list[str] = []
-    if h.arch in RECURRENT_ARCHS or h.arch in NOT_MODELLED_KV:
-        raise UserError(f"{h.arch}: its recurrent / latent-attention state is not modelled yet by vramcal's "
-                        "llama.cpp engine (docs/llamacpp.md says which architectures are)")
+    mem = h.memory
     caches = []
+    if not any(mem.attn_layers):
+        return {}, caches, notes
     groups = [("base", [il for il in range(h.n_layer) if not h.is_swa[il]], c.n_ctx_seq)]
     size_swa = swa_cells(h, a, c)
     if size_swa is not None:
         groups.append(("swa", [il for il in range(h.n_layer) if h.is_swa[il]], size_swa))
+    v_max = max(h.n_embd_v_gqa(il) for il in range(h.n_layer))
     total: dict[str, int] = {}
     for label, layers, cells in groups:
         bufs: dict[str, int] = {}
         n_layers = 0
         k_bytes = v_bytes = 0
         for il in layers:
-            if h.n_head_kv[il] == 0:
+            if not mem.attn_layers[il] or h.n_head_kv[il] == 0:
                 continue
             n_layers += 1
             gpu = p.layers[il] if a.offload_kqv else None
             name = p.name(gpu, a.gpu_backend)
             align = CPU_ALIGN if gpu is None else CUDA_ALIGN
             k = row_size(a.cache_type_k, h.n_embd_k_gqa(il)) * cells * c.n_stream
-            v = row_size(a.cache_type_v, h.n_embd_v_gqa(il)) * cells * c.n_stream
+            v = 0 if mem.mla else \
+                row_size(a.cache_type_v, h.n_embd_v_gqa(il) if c.flash_attn else v_max) * cells * c.n_stream
             k_bytes += k
             v_bytes += v
             bufs[name] = bufs.get(name, 0) + pad(k, align) + pad(v, align)
@@ -550,7 +565,35 @@ def kv_buffers(h: Hparams, a: LlamaArgs, c: Context, p: Placement) -> tuple[dict
                        "k_bytes": k_bytes, "v_bytes": v_bytes, "buffer_bytes": bufs})
         for name, b in bufs.items():
             total[name] = total.get(name, 0) + b
+    if mem.mla:
+        notes.append("MLA: the KV cache holds K only (kv_lora_rank + rope values per cell, one head); V is a view of "
+                     "it (llama-kv-cache.cpp)")
     return total, caches, notes
+
+
+RS_TYPE = "f32"  # create_memory: the recurrent state's R and S are GGML_TYPE_F32
+
+
+def rs_buffers(h: Hparams, a: LlamaArgs, c: Context, p: Placement) -> tuple[dict[str, int], dict | None]:
+    """The recurrent state's buffers (llama-memory-recurrent.cpp, one per device): per recurrent layer an R
+    tensor of ``n_embd_r`` and an S tensor of ``n_embd_s`` f32 values per cell, ``max(1, np)`` cells (one per
+    sequence; ``-kvu`` changes nothing), on the layer's device (``-nkvo``: the CPU), aligned per tensor."""
+    mem = h.memory
+    layers = [il for il in range(h.n_layer) if mem.recr_layers[il]]
+    if not layers:
+        return {}, None
+    cells = max(1, c.n_seq_max)
+    r = row_size(RS_TYPE, mem.n_embd_r) * cells
+    s = row_size(RS_TYPE, mem.n_embd_s) * cells
+    bufs: dict[str, int] = {}
+    for il in layers:
+        gpu = p.layers[il] if a.offload_kqv else None
+        name = p.name(gpu, a.gpu_backend)
+        align = CPU_ALIGN if gpu is None else CUDA_ALIGN
+        bufs[name] = bufs.get(name, 0) + pad(r, align) + pad(s, align)
+    return bufs, {"cache": "rs", "cells": cells, "layers": len(layers), "r_bytes": r * len(layers),
+                  "s_bytes": s * len(layers), "n_embd_r": mem.n_embd_r, "n_embd_s": mem.n_embd_s,
+                  "buffer_bytes": dict(bufs)}
 
 
 def output_buffer(h: Hparams, a: LlamaArgs, c: Context, p: Placement) -> tuple[str, int]:
@@ -589,7 +632,8 @@ def token_reads(spec: str | GgufModel, args: LlamaArgs | None = None) -> TokenRe
       ``expert_count`` that each token is routed to (the router ``ffn_gate_inp`` and shared experts whole);
     - each attention layer's K and V rows at every position it attends to: the sequence's context
       (``n_ctx_seq`` cells) for a full-attention layer, ``min(n_ctx_seq, n_swa)`` for a sliding-window one,
-      on the layer's device (``-nkvo``: the CPU).
+      on the layer's device (``-nkvo``: the CPU); with MLA the K rows only;
+    - each recurrent layer's state (one R and one S row of the sequence), whatever the context.
     """
     from .gguf_file import read_gguf
 
@@ -611,12 +655,17 @@ def token_reads(spec: str | GgufModel, args: LlamaArgs | None = None) -> TokenRe
             n = n * h.n_expert_used // h.n_expert
         weights[device(buf)] = weights.get(device(buf), 0) + n
     kv: dict[str, int] = {}
+    mem = h.memory
     for il in range(h.n_layer):
-        if h.n_head_kv[il] == 0:
+        dev = p.name(p.layers[il] if a.offload_kqv else None, a.gpu_backend)
+        if mem.recr_layers[il]:  # the sequence's R and S rows, read (and written) once per token
+            kv[dev] = kv.get(dev, 0) + row_size(RS_TYPE, mem.n_embd_r) + row_size(RS_TYPE, mem.n_embd_s)
+        if h.n_head_kv[il] == 0 or not mem.attn_layers[il]:
             continue
         cells = min(c.n_ctx_seq, h.n_swa) if h.is_swa[il] and h.n_swa > 0 else c.n_ctx_seq
-        dev = p.name(p.layers[il] if a.offload_kqv else None, a.gpu_backend)
-        row = row_size(a.cache_type_k, h.n_embd_k_gqa(il)) + row_size(a.cache_type_v, h.n_embd_v_gqa(il))
+        row = row_size(a.cache_type_k, h.n_embd_k_gqa(il))
+        if not mem.mla:  # MLA: V is read from K's cells
+            row += row_size(a.cache_type_v, h.n_embd_v_gqa(il))
         kv[dev] = kv.get(dev, 0) + row * cells
     share = (h.n_expert_used, h.n_expert) if h.n_expert else None
     return TokenReads(weights, kv, c.n_ctx_seq, share)
@@ -634,6 +683,7 @@ def estimate_llamacpp(spec: str | GgufModel, args: LlamaArgs | None = None) -> L
     p = placement_of(h, a)
     model, notes = model_buffers(m, h, a, p)
     kv, caches, kv_notes = kv_buffers(h, a, c, p)
+    rs, rs_cache = rs_buffers(h, a, c, p)
     out_name, out_bytes = output_buffer(h, a, c, p)
     compute, method, c_notes = compute_buffers(m, h, a, c, p)
     types: dict[str, int] = {}
@@ -656,7 +706,7 @@ def estimate_llamacpp(spec: str | GgufModel, args: LlamaArgs | None = None) -> L
                          output_buffer=out_name, compute_method=method, weights_bytes=m.tensor_bytes,
                          weight_types=types, notes=[*c.notes, *notes, *kv_notes, *c_notes], revision=m.revision,
                          priced_from=m.priced_from.to_dict() if m.priced_from is not None else None,
-                         draft=draft)
+                         draft=draft, rs_buffer_bytes=rs, rs_cache=rs_cache, memory=h.memory.kind)
 
 
 def _draft_model(path: str) -> GgufModel:

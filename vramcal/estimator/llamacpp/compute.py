@@ -335,7 +335,13 @@ def compute_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, p: Place
         -> tuple[dict[str, int], str, list[str]]:
     """Each backend's compute buffer, the method, notes."""
     notes: list[str] = []
-    if h.arch not in GRAPH_ARCHS:
+    mem = h.memory
+    if mem is not None and (mem.kind != "kv" or mem.mla):
+        what = "MLA" if mem.kind == "kv" else "recurrent-state (SSM / WKV / short-convolution)"
+        notes.append(f"{h.arch}: its {what} nodes are not replayed -- the compute buffer is the llama family's graph "
+                     "over the same widths, approximate and likely low (4 to 69 % under llama.cpp's own on tiny "
+                     "models, docs/llamacpp.md); the KV and RS buffers are llama.cpp's own rules")
+    elif h.arch not in GRAPH_ARCHS:
         notes.append(f"{h.arch}: its graph is priced as the llama family's (the same attention and feed-forward "
                      "shapes); its own extra nodes are not replayed")
     n_tokens = min(c.n_ctx, c.n_ubatch)

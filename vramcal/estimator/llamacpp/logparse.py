@@ -6,6 +6,8 @@ loader printed about the model (its metadata dump, its hyper-parameters, its ten
     llama_context:        CPU  output buffer size =     0.12 MiB
     llama_kv_cache:        CPU KV buffer size =     1.12 MiB
     llama_kv_cache: size =    1.12 MiB (  1536 cells,   3 layers,  1/1 seqs), K (f16): ...
+    llama_memory_recurrent:        CPU RS buffer size =     0.27 MiB
+    llama_memory_recurrent: size =    0.27 MiB (     1 cells,   4 layers,  1 seqs  0 rs_seq), R (f32): ...
     sched_reserve:        CPU compute buffer size =    63.63 MiB
     llama_context: n_ctx         = 1536
 
@@ -22,7 +24,9 @@ benchmarks/published/llamacpp/):
   (``0.00.348.961 I ``, ``ollama[1073]: ``) before the function name.
 
 Several lines for one buffer name (a split GGUF maps one CPU_Mapped range per file; a SWA model has two KV
-caches) add up.
+caches) add up. A recurrent or hybrid model's state (mamba, rwkv, jamba ...) is an "RS buffer", kept apart from
+the KV buffers as llama.cpp allocates it apart (llama-memory-recurrent.cpp); an MLA cache's summary line
+prints ``K (f16): ..., V (f16): 0.00 MiB``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ MODEL = re.compile(_BUF.format(kind="model"))
 # llm_load_tensors before the word "model" (2024): "llm_load_tensors:        CPU buffer size = ..."
 MODEL_OLD = re.compile(r"load_tensors:\s+" + _NAME + r"\s+buffer size\s*=\s*(?P<mib>" + _NUM + r")\s*MiB")
 KV = re.compile(_BUF.format(kind="KV"))
+RS = re.compile(_BUF.format(kind="RS"))
+# "llama_memory_recurrent: size = 0.27 MiB (     1 cells,   4 layers,  1 seqs  0 rs_seq), R (f32): ..."
+RS_SIZE = re.compile(r"memory_recurrent:\s+size\s*=\s*(?P<mib>" + _NUM + r")\s*MiB\s*\(\s*(?P<cells>\d+) cells")
 COMPUTE = re.compile(_BUF.format(kind="compute"))
 OUTPUT = re.compile(_BUF.format(kind="output"))
 KV_SIZE = re.compile(r"size\s*=\s*(?P<mib>" + _NUM + r")\s*MiB\s*\(\s*(?P<cells>\d+) cells,\s*(?P<layers>\d+) layers")
@@ -88,6 +95,9 @@ def _meta_value(kind: str, text: str):
 class LlamaLogged:
     model_buffer_bytes: dict[str, int] = field(default_factory=dict)
     kv_buffer_bytes: dict[str, int] = field(default_factory=dict)
+    rs_buffer_bytes: dict[str, int] = field(default_factory=dict)  # the recurrent state ("RS buffer")
+    rs_cells: int | None = None
+    rs_size_bytes: int | None = None  # the recurrent cache's own total (its "size =" line)
     compute_buffer_bytes: dict[str, int] = field(default_factory=dict)
     output_buffer_bytes: int | None = None
     output_buffer: str | None = None
@@ -145,7 +155,12 @@ def parse_log(text: str) -> LlamaLogged:
             _first(out, "n_tensors", int(m["n"]))
             continue
         matched = False
-        for rx, target in ((MODEL, out.model_buffer_bytes), (KV, out.kv_buffer_bytes),
+        m = RS_SIZE.search(line)
+        if m:
+            out.rs_cells = int(m["cells"])
+            out.rs_size_bytes = (out.rs_size_bytes or 0) + _mib(m["mib"])
+            continue
+        for rx, target in ((MODEL, out.model_buffer_bytes), (KV, out.kv_buffer_bytes), (RS, out.rs_buffer_bytes),
                            (COMPUTE, out.compute_buffer_bytes), (MODEL_OLD, out.model_buffer_bytes)):
             m = rx.search(line)
             if m:
