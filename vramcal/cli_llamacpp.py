@@ -6,6 +6,7 @@ GGUF file (docs/llamacpp.md)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -25,7 +26,7 @@ LLAMACPP_FLAGS = {
     "model_draft": "--model-draft", "n_gpu_layers_draft": "--gpu-layers-draft",
     "cache_type_k_draft": "--cache-type-k-draft", "cache_type_v_draft": "--cache-type-v-draft",
     "override_tensor_draft": "--override-tensor-draft", "cpu_moe_draft": "--cpu-moe-draft",
-    "n_cpu_moe_draft": "--n-cpu-moe-draft",
+    "n_cpu_moe_draft": "--n-cpu-moe-draft", "mmproj": "--mmproj", "mmproj_offload": "--no-mmproj-offload",
 }
 DRAFT_ONLY = ("n_gpu_layers_draft", "cache_type_k_draft", "cache_type_v_draft", "override_tensor_draft",
               "cpu_moe_draft", "n_cpu_moe_draft")
@@ -90,6 +91,11 @@ def add_flags(p, command: str) -> None:
                    help="every expert weight of the draft in the CPU")
     g.add_argument("-ncmoed", "--n-cpu-moe-draft", dest="n_cpu_moe_draft", type=int, default=None, metavar="N",
                    help="the draft's expert weights of its first N layers in the CPU")
+    g.add_argument("-mm", "--mmproj", dest="mmproj", action="append", default=None, metavar="FILE.gguf",
+                   help="a multimodal projector (mmproj-*.gguf): its model buffer on the first GPU, from its header "
+                        "(tools/mtmd/clip.cpp); its compute buffer is not priced yet")
+    g.add_argument("--mmproj-offload", "--no-mmproj-offload", dest="mmproj_offload", action=BooleanFlag,
+                   default=None, help="--no-mmproj-offload keeps the projector in the CPU (default: on the GPU)")
     g.add_argument("--gpu-count", dest="gpu_count", type=int, default=None, metavar="N",
                    help="vramcal's: the GPUs llama.cpp would see (default: -ts's length, else this machine's, else 1)")
     if command in ("estimate", "fit", "probe", "check"):
@@ -179,6 +185,33 @@ def _draft(args):
                      cpu_moe=bool(args.cpu_moe_draft))
 
 
+class BooleanFlag(argparse.Action):
+    """llama.cpp's ``--X`` / ``--no-X`` pair as one flag (common/arg.cpp writes them as one option)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, not option_string.startswith("--no-"))
+
+
+def _mmproj(args):
+    """--mmproj and --no-mmproj-offload as :class:`MmprojArgs` (None without --mmproj); one line for the
+    projector given twice (libmtmd loads one), or --no-mmproj-offload without it."""
+    from .estimator.llamacpp.mmproj import MmprojArgs
+
+    given = getattr(args, "mmproj", None) or []
+    if len(given) > 1:
+        raise UserError(f"--mmproj is given {len(given)} times ({', '.join(given)}): llama-server loads one projector; "
+                        "give it once")
+    if not given:
+        if getattr(args, "mmproj_offload", None) is not None:
+            raise UserError("--mmproj-offload / --no-mmproj-offload set where the projector goes: give it with "
+                            "--mmproj FILE.gguf, or drop the flag")
+        return None
+    return MmprojArgs(path=given[0], offload=args.mmproj_offload is not False)
+
+
 def _or(value, default):
     return default if value is None else value
 
@@ -198,7 +231,8 @@ def llama_args(args, **over):
         kv_unified=bool(args.kv_unified), cache_type_k=(args.cache_type_k or "f16").lower(),
         cache_type_v=(args.cache_type_v or "f16").lower(), flash_attn=args.flash_attn or "auto",
         n_batch=_or(args.batch_size, 2048), n_ubatch=_or(args.ubatch_size, 512), swa_full=bool(args.swa_full),
-        offload_kqv=not args.no_kv_offload, n_gpus=n_gpus, draft=_draft(args))
+        offload_kqv=not args.no_kv_offload, n_gpus=n_gpus, draft=_draft(args),
+        mmproj=_mmproj(args))
     from dataclasses import replace
 
     return replace(a, **over).validated(), note
@@ -355,6 +389,9 @@ def _probe(args, io, *, check: bool) -> int:
     if a.draft is not None:
         raise UserError(f"a {verb} loads the target model only: -md is priced by `vramcal estimate --engine llama.cpp`"
                         ", not run yet; drop -md to probe the target")
+    if a.mmproj is not None:
+        raise UserError(f"a {verb} loads the model only: --mmproj is priced by `vramcal estimate --engine llama.cpp`, "
+                        "not run yet; drop --mmproj to probe the model")
     if (a.overrides or a.n_cpu_moe or a.cpu_moe) and a.n_gpus and a.n_gpu_layers != 0:
         raise UserError(f"a {verb} cannot pass -ot / --n-cpu-moe / --cpu-moe to llama.cpp yet (its child sets no "
                         "tensor overrides), so it would measure another placement than the one asked: drop them "
