@@ -92,8 +92,8 @@ def add_flags(p, command: str) -> None:
     g.add_argument("-ncmoed", "--n-cpu-moe-draft", dest="n_cpu_moe_draft", type=int, default=None, metavar="N",
                    help="the draft's expert weights of its first N layers in the CPU")
     g.add_argument("-mm", "--mmproj", dest="mmproj", action="append", default=None, metavar="FILE.gguf",
-                   help="a multimodal projector (mmproj-*.gguf): its model buffer on the first GPU, from its header "
-                        "(tools/mtmd/clip.cpp); its compute buffer is not priced yet")
+                   help="a multimodal projector (mmproj-*.gguf): its model buffer on the first GPU, from its header, "
+                        "and its warm-up compute buffer where replayed (gemma3; tools/mtmd/clip.cpp)")
     g.add_argument("--mmproj-offload", "--no-mmproj-offload", dest="mmproj_offload", action=BooleanFlag,
                    default=None, help="--no-mmproj-offload keeps the projector in the CPU (default: on the GPU)")
     g.add_argument("--gpu-count", dest="gpu_count", type=int, default=None, metavar="N",

@@ -262,7 +262,8 @@ def plan_llamacpp(spec: str, hardware, *, buffer: int, goal: str = "quality", ar
                             "drafted tokens are accepted)")
     if base.mmproj is not None:
         result.notes.append("the projector (--mmproj) is priced in each plan: its model buffer from its header on the "
-                            "first GPU (the CPU with --no-mmproj-offload); its compute buffer is not priced")
+                            "first GPU (the CPU with --no-mmproj-offload), its compute buffer where its warm-up graph "
+                            "is replayed (the estimate's notes say where it is not)")
     if any("cpu's memory bandwidth" in (p.speed.why_none or "") for p in plans):
         result.notes.append("a plan with layers or experts in RAM has its decode bound unknown until the RAM's "
                             "bandwidth is given (--bandwidth cpu=RATE)")

@@ -643,7 +643,7 @@ def estimate_llamacpp(spec: str | GgufModel, args: LlamaArgs | None = None) -> L
                      "(common/speculative.cpp); its vocabulary is not checked against the target's")
     projector = None
     if a.mmproj is not None:
-        projector = estimate_mmproj(a.mmproj, a.n_gpus, a.gpu_backend)
+        projector = estimate_mmproj(a.mmproj, a.n_gpus, a.gpu_backend, a.flash_attn != "off")
         notes += projector.notes
     return LlamaEstimate(model=m.name, arch=m.arch, files=list(m.files), n_ctx=c.n_ctx, n_ctx_seq=c.n_ctx_seq,
                          n_seq_max=c.n_seq_max, n_batch=c.n_batch, n_ubatch=c.n_ubatch, flash_attn=c.flash_attn,
