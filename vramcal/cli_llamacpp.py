@@ -27,6 +27,7 @@ LLAMACPP_FLAGS = {
     "cache_type_k_draft": "--cache-type-k-draft", "cache_type_v_draft": "--cache-type-v-draft",
     "override_tensor_draft": "--override-tensor-draft", "cpu_moe_draft": "--cpu-moe-draft",
     "n_cpu_moe_draft": "--n-cpu-moe-draft", "mmproj": "--mmproj", "mmproj_offload": "--no-mmproj-offload",
+    "ollama": "--ollama",
 }
 DRAFT_ONLY = ("n_gpu_layers_draft", "cache_type_k_draft", "cache_type_v_draft", "override_tensor_draft",
               "cpu_moe_draft", "n_cpu_moe_draft")
@@ -96,6 +97,10 @@ def add_flags(p, command: str) -> None:
                         "and its warm-up compute buffer where replayed (gemma3; tools/mtmd/clip.cpp)")
     g.add_argument("--mmproj-offload", "--no-mmproj-offload", dest="mmproj_offload", action=BooleanFlag,
                    default=None, help="--no-mmproj-offload keeps the projector in the CPU (default: on the GPU)")
+    g.add_argument("--ollama", dest="ollama", action="append", default=None, metavar="KEY=VALUE,...",
+                   help="the run as Ollama's: its options num_ctx, num_batch, num_gpu, main_gpu, use_mmap and its "
+                        "environment OLLAMA_NUM_PARALLEL, OLLAMA_CONTEXT_LENGTH, OLLAMA_FLASH_ATTENTION, "
+                        "OLLAMA_KV_CACHE_TYPE, priced as the llama-server flags Ollama launches (docs/llamacpp.md)")
     g.add_argument("--gpu-count", dest="gpu_count", type=int, default=None, metavar="N",
                    help="vramcal's: the GPUs llama.cpp would see (default: -ts's length, else this machine's, else 1)")
     if command in ("estimate", "fit", "probe", "check"):
@@ -216,11 +221,52 @@ def _or(value, default):
     return default if value is None else value
 
 
-def llama_args(args, **over):
-    """The command line's flags as :class:`LlamaArgs` (validated there; one line on bad input)."""
+def _as_ollama(args, header, gpu_total_bytes: int | None) -> list[str]:
+    """``--ollama``: the llama-server flags Ollama would launch with (:mod:`.estimator.llamacpp.ollama`), parsed
+    by the same flags as a llama.cpp command into ``args``; its notes. One line beside a flag Ollama sets."""
+    import argparse as _argparse
+
+    from .estimator.llamacpp.ollama import SET_BY_OLLAMA, llama_server_flags, parse_settings
+
+    given = [LLAMACPP_FLAGS[d] for d in SET_BY_OLLAMA if getattr(args, d, None) is not None]
+    if given:
+        raise UserError(f"--ollama sets {', '.join(given)} as Ollama does: give them as Ollama's (num_ctx, num_batch, "
+                        "num_gpu, OLLAMA_NUM_PARALLEL ...) in --ollama, or drop --ollama")
+    settings = parse_settings(args.ollama)
+    embedding = header is not None and header.get(".pooling_type") is not None
+    run = llama_server_flags(settings, n_ctx_train=header.get(".context_length") if header is not None else None,
+                             arch=header.arch if header is not None else None, embedding=embedding,
+                             gpu_total_bytes=gpu_total_bytes)
+    p = _argparse.ArgumentParser(add_help=False)
+    add_flags(p, "estimate")
+    ns = p.parse_args(list(run.argv))
+    for dest in SET_BY_OLLAMA:
+        setattr(args, dest, getattr(ns, dest))
+    return list(run.notes) + [f"llama-server {' '.join(run.argv)}"]
+
+
+def _gpu_total_bytes(n_gpus: int) -> int | None:
+    """This machine's GPUs' memory in all (NVML), for Ollama's default num_ctx tier; None where unread."""
+    from .probes import nvml
+
+    ok, _ = nvml.available()
+    if not ok or not n_gpus:
+        return None
+    sizes = [nvml.memory_total(nvml.device_handle(i)) for i in range(n_gpus)]
+    return None if any(isinstance(s, nvml.NA) for s in sizes) else sum(sizes)
+
+
+def llama_args(args, header=None, **over):
+    """The command line's flags as :class:`LlamaArgs` (validated there; one line on bad input); with
+    ``--ollama``, first turned into the llama-server flags Ollama launches (``header``: the model's, for its
+    context_length and kind; ``gpu_total_bytes`` in ``over``: the GPUs' memory for Ollama's default num_ctx)."""
     from .estimator.llamacpp.buffers import LlamaArgs
 
+    gpu_total = over.pop("gpu_total_bytes", None)
     n_gpus, note = (over["n_gpus"], None) if "n_gpus" in over else _gpu_count(args)
+    ollama_notes = []
+    if getattr(args, "ollama", None):
+        ollama_notes = _as_ollama(args, header, gpu_total if gpu_total is not None else _gpu_total_bytes(n_gpus))
     a = LlamaArgs(
         ctx_size=0 if args.ctx_size is None else args.ctx_size, n_gpu_layers=_ngl(args.n_gpu_layers),
         tensor_split=_split(args.tensor_split) if args.tensor_split else None, split_mode=args.split_mode or "layer",
@@ -235,6 +281,8 @@ def llama_args(args, **over):
         mmproj=_mmproj(args))
     from dataclasses import replace
 
+    if ollama_notes:
+        note = "; ".join([*ollama_notes, *([note] if note else [])])
     return replace(a, **over).validated(), note
 
 
@@ -263,7 +311,7 @@ def cmd_plan(args, io) -> int:
                         "its parallel sequences -np, and its GPUs those of --hardware (or this machine's)")
     hardware = machine(args, cpu_bandwidth=True)
     buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
-    a, _ = llama_args(args, n_gpus=len(hardware.gpus))
+    a, _ = llama_args(args, n_gpus=len(hardware.gpus), gpu_total_bytes=sum(g.memory_bytes for g in hardware.gpus))
     pinned = frozenset(k for k, on in (("ctx", args.ctx_size is not None),
                                        ("ngl", args.n_gpu_layers not in (None, "auto")),  # auto: llama.cpp's --fit
                                        ("moe", args.n_cpu_moe is not None or bool(args.cpu_moe)),
@@ -291,8 +339,9 @@ def cmd_estimate(args, io) -> int:
         raise UserError("--engine llama.cpp needs a GGUF file: `vramcal estimate --engine llama.cpp FILE.gguf -c 8192 "
                         "-ngl 99`")
     _refuse_others(args, "estimate")
-    a, note = llama_args(args)
-    e = estimate_llamacpp(model_header(args, io), a)
+    m = model_header(args, io)
+    a, note = llama_args(args, m)
+    e = estimate_llamacpp(m, a)
     if note:
         e.notes.append(note)
     io.out(json.dumps(present.llamacpp_json(e)) if args.json else present.llamacpp_table(e))
@@ -364,10 +413,11 @@ def cmd_fit(args, io) -> int:
     buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
     if buffer >= budget:
         raise UserError(f"--buffer ({buffer:,} B) must be below --budget ({budget:,} B)")
-    a, note = llama_args(args)
+    m = model_header(args, io)
+    a, note = llama_args(args, m, gpu_total_bytes=budget * max(_gpu_count(args)[0], 1))
     if a.n_gpus == 0:
         raise UserError("fit --engine llama.cpp searches what fits the GPUs: drop --device cpu")
-    f = fit_llamacpp(model_header(args, io), a, budget - buffer, ctx_given=args.ctx_size is not None,
+    f = fit_llamacpp(m, a, budget - buffer, ctx_given=args.ctx_size is not None,
                      ngl_given=args.n_gpu_layers not in (None, "auto"), moe_given=args.n_cpu_moe is not None)
     if note:
         f.notes.append(note)
