@@ -151,27 +151,59 @@ def test_misuse_is_one_line(files, capsys, tmp_path):
     assert rc == 2 and "--mmproj is priced by" in err, err
 
 
-def test_a_projector_type_not_replayed_says_so(files, tmp_path):
-    """Its model buffer is priced; its compute buffer is None with the reason, and left out of the devices."""
+def _rewrite(src_path: str, dst, kv: dict, extra: dict | None = None) -> str:
+    """A copy of a projector GGUF with some metadata changed (``kv``, str / bool values) and ``extra`` f32
+    tensors (name -> numpy array) added."""
     import gguf
 
-    src = gguf.GGUFReader(files["tiny"])
-    w = gguf.GGUFWriter(str(tmp_path / "mmproj-idefics3.gguf"), "clip")
+    src = gguf.GGUFReader(src_path)
+    w = gguf.GGUFWriter(str(dst), "clip")
     for field in src.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in kv:
             continue
-        value = field.contents()
-        if field.name == "clip.projector_type":
-            value = "idefics3"
-        w.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+        w.add_key_value(field.name, field.contents(), field.types[0],
+                        sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for key, value in kv.items():
+        (w.add_bool if isinstance(value, bool) else w.add_string)(key, value)
     for t in src.tensors:
         w.add_tensor(t.name, t.data, raw_shape=tuple(reversed([int(x) for x in t.shape])), raw_dtype=t.tensor_type)
+    for name, data in (extra or {}).items():
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    e = estimate_llamacpp(files["text"], LlamaArgs(ctx_size=512, n_gpus=1,
-                                                   mmproj=MmprojArgs(str(tmp_path / "mmproj-idefics3.gguf"))))
+    return str(dst)
+
+
+def test_a_projector_type_not_replayed_says_so(files, tmp_path):
+    """Its model buffer is priced; its compute buffer is None with the reason, and left out of the devices."""
+    path = _rewrite(files["tiny"], tmp_path / "mmproj-idefics3.gguf", {"clip.projector_type": "idefics3"})
+    e = estimate_llamacpp(files["text"], LlamaArgs(ctx_size=512, n_gpus=1, mmproj=MmprojArgs(path)))
     p = e.mmproj
     assert p.compute_buffer_bytes is None and "'idefics3'" in p.compute_why_none and p.compute_why_none in e.notes
     assert p.model_buffer_bytes == estimate_mmproj(MmprojArgs(files["tiny"]), 1).model_buffer_bytes
+    alone = estimate_llamacpp(files["text"], LlamaArgs(ctx_size=512, n_gpus=1)).device_bytes()
+    assert e.device_bytes()["CUDA0"] == alone["CUDA0"] + p.model_buffer_bytes["CUDA0"]
+
+
+def test_an_audio_encoders_tensors_are_its_own_context(files, tmp_path):
+    """A file with both encoders: two clip contexts, the a.* / mm.a.* tensors in the audio one's buffer, the
+    clamp scalars in neither; the audio graph is not replayed, so the compute is None with its reason."""
+    import numpy as np
+
+    audio = {"a.blk.0.attn_q.weight": np.zeros((64, 100), np.float32), "mm.a.fc.weight": np.zeros((3, 5), np.float32),
+             "v.blk.0.attn_q.input_max": np.zeros((1,), np.float32)}
+    path = _rewrite(files["tiny"], tmp_path / "mmproj-omni.gguf",
+                    {"clip.projector_type": "", "clip.vision.projector_type": "gemma3",
+                     "clip.audio.projector_type": "qwen2a", "clip.has_audio_encoder": True}, audio)
+    p = estimate_mmproj(MmprojArgs(path, offload=False), 1)
+    vision, sound = p.modalities
+    assert (vision["modality"], vision["projector_type"], sound["modality"], sound["projector_type"]) == \
+        ("vision", "gemma3", "audio", "qwen2a")
+    assert sound["tensors"] == 2 and sound["model_buffer_bytes"] == 64 * 100 * 4 + 64  # 15 floats padded to 32 B
+    assert vision["model_buffer_bytes"] == estimate_mmproj(MmprojArgs(files["tiny"], offload=False), 1) \
+        .model_buffer_bytes["CPU"]
+    assert p.model_buffer_bytes == {"CPU": vision["model_buffer_bytes"] + sound["model_buffer_bytes"]}
+    assert vision["compute_buffer_bytes"] is not None and p.compute_buffer_bytes is None
+    assert "audio projector 'qwen2a'" in p.compute_why_none
