@@ -203,6 +203,70 @@ def write_gguf(path, arch: str, kv: dict, tensors: list[tuple[str, tuple[int, ..
     return str(path)
 
 
+def write_tiny_mmproj(path, *, n_embd: int = 64, n_ff: int = 128, n_layer: int = 2, n_head: int = 4,
+                      image_size: int = 64, patch_size: int = 8, n_embd_text: int = 256, n_merge: int = 2,
+                      weight_type: str = "F16", seed: int = 0) -> str:
+    """Write a tiny Gemma 3 style multimodal projector (``mmproj``: a SigLIP ViT and the ``gemma3`` projector,
+    the keys and tensor names of llama.cpp's tools/mtmd/clip-impl.h) that libmtmd loads; return its path.
+    Rows of a quantized ``weight_type`` must be a multiple of its block (Q8_0: 32 values)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_name("tiny-mmproj")
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type("gemma3")
+    w.add_vision_projection_dim(n_embd_text)
+    w.add_vision_embedding_length(n_embd)
+    w.add_vision_feed_forward_length(n_ff)
+    w.add_vision_block_count(n_layer)
+    w.add_vision_head_count(n_head)
+    w.add_vision_attention_layernorm_eps(1e-6)
+    w.add_vision_image_size(image_size)
+    w.add_vision_patch_size(patch_size)
+    w.add_vision_image_mean([0.5, 0.5, 0.5])
+    w.add_vision_image_std([0.5, 0.5, 0.5])
+    w.add_vision_use_gelu(True)
+    w.add_vision_projector_scale_factor(n_merge)
+
+    def put(name: str, shape: tuple[int, ...], qtype: str = "F32") -> None:  # shape in PyTorch order
+        data = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        t = gguf.GGMLQuantizationType[qtype]
+        if t == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, data)
+        elif t == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            q = gguf.quants.quantize(data, t)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=t)
+
+    n_patches = (image_size // patch_size) ** 2
+    put("v.patch_embd.weight", (n_embd, 3, patch_size, patch_size), "F16")
+    put("v.patch_embd.bias", (n_embd,))
+    put("v.position_embd.weight", (n_patches, n_embd), "F16")
+    for i in range(n_layer):
+        b = f"v.blk.{i}."
+        for proj in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            put(b + proj + ".weight", (n_embd, n_embd), weight_type)
+            put(b + proj + ".bias", (n_embd,))
+        for norm in ("ln1", "ln2"):
+            put(b + norm + ".weight", (n_embd,))
+            put(b + norm + ".bias", (n_embd,))
+        put(b + "ffn_up.weight", (n_ff, n_embd), weight_type)
+        put(b + "ffn_up.bias", (n_ff,))
+        put(b + "ffn_down.weight", (n_embd, n_ff), weight_type)
+        put(b + "ffn_down.bias", (n_embd,))
+    put("v.post_ln.weight", (n_embd,))
+    put("v.post_ln.bias", (n_embd,))
+    put("mm.soft_emb_norm.weight", (n_embd,))
+    put("mm.input_projection.weight", (n_embd, n_embd_text), "F16")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
 def _common(E: int, V: int, tied: bool = False) -> list[tuple[str, tuple[int, ...]]]:
     out = [("token_embd.weight", (E, V)), ("output_norm.weight", (E,))]
     return out if tied else out + [("output.weight", (E, V))]

@@ -6,6 +6,7 @@ GGUF file (docs/llamacpp.md)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -26,7 +27,8 @@ LLAMACPP_FLAGS = {
     "model_draft": "--model-draft", "n_gpu_layers_draft": "--gpu-layers-draft",
     "cache_type_k_draft": "--cache-type-k-draft", "cache_type_v_draft": "--cache-type-v-draft",
     "override_tensor_draft": "--override-tensor-draft", "cpu_moe_draft": "--cpu-moe-draft",
-    "n_cpu_moe_draft": "--n-cpu-moe-draft",
+    "n_cpu_moe_draft": "--n-cpu-moe-draft", "mmproj": "--mmproj", "mmproj_offload": "--no-mmproj-offload",
+    "ollama": "--ollama",
 }
 DRAFT_ONLY = ("n_gpu_layers_draft", "cache_type_k_draft", "cache_type_v_draft", "override_tensor_draft",
               "cpu_moe_draft", "n_cpu_moe_draft")
@@ -95,6 +97,15 @@ def add_flags(p, command: str) -> None:
                    help="every expert weight of the draft in the CPU")
     g.add_argument("-ncmoed", "--n-cpu-moe-draft", dest="n_cpu_moe_draft", type=int, default=None, metavar="N",
                    help="the draft's expert weights of its first N layers in the CPU")
+    g.add_argument("-mm", "--mmproj", dest="mmproj", action="append", default=None, metavar="FILE.gguf",
+                   help="a multimodal projector (mmproj-*.gguf): its model buffer on the first GPU, from its header, "
+                        "and its warm-up compute buffer where replayed (gemma3; tools/mtmd/clip.cpp)")
+    g.add_argument("--mmproj-offload", "--no-mmproj-offload", dest="mmproj_offload", action=BooleanFlag,
+                   default=None, help="--no-mmproj-offload keeps the projector in the CPU (default: on the GPU)")
+    g.add_argument("--ollama", dest="ollama", action="append", default=None, metavar="KEY=VALUE,...",
+                   help="the run as Ollama's: its options num_ctx, num_batch, num_gpu, main_gpu, use_mmap and its "
+                        "environment OLLAMA_NUM_PARALLEL, OLLAMA_CONTEXT_LENGTH, OLLAMA_FLASH_ATTENTION, "
+                        "OLLAMA_KV_CACHE_TYPE, priced as the llama-server flags Ollama launches (docs/llamacpp.md)")
     g.add_argument("--gpu-count", dest="gpu_count", type=int, default=None, metavar="N",
                    help="vramcal's: the GPUs llama.cpp would see (default: -ts's length, else this machine's, else 1)")
     if command in ("estimate", "fit", "probe", "check"):
@@ -184,17 +195,85 @@ def _draft(args):
                      cpu_moe=bool(args.cpu_moe_draft))
 
 
+class BooleanFlag(argparse.Action):
+    """llama.cpp's ``--X`` / ``--no-X`` pair as one flag (common/arg.cpp writes them as one option)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, not option_string.startswith("--no-"))
+
+
+def _mmproj(args):
+    """--mmproj and --no-mmproj-offload as :class:`MmprojArgs` (None without --mmproj); one line for the
+    projector given twice (libmtmd loads one), or --no-mmproj-offload without it."""
+    from .estimator.llamacpp.mmproj import MmprojArgs
+
+    given = getattr(args, "mmproj", None) or []
+    if len(given) > 1:
+        raise UserError(f"--mmproj is given {len(given)} times ({', '.join(given)}): llama-server loads one projector; "
+                        "give it once")
+    if not given:
+        if getattr(args, "mmproj_offload", None) is not None:
+            raise UserError("--mmproj-offload / --no-mmproj-offload set where the projector goes: give it with "
+                            "--mmproj FILE.gguf, or drop the flag")
+        return None
+    return MmprojArgs(path=given[0], offload=args.mmproj_offload is not False)
+
+
 def _or(value, default):
     return default if value is None else value
 
 
-def llama_args(args, **over):
-    """The command line's flags as :class:`LlamaArgs` (validated there; one line on bad input)."""
+def _as_ollama(args, header, gpu_total_bytes: int | None) -> list[str]:
+    """``--ollama``: the llama-server flags Ollama would launch with (:mod:`.estimator.llamacpp.ollama`), parsed
+    by the same flags as a llama.cpp command into ``args``; its notes. One line beside a flag Ollama sets."""
+    import argparse as _argparse
+
+    from .estimator.llamacpp.ollama import SET_BY_OLLAMA, llama_server_flags, parse_settings
+
+    given = [LLAMACPP_FLAGS[d] for d in SET_BY_OLLAMA if getattr(args, d, None) is not None]
+    if given:
+        raise UserError(f"--ollama sets {', '.join(given)} as Ollama does: give them as Ollama's (num_ctx, num_batch, "
+                        "num_gpu, OLLAMA_NUM_PARALLEL ...) in --ollama, or drop --ollama")
+    settings = parse_settings(args.ollama)
+    embedding = header is not None and header.get(".pooling_type") is not None
+    run = llama_server_flags(settings, n_ctx_train=header.get(".context_length") if header is not None else None,
+                             arch=header.arch if header is not None else None, embedding=embedding,
+                             gpu_total_bytes=gpu_total_bytes)
+    p = _argparse.ArgumentParser(add_help=False)
+    add_flags(p, "estimate")
+    ns = p.parse_args(list(run.argv))
+    for dest in SET_BY_OLLAMA:
+        setattr(args, dest, getattr(ns, dest))
+    return list(run.notes) + [f"llama-server {' '.join(run.argv)}"]
+
+
+def _gpu_total_bytes(n_gpus: int) -> int | None:
+    """This machine's GPUs' memory in all (NVML), for Ollama's default num_ctx tier; None where unread."""
+    from .probes import nvml
+
+    ok, _ = nvml.available()
+    if not ok or not n_gpus:
+        return None
+    sizes = [nvml.memory_total(nvml.device_handle(i)) for i in range(n_gpus)]
+    return None if any(isinstance(s, nvml.NA) for s in sizes) else sum(sizes)
+
+
+def llama_args(args, header=None, **over):
+    """The command line's flags as :class:`LlamaArgs` (validated there; one line on bad input); with
+    ``--ollama``, first turned into the llama-server flags Ollama launches (``header``: the model's, for its
+    context_length and kind; ``gpu_total_bytes`` in ``over``: the GPUs' memory for Ollama's default num_ctx)."""
     from dataclasses import replace
 
     from .estimator.llamacpp.buffers import LlamaArgs
 
+    gpu_total = over.pop("gpu_total_bytes", None)
     n_gpus, note = (over["n_gpus"], None) if "n_gpus" in over else _gpu_count(args)
+    ollama_notes = []
+    if getattr(args, "ollama", None):
+        ollama_notes = _as_ollama(args, header, gpu_total if gpu_total is not None else _gpu_total_bytes(n_gpus))
     a = LlamaArgs(
         ctx_size=0 if args.ctx_size is None else args.ctx_size, n_gpu_layers=_ngl(args.n_gpu_layers),
         tensor_split=_split(args.tensor_split) if args.tensor_split else None, split_mode=args.split_mode or "layer",
@@ -205,11 +284,14 @@ def llama_args(args, **over):
         kv_unified=bool(args.kv_unified), cache_type_k=(args.cache_type_k or "f16").lower(),
         cache_type_v=(args.cache_type_v or "f16").lower(), flash_attn=args.flash_attn or "auto",
         n_batch=_or(args.batch_size, 2048), n_ubatch=_or(args.ubatch_size, 512), swa_full=bool(args.swa_full),
-        offload_kqv=not args.no_kv_offload, embeddings=bool(args.embedding), n_gpus=n_gpus, draft=_draft(args))
+        offload_kqv=not args.no_kv_offload, embeddings=bool(args.embedding), n_gpus=n_gpus, draft=_draft(args),
+        mmproj=_mmproj(args))
     if a.embeddings and a.n_batch > a.n_ubatch:  # llama-server (tools/server/server.cpp): one ubatch per request
         note = "; ".join(x for x in (note, f"--embedding: -b {a.n_batch} lowered to -ub {a.n_ubatch}, as llama-server "
                                      "does (embeddings need every token in one ubatch)") if x)
         a = replace(a, n_batch=a.n_ubatch)
+    if ollama_notes:
+        note = "; ".join([*ollama_notes, *([note] if note else [])])
     return replace(a, **over).validated(), note
 
 
@@ -238,7 +320,7 @@ def cmd_plan(args, io) -> int:
                         "its parallel sequences -np, and its GPUs those of --hardware (or this machine's)")
     hardware = machine(args, cpu_bandwidth=True)
     buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
-    a, _ = llama_args(args, n_gpus=len(hardware.gpus))
+    a, _ = llama_args(args, n_gpus=len(hardware.gpus), gpu_total_bytes=sum(g.memory_bytes for g in hardware.gpus))
     pinned = frozenset(k for k, on in (("ctx", args.ctx_size is not None),
                                        ("ngl", args.n_gpu_layers not in (None, "auto")),  # auto: llama.cpp's --fit
                                        ("moe", args.n_cpu_moe is not None or bool(args.cpu_moe)),
@@ -268,8 +350,9 @@ def cmd_estimate(args, io) -> int:
         raise UserError("--engine llama.cpp needs a GGUF file: `vramcal estimate --engine llama.cpp FILE.gguf -c 8192 "
                         "-ngl 99`")
     _refuse_others(args, "estimate")
-    a, note = llama_args(args)
-    e = estimate_llamacpp(model_header(args, io), a)
+    m = model_header(args, io)
+    a, note = llama_args(args, m)
+    e = estimate_llamacpp(m, a)
     if note:
         e.notes.append(note)
     beyond = learned_beyond(args)
@@ -362,10 +445,11 @@ def cmd_fit(args, io) -> int:
     buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
     if buffer >= budget:
         raise UserError(f"--buffer ({buffer:,} B) must be below --budget ({budget:,} B)")
-    a, note = llama_args(args)
+    m = model_header(args, io)
+    a, note = llama_args(args, m, gpu_total_bytes=budget * max(_gpu_count(args)[0], 1))
     if a.n_gpus == 0:
         raise UserError("fit --engine llama.cpp searches what fits the GPUs: drop --device cpu")
-    f = fit_llamacpp(model_header(args, io), a, budget - buffer, ctx_given=args.ctx_size is not None,
+    f = fit_llamacpp(m, a, budget - buffer, ctx_given=args.ctx_size is not None,
                      ngl_given=args.n_gpu_layers not in (None, "auto"), moe_given=args.n_cpu_moe is not None,
                      beyond=learned_beyond(args))
     if note:
@@ -388,6 +472,9 @@ def _probe(args, io, *, check: bool) -> int:
     if a.draft is not None:
         raise UserError(f"a {verb} loads the target model only: -md is priced by `vramcal estimate --engine llama.cpp`"
                         ", not run yet; drop -md to probe the target")
+    if a.mmproj is not None:
+        raise UserError(f"a {verb} loads the model only: --mmproj is priced by `vramcal estimate --engine llama.cpp`, "
+                        "not run yet; drop --mmproj to probe the model")
     if (a.overrides or a.n_cpu_moe or a.cpu_moe) and a.n_gpus and a.n_gpu_layers != 0:
         raise UserError(f"a {verb} cannot pass -ot / --n-cpu-moe / --cpu-moe to llama.cpp yet (its child sets no "
                         "tensor overrides), so it would measure another placement than the one asked: drop them "

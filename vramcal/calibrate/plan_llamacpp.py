@@ -185,10 +185,12 @@ def plan_llamacpp(spec: str, hardware, *, buffer: int, goal: str = "quality", ar
         raise UserError(f"-ts {','.join(f'{x:g}' for x in base.tensor_split)} gives {len(base.tensor_split)} shares "
                         f"for the {len(gpus)} GPU(s) of the machine: give one per GPU")
 
-    draft = None if base.draft is None else str(Path(base.draft.path).expanduser().resolve())
-    files = [f for f in gguf_models(spec, hub) if draft is None or str(Path(f).expanduser().resolve()) != draft]
+    beside = {str(Path(x.path).expanduser().resolve()): flag for x, flag in ((base.draft, "the draft model (-md)"),
+                                                                           (base.mmproj, "the projector (--mmproj)"))
+              if x is not None}
+    files = [f for f in gguf_models(spec, hub) if str(Path(f).expanduser().resolve()) not in beside]
     if not files:
-        raise UserError(f"{spec} holds no GGUF but the draft model (-md): give the target model too")
+        raise UserError(f"{spec} holds no GGUF but {' and '.join(beside.values())}: give the model too")
     models = [read_gguf(f, hub=hub) for f in files]
     models.sort(key=lambda m: -bits_per_weight(m))
     name = models[0].name
@@ -262,6 +264,10 @@ def plan_llamacpp(spec: str, hardware, *, buffer: int, goal: str = "quality", ar
         result.notes.append("the draft model (-md) is on the same devices, priced in each plan's GPUs and RAM; the "
                             "decode bound is the target's alone (speculative decoding's speed rests on how many "
                             "drafted tokens are accepted)")
+    if base.mmproj is not None:
+        result.notes.append("the projector (--mmproj) is priced in each plan: its model buffer from its header on the "
+                            "first GPU (the CPU with --no-mmproj-offload), its compute buffer where its warm-up graph "
+                            "is replayed (the estimate's notes say where it is not)")
     if any("cpu's memory bandwidth" in (p.speed.why_none or "") for p in plans):
         result.notes.append("a plan with layers or experts in RAM has its decode bound unknown until the RAM's "
                             "bandwidth is given (--bandwidth cpu=RATE)")

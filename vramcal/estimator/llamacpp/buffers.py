@@ -34,6 +34,7 @@ from ...errors import UserError
 from ...units import MIB
 from .gguf_file import GgufModel, GgufTensor
 from .memory import Memory, memory_of
+from .mmproj import MmprojArgs, MmprojEstimate
 
 MODEL_ID = "llamacpp-buffers/1"  # the arithmetic's id: runs record it, corrections are fitted per id
 CPU_ALIGN = 32  # ggml-impl.h TENSOR_ALIGNMENT: the CPU buffer type's alignment
@@ -127,6 +128,7 @@ class LlamaArgs:
     # IQ4_NL, MXFP4 with rows a multiple of 8; AVX-512 adds Q2_K); with a GPU, CPU weights go CUDA_Host -> CPU
     cpu_repack: tuple[str, ...] = ("Q4_0", "Q4_K", "IQ4_NL", "MXFP4")
     draft: DraftArgs | None = None  # -md: a draft model for speculative decoding, loaded beside the target
+    mmproj: MmprojArgs | None = None  # --mmproj: a multimodal projector, loaded by libmtmd beside the model
 
     def validated(self) -> LlamaArgs:
         for flag, v in (("-c/--ctx-size", self.ctx_size),):
@@ -171,9 +173,9 @@ class LlamaArgs:
     def for_draft(self) -> LlamaArgs:
         """The draft model's flags: the target's, with the draft's own in place (:class:`DraftArgs`)."""
         d = self.draft
-        return replace(self, draft=None, n_gpu_layers=d.n_gpu_layers, cache_type_k=d.cache_type_k.lower(),
-                       cache_type_v=d.cache_type_v.lower(), overrides=d.overrides, n_cpu_moe=d.n_cpu_moe,
-                       cpu_moe=d.cpu_moe)
+        return replace(self, draft=None, mmproj=None, n_gpu_layers=d.n_gpu_layers,
+                       cache_type_k=d.cache_type_k.lower(), cache_type_v=d.cache_type_v.lower(),
+                       overrides=d.overrides, n_cpu_moe=d.n_cpu_moe, cpu_moe=d.cpu_moe)
 
 
 @dataclass(frozen=True)
@@ -368,13 +370,18 @@ class LlamaEstimate:
     rs_buffer_bytes: dict[str, int] = field(default_factory=dict)
     rs_cache: dict | None = None  # its cells, layers, R and S bytes (None: the model has no recurrent layer)
     memory: str = "kv"  # kv | recurrent | hybrid (:mod:`.memory`)
+    mmproj: MmprojEstimate | None = None  # --mmproj: the projector's buffers (its compute buffer may be None)
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes per device (CUDA0 ..., "CPU" for host memory: CPU, CPU_Mapped, CUDA_Host, the output), a draft
-        model's (-md) included."""
+        model's (-md) and a projector's (--mmproj: its model buffer, and its compute buffer where priced)
+        included."""
         out: dict[str, int] = dict(self.draft.device_bytes()) if self.draft is not None else {}
+        projector = ()
+        if self.mmproj is not None:
+            projector = (self.mmproj.model_buffer_bytes, self.mmproj.compute_buffer_bytes or {})
         for d in (self.model_buffer_bytes, self.kv_buffer_bytes, self.rs_buffer_bytes, self.compute_buffer_bytes,
-                  {self.output_buffer: self.output_buffer_bytes}):
+                  {self.output_buffer: self.output_buffer_bytes}, *projector):
             for name, b in d.items():
                 dev = device_of(name)
                 out[dev] = out.get(dev, 0) + b
@@ -393,7 +400,8 @@ class LlamaEstimate:
                 "compute_method": self.compute_method, "weights_bytes": self.weights_bytes,
                 "weight_types": dict(self.weight_types), "device_bytes": self.device_bytes(),
                 "notes": list(self.notes), "estimator_model": self.estimator_model, "priced_from": self.priced_from,
-                "draft": self.draft.to_dict() if self.draft is not None else None}
+                "draft": self.draft.to_dict() if self.draft is not None else None,
+                "mmproj": self.mmproj.to_dict() if self.mmproj is not None else None}
 
     def log_lines(self) -> list[str]:
         """The buffer lines as llama.cpp prints them (MiB, two decimals)."""
@@ -410,6 +418,8 @@ class LlamaEstimate:
                   for name, b in self.compute_buffer_bytes.items()]
         if self.draft is not None:
             lines += [f"(the draft model, -md {self.draft.model})"] + self.draft.log_lines()
+        if self.mmproj is not None:
+            lines += [f"(the projector, --mmproj {self.mmproj.name})"] + self.mmproj.log_lines()
         return lines
 
 
@@ -675,6 +685,7 @@ def estimate_llamacpp(spec: str | GgufModel, args: LlamaArgs | None = None) -> L
     """Every buffer llama.cpp logs loading ``spec`` with ``args``."""
     from .compute import compute_buffers
     from .gguf_file import read_gguf
+    from .mmproj import estimate_mmproj
 
     a = (args or LlamaArgs()).validated()
     m = spec if isinstance(spec, GgufModel) else read_gguf(spec)
@@ -699,6 +710,10 @@ def estimate_llamacpp(spec: str | GgufModel, args: LlamaArgs | None = None) -> L
         notes.append("the draft model's buffers (-md) are on the same devices, added to each: llama-server loads it "
                      "with the target's -c, -np, -b, -ub, -fa and -ts and its own -ngld, -ctkd/-ctvd, -otd "
                      "(common/speculative.cpp); its vocabulary is not checked against the target's")
+    projector = None
+    if a.mmproj is not None:
+        projector = estimate_mmproj(a.mmproj, a.n_gpus, a.gpu_backend, a.flash_attn != "off")
+        notes += projector.notes
     return LlamaEstimate(model=m.name, arch=m.arch, files=list(m.files), n_ctx=c.n_ctx, n_ctx_seq=c.n_ctx_seq,
                          n_seq_max=c.n_seq_max, n_batch=c.n_batch, n_ubatch=c.n_ubatch, flash_attn=c.flash_attn,
                          n_gpu_layers=n_gpu, n_layer=h.n_layer, model_buffer_bytes=model, kv_buffer_bytes=kv,
@@ -706,7 +721,7 @@ def estimate_llamacpp(spec: str | GgufModel, args: LlamaArgs | None = None) -> L
                          output_buffer=out_name, compute_method=method, weights_bytes=m.tensor_bytes,
                          weight_types=types, notes=[*c.notes, *notes, *kv_notes, *c_notes], revision=m.revision,
                          priced_from=m.priced_from.to_dict() if m.priced_from is not None else None,
-                         draft=draft, rs_buffer_bytes=rs, rs_cache=rs_cache, memory=h.memory.kind)
+                         draft=draft, rs_buffer_bytes=rs, rs_cache=rs_cache, memory=h.memory.kind, mmproj=projector)
 
 
 def _draft_model(path: str) -> GgufModel:

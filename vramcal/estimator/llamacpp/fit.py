@@ -422,4 +422,6 @@ def _flags(a: LlamaArgs) -> list[str]:
             out.append("-cmoed")
         for p, b in d.overrides:
             out += ["-otd", f"{p}={b}"]
+    if a.mmproj is not None:
+        out += ["--mmproj", a.mmproj.path] + ([] if a.mmproj.offload else ["--no-mmproj-offload"])
     return out
