@@ -148,6 +148,23 @@ def _per_tensor(path: Path, quant="auto") -> dict[str, int]:
     return dict(out)
 
 
+def _inv(path: Path):
+    from vramcal.estimator.formats import CPU
+    from vramcal.estimator.inventory import inventory
+    from vramcal.estimator.quant import resolve_quant
+    from vramcal.estimator.resolve import resolve_model
+
+    source = resolve_model(str(path))
+    return inventory(source, resolve_quant("auto", source, None, CPU), use_cache=False)
+
+
+def _forward(model) -> None:
+    import torch
+
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+
+
 def _load(path: Path, est):
     """The model as the probe's child loads it, with the estimate's own from_pretrained arguments."""
     from transformers import AutoModelForCausalLM
@@ -243,6 +260,8 @@ def test_moe_experts_quantized_load_dequantized_into_the_fused_experts(tmp_path,
     rest = {n: b for n, b in per.items() if ".mlp.experts." not in n and not n.endswith("inv_freq")}
     assert rest == {n: b for n, b in stored.items() if ".mlp.experts." not in n}
     assert e.components["weights"] - e.weights_breakdown["buffers"] == sum(stored.values()) - stored_experts + held_experts
+    _forward(model)  # the attention's compressed modules decompress too; the experts are bf16 already
+    assert sum(_held(model).values()) == _inv(path).run_tensor_bytes > e.components["weights"]
 
 
 def test_moe_experts_ignored_stay_bf16_as_stored(tmp_path):
@@ -256,3 +275,35 @@ def test_moe_experts_ignored_stay_bf16_as_stored(tmp_path):
     model = _load(path, e)
     assert sum(_held(model).values()) == e.components["weights"]
     assert e.components["weights"] - e.weights_breakdown["buffers"] == sum(stored.values())
+
+
+def _sizes(model) -> dict[int, int]:
+    from collections import Counter
+
+    return dict(Counter(_held(model).values()))
+
+
+@pytest.mark.parametrize("scheme", DENSE_SCHEMES)
+def test_the_first_forward_decompresses_and_the_stages_hold_it(dense, scheme):
+    """transformers' compressed load registers compressed-tensors' decompress hook: the first forward turns
+    every quantized module back into a bf16 weight (keeping its scales). The estimate's weights from
+    first_token on are those tensors, size by size (``run_alloc_sizes``) and in total, and the tensors the
+    stages add up (allocated) and the CPU's resident set hold them."""
+    path = dense[scheme]
+    e = _est(path)
+    inv = _inv(path)
+    assert inv.tensor_bytes == e.components["weights"] < inv.run_tensor_bytes
+    assert any("first forward decompresses" in n for n in e.notes), e.notes
+    model = _load(path, e)
+    assert _sizes(model) == dict(inv.alloc_sizes)
+    _forward(model)
+    assert sum(_held(model).values()) == inv.run_tensor_bytes
+    assert _sizes(model) == inv.run_alloc_sizes()
+    assert e.allocated["first_token"] - e.allocated["post_load"] >= inv.run_tensor_bytes - inv.tensor_bytes
+    assert e.peak_breakdown["decompressed_weights"] == sum(sum(new) for new, _ in inv.first_forward)
+
+
+def test_a_dequantized_load_has_no_first_forward_to_price(dense):
+    e = _est(dense["W4A16"], quant="bf16")
+    assert not any("first forward decompresses" in n for n in e.notes)
+    assert "decompressed_weights" not in e.peak_breakdown

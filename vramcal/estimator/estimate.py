@@ -447,7 +447,14 @@ class Estimator:
                           warmup=inv.warmup_bytes or 0, kv_prompt=parts.kv_prompt, kv_end=parts.kv_end,
                           prefill_extra=parts.prefill_extra, decode_extra=parts.decode_extra,
                           load_reserved=self.load_reserved() if parts.slack is not None else None,
-                          slack=parts.slack)
+                          slack=parts.slack, **self._run_weights())
+
+    def _run_weights(self) -> dict:
+        """DeviceLoad's weights from the first forward on, where the format's first forward rewrites them."""
+        inv = self.inv
+        if not inv.first_forward:
+            return {}
+        return {"run_weights_bytes": inv.run_tensor_bytes, "run_weights_alloc": weights_alloc(inv.run_alloc_sizes())}
 
     # ---------------------------------------------------------------- the estimate
     def estimate(self, ctx: int | None = None, batch: int = 1, device: str | None = None,

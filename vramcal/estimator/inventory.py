@@ -68,6 +68,22 @@ class Inventory:
     parts: dict[str, int] = field(default_factory=dict)
     # the auto class from_pretrained is called on for this checkpoint (meta.auto_class_for)
     auto_class: str = "AutoModelForCausalLM"
+    # what the first forward changes in the weights, module by module (Format.first_forward): [[bytes of each
+    # tensor allocated], [bytes of each stored tensor dropped]]; empty where the model runs as loaded
+    first_forward: list = field(default_factory=list)
+
+    @property
+    def run_tensor_bytes(self) -> int:
+        """Bytes of the weights held from the first forward on."""
+        return self.tensor_bytes + sum(sum(new) - sum(freed) for new, freed in self.first_forward)
+
+    def run_alloc_sizes(self) -> dict[int, int]:
+        """``alloc_sizes`` from the first forward on."""
+        sizes = Counter(self.alloc_sizes)
+        for new, freed in self.first_forward:
+            sizes.update(new)
+            sizes.subtract(freed)
+        return {b: n for b, n in sizes.items() if n > 0}
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -138,6 +154,14 @@ def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
     refuse_mismatched_stored(source, model, hf_quantizer)
     inv = count_meta_model(source, quant, model, hf_quantizer, dtype)
     inv.auto_class = auto_class_for(model.config, source.config.get("architectures")).__name__
+    fmt = format_for(quant.extra["quantization_config"]) if quant.method in REPLACED_ON_META else None
+    if fmt is not None and hf_quantizer is not None:
+        inv.first_forward = [[list(new), list(freed)] for new, freed in fmt.first_forward(model, hf_quantizer)]
+    if inv.first_forward:
+        inv.notes.append(f"transformers loads {fmt.label} compressed ({inv.tensor_bytes:,} bytes) and its first "
+                         f"forward decompresses the {len(inv.first_forward)} quantized modules to "
+                         f"{quant.dtype} ({inv.run_tensor_bytes:,} bytes from the first token on; "
+                         "compressed_tensors' decompress hook): the stages from first_token on hold those")
     return inv
 
 
