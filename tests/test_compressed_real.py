@@ -294,6 +294,7 @@ def test_the_first_forward_decompresses_and_the_stages_hold_it(dense, scheme):
     inv = _inv(path)
     assert inv.tensor_bytes == e.components["weights"] < inv.run_tensor_bytes
     assert any("first forward decompresses" in n for n in e.notes), e.notes
+    assert any("once the first forward has decompressed it" in n for n in e.notes), e.notes
     model = _load(path, e)
     assert _sizes(model) == dict(inv.alloc_sizes)
     _forward(model)
