@@ -308,3 +308,18 @@ def test_a_dequantized_load_has_no_first_forward_to_price(dense):
     e = _est(dense["W4A16"], quant="bf16")
     assert not any("first forward decompresses" in n for n in e.notes)
     assert "decompressed_weights" not in e.peak_breakdown
+
+
+def test_the_allocator_replay_frees_what_the_decompression_drops(dense):
+    """The replayed load is the compressed model (its figures at the load's mark), and after the first
+    forward's events the allocator holds exactly the decompressed tensors, each rounded as it rounds them."""
+    from vramcal.estimator.allocator import DEFAULT_CONF, replay, round_size
+    from vramcal.estimator.reserve import load_events, loaded
+
+    inv = _inv(dense["W4A16"])
+    events = load_events(inv, None, False)
+    r = replay(events, DEFAULT_CONF)
+    rounded = lambda sizes: sum(round_size(b) * n for b, n in sizes.items())  # noqa: E731
+    assert r.marks["load"].allocated == rounded(inv.alloc_sizes)
+    assert r.marks["first_forward"].allocated == rounded(inv.run_alloc_sizes()) > r.marks["load"].allocated
+    assert loaded(events, DEFAULT_CONF)[1] == (r.marks["load"].peak_reserved, r.marks["load"].reserved)
