@@ -158,10 +158,10 @@ def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
     if fmt is not None and hf_quantizer is not None:
         inv.first_forward = [[list(new), list(freed)] for new, freed in fmt.first_forward(model, hf_quantizer)]
     if inv.first_forward:
-        inv.notes.append(f"transformers loads {fmt.label} compressed ({inv.tensor_bytes:,} bytes) and its first "
+        inv.notes.append(f"transformers loads {fmt.label} as stored ({inv.tensor_bytes:,} bytes) and its first "
                          f"forward decompresses the {len(inv.first_forward)} quantized modules to "
-                         f"{quant.dtype} ({inv.run_tensor_bytes:,} bytes from the first token on; "
-                         "compressed_tensors' decompress hook): the stages from first_token on hold those")
+                         f"{quant.dtype} ({inv.run_tensor_bytes:,} bytes from the first token on): the stages "
+                         "from first_token on hold those")
     return inv
 
 
