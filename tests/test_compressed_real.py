@@ -255,7 +255,9 @@ def test_moe_experts_quantized_load_dequantized_into_the_fused_experts(tmp_path,
     transformers 5's fused Qwen3MoeExperts are 3-D parameters, not Linear layers, so compressed-tensors leaves
     them alone and the loader dequantizes the stored experts into them (CompressedTensorsDequantize): the
     attention stays compressed, the experts are held in bf16. The estimate is that load, tensor by tensor,
-    and says so; the checkpoint's headers are smaller by exactly the experts' stored-versus-bf16 bytes."""
+    and says so; the checkpoint's headers are smaller by exactly the experts' stored-versus-bf16 bytes. After
+    one forward the attention is decompressed too; with --quant bf16 (dequantize=True) the load is the plain
+    bf16 model's bytes."""
     path = _moe_with_linear_experts(scheme, ["lm_head", "re:.*mlp.gate$"], tmp_path / "moe")
     stored = _headers(path)
     assert any(".mlp.experts.0.down_proj.weight_scale" in k for k in stored)
@@ -273,6 +275,8 @@ def test_moe_experts_quantized_load_dequantized_into_the_fused_experts(tmp_path,
     assert e.components["weights"] - e.weights_breakdown["buffers"] == sum(stored.values()) - stored_experts + held_experts
     _forward(model)  # the attention's compressed modules decompress too; the experts are bf16 already
     assert sum(_held(model).values()) == _inv(path).run_tensor_bytes > e.components["weights"]
+    dq = _est(path, quant="bf16")  # dequantize=True: the whole model in bf16 at load, experts included
+    assert sum(_held(_load(path, dq)).values()) == dq.components["weights"] == sum(_held(_build(QWEN3_MOE)).values())
 
 
 def test_moe_experts_ignored_stay_bf16_as_stored(tmp_path):
