@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_hf import CONFIGS  # noqa: E402
+from tiny_hf import CONFIGS, MORE_CONFIGS  # noqa: E402
 
 from vramcal.errors import UserError  # noqa: E402
 
@@ -34,6 +34,7 @@ pytest.importorskip("compressed_tensors")
 
 LLAMA = {**CONFIGS["llama"], "num_hidden_layers": 2}  # hidden 256, intermediate 256, GQA 8/2, 2 layers
 QWEN3_MOE = {**CONFIGS["qwen3moe"], "num_hidden_layers": 2}  # 4 experts of 256 x 256, 2 layers
+MIXTRAL = {**MORE_CONFIGS["mixtral"], "num_hidden_layers": 2, "num_local_experts": 4}  # experts of 256 x 256
 DENSE_SCHEMES = ("FP8_DYNAMIC", "W4A16", "W8A8", "NVFP4")
 FORMATS = {"FP8_DYNAMIC": "float-quantized", "W4A16": "pack-quantized", "W8A8": "int-quantized",
            "NVFP4": "nvfp4-pack-quantized", "W4A16_ASYM": "pack-quantized"}
@@ -99,31 +100,43 @@ def _quantize(model, scheme_name: str, ignore: list[str], path: Path, save_pretr
     return path
 
 
-def _moe_with_linear_experts(scheme_name: str, ignore: list[str], path: Path) -> Path:
-    """Qwen3-MoE with each layer's fused experts replaced by one Qwen3MoeMLP (three nn.Linear) per expert, as
-    llm-compressor's calibration modules unfuse them: quantized and saved, it is the per-expert checkpoint
-    layout (``mlp.experts.{e}.gate_proj.weight_packed`` ...) that published compressed-tensors MoEs have."""
+class _MixtralExpert(__import__("torch").nn.Module):
+    """One Mixtral expert as its checkpoints name it: w1 (gate), w3 (up), w2 (down)."""
+
+    def __init__(self, hidden: int, inter: int):
+        import torch
+
+        super().__init__()
+        self.w1 = torch.nn.Linear(hidden, inter, bias=False)
+        self.w3 = torch.nn.Linear(hidden, inter, bias=False)
+        self.w2 = torch.nn.Linear(inter, hidden, bias=False)
+
+
+def _moe_with_linear_experts(scheme_name: str, ignore: list[str], path: Path, arch: str = "qwen3_moe") -> Path:
+    """A MoE with each layer's fused experts replaced by three nn.Linear per expert, as llm-compressor's
+    calibration modules unfuse them: quantized and saved, it is the per-expert checkpoint layout published
+    compressed-tensors MoEs have (Qwen3-MoE ``mlp.experts.{e}.gate_proj.weight_packed``; Mixtral
+    ``block_sparse_moe.experts.{e}.w1.weight_packed``, which transformers renames and fuses on load)."""
     import torch
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP
 
-    model = _build(QWEN3_MOE)
+    config = QWEN3_MOE if arch == "qwen3_moe" else MIXTRAL
+    model = _build(config)
     cfg = model.config
     for layer in model.model.layers:
-        layer.mlp.experts = torch.nn.ModuleList(
-            Qwen3MoeMLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)).to(torch.bfloat16)
-    return _quantize(model, scheme_name, ignore, path, save_pretrained=False)
+        if arch == "qwen3_moe":
+            experts = [Qwen3MoeMLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)]
+        else:
+            experts = [_MixtralExpert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_local_experts)]
+        layer.mlp.experts = torch.nn.ModuleList(experts).to(torch.bfloat16)
+    path = _quantize(model, scheme_name, ignore, path, save_pretrained=False)
+    if arch == "mixtral":
+        from safetensors.torch import load_file, save_file
 
-
-class _Checkpoints(dict):
-    """Scheme -> the saved checkpoint, each quantized the first time a test asks for it."""
-
-    def __init__(self, root: Path):
-        super().__init__()
-        self.root = root
-
-    def __missing__(self, scheme: str) -> Path:
-        self[scheme] = _quantize(_build(LLAMA), scheme, ["lm_head"], self.root / scheme)
-        return self[scheme]
+        sd = load_file(str(path / "model.safetensors"))
+        save_file({k.replace(".mlp.", ".block_sparse_moe."): v for k, v in sd.items()},
+                  str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -245,22 +258,25 @@ def test_asymmetric_pack_quantized_is_refused_as_from_pretrained_refuses_it(dens
 
 def _expert_weights(config: dict) -> int:
     """Elements of every expert's gate, up and down projection."""
-    e, h, i = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
-    return config["num_hidden_layers"] * e * 3 * h * i
+    e = config.get("num_experts") or config["num_local_experts"]
+    i = config.get("moe_intermediate_size") or config["intermediate_size"]
+    return config["num_hidden_layers"] * e * 3 * config["hidden_size"] * i
 
 
-@pytest.mark.parametrize("scheme", ["W4A16", "FP8_DYNAMIC"])
-def test_moe_experts_quantized_load_dequantized_into_the_fused_experts(tmp_path, scheme):
+@pytest.mark.parametrize("arch, scheme", [("qwen3_moe", "W4A16"), ("qwen3_moe", "FP8_DYNAMIC"), ("mixtral", "W4A16")])
+def test_moe_experts_quantized_load_dequantized_into_the_fused_experts(tmp_path, arch, scheme):
     """Experts quantized with everything else (router and lm_head ignored, as llm-compressor's MoE recipes do):
-    transformers 5's fused Qwen3MoeExperts are 3-D parameters, not Linear layers, so compressed-tensors leaves
-    them alone and the loader dequantizes the stored experts into them (CompressedTensorsDequantize): the
+    transformers 5's fused experts (Qwen3MoeExperts, MixtralExperts) are 3-D parameters, not Linear layers, so
+    compressed-tensors leaves them alone and the loader dequantizes the stored experts into them
+    (CompressedTensorsDequantize; Mixtral's ``block_sparse_moe.experts.*.w1`` renamed and fused on the way): the
     attention stays compressed, the experts are held in bf16. The estimate is that load, tensor by tensor,
     and says so; the checkpoint's headers are smaller by exactly the experts' stored-versus-bf16 bytes. After
     one forward the attention is decompressed too; with --quant bf16 (dequantize=True) the load is the plain
     bf16 model's bytes."""
-    path = _moe_with_linear_experts(scheme, ["lm_head", "re:.*mlp.gate$"], tmp_path / "moe")
-    stored = _headers(path)
-    assert any(".mlp.experts.0.down_proj.weight_scale" in k for k in stored)
+    config = QWEN3_MOE if arch == "qwen3_moe" else MIXTRAL
+    path = _moe_with_linear_experts(scheme, ["lm_head", "re:.*mlp.gate$"], tmp_path / "moe", arch)
+    stored = {k.replace(".block_sparse_moe.", ".mlp."): b for k, b in _headers(path).items()}
+    assert any(".mlp.experts.0." in k and k.endswith("weight_scale") for k in stored)
     e = _est(path)
     assert any("fused MoE expert weights" in n and "dequantizes the stored experts" in n for n in e.notes), e.notes
     per = _per_tensor(path)
@@ -268,7 +284,7 @@ def test_moe_experts_quantized_load_dequantized_into_the_fused_experts(tmp_path,
     assert _held(model) == per
     assert sum(per.values()) == e.components["weights"]
     held_experts = sum(b for n, b in per.items() if ".mlp.experts." in n)
-    assert held_experts == 2 * _expert_weights(QWEN3_MOE) == e.weights_breakdown["experts"]
+    assert held_experts == 2 * _expert_weights(config) == e.weights_breakdown["experts"]
     stored_experts = sum(b for n, b in stored.items() if ".mlp.experts." in n)
     rest = {n: b for n, b in per.items() if ".mlp.experts." not in n and not n.endswith("inv_freq")}
     assert rest == {n: b for n, b in stored.items() if ".mlp.experts." not in n}
@@ -276,7 +292,7 @@ def test_moe_experts_quantized_load_dequantized_into_the_fused_experts(tmp_path,
     _forward(model)  # the attention's compressed modules decompress too; the experts are bf16 already
     assert sum(_held(model).values()) == _inv(path).run_tensor_bytes > e.components["weights"]
     dq = _est(path, quant="bf16")  # dequantize=True: the whole model in bf16 at load, experts included
-    assert sum(_held(_load(path, dq)).values()) == dq.components["weights"] == sum(_held(_build(QWEN3_MOE)).values())
+    assert sum(_held(_load(path, dq)).values()) == dq.components["weights"] == sum(_held(_build(config)).values())
 
 
 def test_moe_experts_ignored_stay_bf16_as_stored(tmp_path):
