@@ -139,6 +139,18 @@ def _moe_with_linear_experts(scheme_name: str, ignore: list[str], path: Path, ar
     return path
 
 
+class _Checkpoints(dict):
+    """Scheme -> the saved checkpoint, each quantized the first time a test asks for it."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, scheme: str) -> Path:
+        self[scheme] = _quantize(_build(LLAMA), scheme, ["lm_head"], self.root / scheme)
+        return self[scheme]
+
+
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     return _Checkpoints(tmp_path_factory.mktemp("ct-dense"))
@@ -288,7 +300,8 @@ def test_moe_experts_quantized_load_dequantized_into_the_fused_experts(tmp_path,
     stored_experts = sum(b for n, b in stored.items() if ".mlp.experts." in n)
     rest = {n: b for n, b in per.items() if ".mlp.experts." not in n and not n.endswith("inv_freq")}
     assert rest == {n: b for n, b in stored.items() if ".mlp.experts." not in n}
-    assert e.components["weights"] - e.weights_breakdown["buffers"] == sum(stored.values()) - stored_experts + held_experts
+    held_weights = e.components["weights"] - e.weights_breakdown["buffers"]
+    assert held_weights == sum(stored.values()) - stored_experts + held_experts
     _forward(model)  # the attention's compressed modules decompress too; the experts are bf16 already
     assert sum(_held(model).values()) == _inv(path).run_tensor_bytes > e.components["weights"]
     dq = _est(path, quant="bf16")  # dequantize=True: the whole model in bf16 at load, experts included

@@ -305,7 +305,8 @@ def refuse_mismatched_stored(source: ModelSource, model, hf_quantizer) -> None:
     if hf_quantizer is None or not has_checkpoint(source):
         return
     stored = source_tensors(source)
-    converted = [pat for conv in hf_quantizer.get_weight_conversions() for pat in getattr(conv, "source_patterns", ())]
+    converted = [pat for conv in hf_quantizer.get_weight_conversions()
+                 for pat in getattr(conv, "source_patterns", ())]
     for mod_name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             full = f"{mod_name}.{pname}" if mod_name else pname
@@ -315,7 +316,8 @@ def refuse_mismatched_stored(source: ModelSource, model, hf_quantizer) -> None:
             if shape != tuple(p.shape):
                 from ..versions import dist_info_versions
 
-                libs = ", ".join(f"{n} {v}" for n, v in dist_info_versions(("transformers", "compressed-tensors")).items())
+                found = dist_info_versions(("transformers", "compressed-tensors"))
+                libs = ", ".join(f"{n} {v}" for n, v in found.items())
                 raise UserError(f"{source.name}: from_pretrained would refuse this checkpoint ({libs}): {full} is "
                                 f"stored as {list(shape)}, the module this quantizer builds holds {list(p.shape)} "
                                 "(a size mismatch); there is no load to price with these versions")

@@ -8,8 +8,9 @@ device of a placement (docs/placement.md):
                   or transformers' ``caching_allocator_warmup`` block, whichever is larger;
 - ``post_load``   the same reservation: the caching allocator keeps what it reserved;
 - ``first_token`` weights as the first forward leaves them (compressed-tensors decompresses its modules
-                  then: ``DeviceLoad.run_weights_bytes``) + the cuBLAS workspace + the cache after the prefill + the prefill's
-                  transient (+ the largest offloaded block while it runs, on the main device);
+                  then: ``DeviceLoad.run_weights_bytes``) + the cuBLAS workspace + the cache after the
+                  prefill + the prefill's transient (+ the largest offloaded block while it runs, on the
+                  main device);
 - ``end``         the same at the last decode step, with the cache at the end.
 
 On a device with a caching allocator (``RuntimeProfile.keeps_freed``) each stage is the CUDA context
