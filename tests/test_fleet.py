@@ -18,6 +18,7 @@ from helpers import context, outcome
 from pg_server import pg_server, pg_url, wait_until  # noqa: F401 (fixtures)
 
 from vramcal.errors import UserError
+from vramcal.estimator.stages import MODEL_IDS
 from vramcal.records.engines import redact
 from vramcal.records.store import Store
 
@@ -568,7 +569,7 @@ def test_a_probe_that_could_not_be_recorded_is_kept_whole(tmp_path):
     from vramcal.records.unrecorded import record_saved
 
     est = _cpu_estimate({"load_peak": 300 * MIB, "post_load": 300 * MIB, "first_token": 380 * MIB,
-                         "end": 380 * MIB}, "cpu-rss/2")
+                         "end": 380 * MIB}, MODEL_IDS["cpu"])
     result = _probe_result({"baseline": (100 * MIB, 100 * MIB), "post_load": (400 * MIB, 450 * MIB),
                             "end": (420 * MIB, 500 * MIB)}, est)
     fp = _fp("h")
@@ -602,7 +603,7 @@ def test_runs_of_another_estimator_model_do_not_correct_it(db):
     ids = {}
     with Store(db) as s:
         mid = s.machine_id(fp)
-        for name, model, est_bytes in (("old", "cpu-rss/1", 200 * MIB), ("new", "cpu-rss/2", 900 * MIB)):
+        for name, model, est_bytes in (("old", "cpu-rss/1", 200 * MIB), ("new", MODEL_IDS["cpu"], 900 * MIB)):
             est = _cpu_estimate(dict.fromkeys(STAGES, est_bytes), model)
             ids[name] = s.begin_run(mid, context(model="tiny", device="cpu", estimate=est.to_dict(),
                                                  estimator_model=model))

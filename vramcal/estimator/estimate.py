@@ -447,7 +447,14 @@ class Estimator:
                           warmup=inv.warmup_bytes or 0, kv_prompt=parts.kv_prompt, kv_end=parts.kv_end,
                           prefill_extra=parts.prefill_extra, decode_extra=parts.decode_extra,
                           load_reserved=self.load_reserved() if parts.slack is not None else None,
-                          slack=parts.slack)
+                          slack=parts.slack, **self._run_weights())
+
+    def _run_weights(self) -> dict:
+        """DeviceLoad's weights from the first forward on, where the format's first forward rewrites them."""
+        inv = self.inv
+        if not inv.first_forward:
+            return {}
+        return {"run_weights_bytes": inv.run_tensor_bytes, "run_weights_alloc": weights_alloc(inv.run_alloc_sizes())}
 
     # ---------------------------------------------------------------- the estimate
     def estimate(self, ctx: int | None = None, batch: int = 1, device: str | None = None,
@@ -471,6 +478,8 @@ class Estimator:
         methods.update(how)
         if self._dry_error and methods["activations"].startswith("formula"):
             notes.append(f"dry run failed ({self._dry_error}); activations from a formula")
+        elif traced_quant(self.quant) is not self.quant and inv.first_forward:
+            notes.append(DECOMPRESSED_RUN_NOTE)
         elif traced_quant(self.quant) is not self.quant:
             notes.append(KERNEL_TRANSIENT_NOTE.format(fmt=self.quant.implementation))
         if self.quant.pre_quantized and self.quant.extra.get("path"):  # which path the GPU takes, and why
@@ -528,6 +537,9 @@ class Estimator:
             reserved=dict(single.reserved), alloc_conf=self.alloc_conf.text, runtime_terms=dict(rt.terms or {}))
         if placement is not None:
             self._place(out, placement, work, parts, runtime)
+            if self.inv.first_forward:
+                out.notes.append("with a placement each device's stages hold its weights as loaded: the first "
+                                 "forward's decompression is priced on one device only, not split by device")
         out.from_pretrained = from_pretrained_kwargs(self.quant, load_device or device, placement,
                                                      None if self.attn == "auto" else self.attn_used)
         out.auto_class = self.inv.auto_class
@@ -700,6 +712,11 @@ def traced_quant(quant: QuantSpec) -> QuantSpec:
 KERNEL_TRANSIENT_NOTE = ("activations traced on the dequantized model: {fmt}'s kernels run on a GPU only; the "
                          "fp8/fp4 copy a kernel makes of each matmul's input (one byte an element or less, freed "
                          "after it) is not in the peak")
+
+DECOMPRESSED_RUN_NOTE = ("activations traced on the dequantized model, which is what runs once the first forward has "
+                         "decompressed it; the fake quantization compressed-tensors applies to the input of each "
+                         "Linear whose scheme quantizes activations (a few copies of that input, freed after it) is "
+                         "not in the peak")
 
 
 def _warnings(tc: dict, work: Workload, peak: int, device: str, quant: QuantSpec | None = None) -> list[str]:

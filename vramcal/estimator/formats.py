@@ -118,6 +118,12 @@ class Format:
         """(suffix, bytes) a loaded module keeps for ``param`` outside its declared parameters."""
         return []
 
+    def first_forward(self, model, hf_quantizer) -> list[tuple[list[int], list[int]]]:
+        """What the loaded model's first forward changes in its weights, module by module in the order it
+        goes: (bytes of each tensor it allocates, bytes of each stored tensor it drops). Empty: the format
+        runs as loaded."""
+        return []
+
 
 class FineGrainedFP8(Format):
     methods = ("fp8", "mxfp8")
@@ -182,6 +188,40 @@ class CompressedTensors(Format):
         cc = capability
         hf_quantizer.use_fp8_kernel = bool(hf_quantizer.quantization_config.use_optimized_inference
                                            and cc is not None and tuple(cc) >= (8, 9))
+
+    def first_forward(self, model, hf_quantizer) -> list[tuple[list[int], list[int]]]:
+        # transformers loads compressed (dequantize=False) by compress_model, which also registers a forward
+        # pre-hook that decompresses every quantized module on the first forward and then removes itself
+        # (compressed_tensors ModelCompressor.add_decompress_hook / decompress_model): from generate's first
+        # step on, the model holds 16-bit weights beside the scales the decompressed modules keep. The
+        # library's own per-module decompress, run on the meta tensors without touching the module, says
+        # which tensors each module drops and which it allocates. CompressedTensorsFP8Linear (the FP8 kernel
+        # path) carries no scheme and is kept as loaded.
+        if not hf_quantizer.quantization_config.is_quantization_compressed:
+            return []
+        import torch
+        from compressed_tensors.compressors import BaseCompressor
+        from compressed_tensors.compressors.format import infer_module_format
+        from compressed_tensors.quantization.utils.helpers import is_module_quantized
+        from compressed_tensors.utils import get_direct_state_dict
+
+        def nbytes(t) -> int:
+            return t.numel() * t.element_size()
+
+        out = []
+        with torch.device("meta"):
+            for module in model.modules():
+                if not is_module_quantized(module):
+                    continue
+                scheme = module.quantization_scheme
+                fmt = scheme.format or infer_module_format(type(module), scheme)
+                before = get_direct_state_dict(module)
+                after = BaseCompressor.get_value_from_registry(getattr(fmt, "value", fmt)).decompress(before, scheme)
+                kept = {id(t) for t in after.values()}
+                new = [nbytes(t) for k, t in after.items() if before.get(k) is not t]
+                freed = [nbytes(t) for t in before.values() if id(t) not in kept]
+                out.append((new, freed))
+        return out
 
 
 class PackedInt(Format):

@@ -68,6 +68,22 @@ class Inventory:
     parts: dict[str, int] = field(default_factory=dict)
     # the auto class from_pretrained is called on for this checkpoint (meta.auto_class_for)
     auto_class: str = "AutoModelForCausalLM"
+    # what the first forward changes in the weights, module by module (Format.first_forward): [[bytes of each
+    # tensor allocated], [bytes of each stored tensor dropped]]; empty where the model runs as loaded
+    first_forward: list = field(default_factory=list)
+
+    @property
+    def run_tensor_bytes(self) -> int:
+        """Bytes of the weights held from the first forward on."""
+        return self.tensor_bytes + sum(sum(new) - sum(freed) for new, freed in self.first_forward)
+
+    def run_alloc_sizes(self) -> dict[int, int]:
+        """``alloc_sizes`` from the first forward on."""
+        sizes = Counter(self.alloc_sizes)
+        for new, freed in self.first_forward:
+            sizes.update(new)
+            sizes.subtract(freed)
+        return {b: n for b, n in sizes.items() if n > 0}
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -135,8 +151,17 @@ def meta_inventory(source: ModelSource, quant: QuantSpec) -> Inventory:
     from .meta import auto_class_for
 
     model, hf_quantizer, dtype = build_meta_model(source, quant)
+    refuse_mismatched_stored(source, model, hf_quantizer)
     inv = count_meta_model(source, quant, model, hf_quantizer, dtype)
     inv.auto_class = auto_class_for(model.config, source.config.get("architectures")).__name__
+    fmt = format_for(quant.extra["quantization_config"]) if quant.method in REPLACED_ON_META else None
+    if fmt is not None and hf_quantizer is not None:
+        inv.first_forward = [[list(new), list(freed)] for new, freed in fmt.first_forward(model, hf_quantizer)]
+    if inv.first_forward:
+        inv.notes.append(f"transformers loads {fmt.label} as stored ({inv.tensor_bytes:,} bytes) and its first "
+                         f"forward decompresses the {len(inv.first_forward)} quantized modules to "
+                         f"{quant.dtype} ({inv.run_tensor_bytes:,} bytes from the first token on): the stages "
+                         "from first_token on hold those")
     return inv
 
 
@@ -266,6 +291,36 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
 
 
 _STATE_WORDS = ("scale", "zero", "g_idx", "absmax")
+
+
+def refuse_mismatched_stored(source: ModelSource, model, hf_quantizer) -> None:
+    """One line (UserError) where ``from_pretrained`` would refuse the checkpoint: a tensor the quantizer's
+    module declares, stored under the same name in another shape, is a size mismatch it raises on
+    (``ignore_mismatched_sizes`` is False), so there is no load to price. Compared where the headers are known,
+    for the quantizer's own tensors (``_stored_as_declared``) that none of its weight conversions reshapes.
+
+    The case it was written for (tests/test_compressed_real.py): an asymmetric ``pack-quantized`` checkpoint
+    that compressed-tensors 0.20 saves with its zero points packed eight to an int32 along the rows, where
+    the module its meta compression builds for transformers 5.24 keeps them unpacked, one per row."""
+    if hf_quantizer is None or not has_checkpoint(source):
+        return
+    stored = source_tensors(source)
+    converted = [pat for conv in hf_quantizer.get_weight_conversions()
+                 for pat in getattr(conv, "source_patterns", ())]
+    for mod_name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            if full not in stored or not _stored_as_declared(module, pname, p) or any(c in full for c in converted):
+                continue
+            shape = tuple(stored[full][1])
+            if shape != tuple(p.shape):
+                from ..versions import dist_info_versions
+
+                found = dist_info_versions(("transformers", "compressed-tensors"))
+                libs = ", ".join(f"{n} {v}" for n, v in found.items())
+                raise UserError(f"{source.name}: from_pretrained would refuse this checkpoint ({libs}): {full} is "
+                                f"stored as {list(shape)}, the module this quantizer builds holds {list(p.shape)} "
+                                "(a size mismatch); there is no load to price with these versions")
 
 
 def _is_state(pname: str) -> bool:

@@ -9,6 +9,10 @@ come in the inventory's order of sizes (the order the loader first meets each si
 quantizes after those it keeps (the embeddings lead a checkpoint); once the warmup block holds them the
 order decides little, without it how tensors of 1 to 10 MiB share 20 MiB segments.
 
+A format whose first forward rewrites the weights (compressed-tensors decompresses every quantized module
+then: :meth:`~vramcal.estimator.formats.Format.first_forward`) adds that, module by module, after the load:
+each module's new tensors allocated, then the stored ones it drops freed (one of that size from the load).
+
 Then the cuBLAS workspace (allocated through the caching allocator on the first matmul) and the dry run's
 prefill and decode step. What the stage rules take from it, per allocator setting: the reserve after
 loading, and at the prefill's and the decode step's peaks the *slack*: reserved minus the highest
@@ -23,7 +27,8 @@ from .quant import DTYPE_BYTES, bnb4_tensors, bnb8_tensors
 
 
 def load_events(inv, quant, on_the_fly: bool) -> list[tuple]:
-    """The load's allocations in order (module doc), from an :class:`~vramcal.estimator.inventory.Inventory`."""
+    """The load's allocations in order, then the first forward's rewrite of the weights where the format has
+    one (module doc), from an :class:`~vramcal.estimator.inventory.Inventory`."""
     out: list[tuple] = []
     if inv.warmup_bytes:
         out += [(ALLOC, "warmup", inv.warmup_bytes // 2 * 2), (FREE, "warmup", 0)]
@@ -47,15 +52,24 @@ def load_events(inv, quant, on_the_fly: bool) -> list[tuple]:
             out.append((ALLOC, ("w", b, k), b))
     out += quantized
     out.append((MARK, "load", 0))
+    if inv.first_forward:
+        left = {b: max(n, 0) for b, n in sizes.items()}
+        for m, (new, freed) in enumerate(inv.first_forward):
+            out += [(ALLOC, ("run", m, j), b) for j, b in enumerate(new)]
+            for b in freed:
+                if left.get(b, 0) > 0:  # a tensor of the load's of that size
+                    left[b] -= 1
+                    out.append((FREE, ("w", b, left[b]), 0))
+        out.append((MARK, "first_forward", 0))
     return out
 
 
 def loaded(events: list[tuple], conf: AllocConf) -> tuple[CachingAllocator, tuple[int, int]]:
-    """The allocator after the load, and (reserved at the load's peak, after it) -- the same, as nothing
-    is released."""
+    """The allocator after the load (and the first forward's rewrite of the weights, where the events have
+    one), and (reserved at the load's peak, after it) -- the same, as nothing is released."""
     a = CachingAllocator(conf)
     r = replay(events, allocator=a)
-    return a, (a.peak_reserved, r.marks["load"].reserved)
+    return a, (r.marks["load"].peak_reserved, r.marks["load"].reserved)
 
 
 def trace_slack(load: list[tuple], events: list[tuple], workspace_bytes: int, conf: AllocConf) -> list[int] | None:

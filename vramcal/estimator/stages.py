@@ -7,8 +7,10 @@ device of a placement (docs/placement.md):
                   transient -- the largest 16-bit source bitsandbytes reads before quantizing it --
                   or transformers' ``caching_allocator_warmup`` block, whichever is larger;
 - ``post_load``   the same reservation: the caching allocator keeps what it reserved;
-- ``first_token`` weights + the cuBLAS workspace + the cache after the prefill + the prefill's
-                  transient (+ the largest offloaded block while it runs, on the main device);
+- ``first_token`` weights as the first forward leaves them (compressed-tensors decompresses its modules
+                  then: ``DeviceLoad.run_weights_bytes``) + the cuBLAS workspace + the cache after the
+                  prefill + the prefill's transient (+ the largest offloaded block while it runs, on the
+                  main device);
 - ``end``         the same at the last decode step, with the cache at the end.
 
 On a device with a caching allocator (``RuntimeProfile.keeps_freed``) each stage is the CUDA context
@@ -42,7 +44,8 @@ from .runtime import RuntimeProfile
 # cuda: stages of the caching allocator, 2 = the allocator replayed (reserved = allocated + the replay's
 # slack) where the dry run's events are known; cpu: the resident-set model of docs/cpu-memory.md,
 # 2 = dtype conversions found by name (bf16 <-> fp16)
-MODEL_IDS = {"cuda": "gpu-stages/2", "cpu": "cpu-rss/2"}
+# 3 = weights rewritten by the first forward (compressed-tensors' decompression) held from first_token on
+MODEL_IDS = {"cuda": "gpu-stages/3", "cpu": "cpu-rss/3"}
 
 
 def model_id(device_kind: str) -> str:
@@ -67,6 +70,9 @@ class DeviceLoad:
     # and the slack above allocated at the prefill's and the decode step's peaks; None: segments rounding only
     load_reserved: tuple[int, int] | None = None
     slack: tuple[int, int] | None = None
+    # the weights from the first forward on, where it rewrites them (tensor bytes, and rounded); None: as loaded
+    run_weights_bytes: int | None = None
+    run_weights_alloc: int | None = None
 
 
 def weights_alloc(alloc_sizes: dict[int, int]) -> int:
@@ -81,16 +87,18 @@ def device_stages(device: str, rt: RuntimeProfile, load: DeviceLoad) -> DeviceEs
     act_d = max(load.decode_extra, 0) if load.runs else 0
     tr = load.offload_transient
     w = load.weights_alloc
+    run_b = load.weights_bytes if load.run_weights_bytes is None else load.run_weights_bytes
+    run_w = w if load.run_weights_alloc is None else load.run_weights_alloc
     moments = {  # live bytes at the moment that can set each stage, by part
         "load": {"weights": load.weights_bytes, "load_transient": load.load_transient},
-        "prefill": {"weights": load.weights_bytes, "kv_cache": load.kv_prompt, "activations": act_p,
+        "prefill": {"weights": run_b, "kv_cache": load.kv_prompt, "activations": act_p,
                     "offload_transient": tr},
-        "decode": {"weights": load.weights_bytes, "kv_cache": load.kv_end, "activations": act_d,
+        "decode": {"weights": run_b, "kv_cache": load.kv_end, "activations": act_d,
                    "offload_transient": tr},
     }
     allocated = {"load_peak": w + load.load_transient, "post_load": w,
-                 "first_token": w + ws + load.kv_prompt + act_p + tr,
-                 "end": w + ws + load.kv_end + act_d + tr}
+                 "first_token": run_w + ws + load.kv_prompt + act_p + tr,
+                 "end": run_w + ws + load.kv_end + act_d + tr}
     reserved = dict(allocated)
     if rt.keeps_freed:
         warm = load.warmup if rt.device_kind == "cuda" else 0
@@ -115,7 +123,7 @@ def device_stages(device: str, rt: RuntimeProfile, load: DeviceLoad) -> DeviceEs
         setter = {"load_peak": "load", "post_load": "load", "first_token": "prefill", "end": "decode"}
     peak_stage = max(STAGES, key=lambda k: stages[k])
     held = {k: v for k, v in moments[setter[peak_stage]].items() if v}
-    breakdown = {"weights": load.weights_bytes, "kv_cache": 0, "activations": 0, **held}
+    breakdown = {"weights": held.get("weights", load.weights_bytes), "kv_cache": 0, "activations": 0, **held}
     breakdown["runtime"] = stages[peak_stage] - sum(breakdown.values())
     components = {"weights": load.weights_bytes, "kv_cache": load.kv_end,
                   "activations": max(act_p, act_d), "offload_transient": tr,
