@@ -54,7 +54,8 @@ def stored_estimate(row: dict) -> int:
 
         source = resolve_model(config_path(row["config"]))
         params, filled = model_params(source, "bfloat16")
-        groups = rank_weights(params, arch_of(source.config, filled), 1, 1, 2, vq.resolve(source.config, None))[0].groups
+        scheme = vq.resolve(source.config, None)
+        groups = rank_weights(params, arch_of(source.config, filled), 1, 1, 2, scheme)[0].groups
         return sum(b for g, b in groups.items() if g != "rotary_cache")
     from vramcal.estimator.estimate import estimate
     from vramcal.probes.hardware import gpu_target
