@@ -255,6 +255,18 @@ def test_fbgemm_fp8_llama4_experts_on_meta(tmp_path):
     assert est.components["weights"] - _buffers(est) == experts + linears + sixteen
 
 
+def test_vllm_fbgemm_fp8_keeps_a_float32_scale_per_row():
+    """vLLM's own fbgemm_fp8 method (layers/quantization/fbgemm_fp8.py): fp8 weight and a per-channel float32
+    scale, not fp8's one scale a merged shard (vramcal priced it as plain fp8 before)."""
+    from vramcal.estimator.vllm import quant as vq
+
+    q = vq.resolve({**LLAMA, "quantization_config": FBGEMM_QC}, None)
+    assert (q.scheme, q.method) == ("ct-channel", "fbgemm_fp8")
+    assert q.linear_bytes(4096, 1024, 2) == 4096 * 1024 + 4096 * 4
+    with pytest.raises(UserError, match="does not match"):
+        vq.resolve({**LLAMA, "quantization_config": FBGEMM_QC}, "fp8")
+
+
 @pytest.mark.parametrize("argv, words", [(["--gpu", "A100-SXM4-80GB"], "compute capability >= 9.0"),
                                          (["--gpu", "RTX 3090"], "compute capability >= 9.0"),
                                          (["--device", "cpu"], "use a cuda device")])
