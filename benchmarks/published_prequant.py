@@ -25,13 +25,68 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 CORPUS = ROOT / "benchmarks" / "published" / "prequant.csv"
+SIZES = ROOT / "benchmarks" / "published" / "prequant_sizes.csv"  # checkpoints whose size alone is published
 OUT = ROOT / "docs" / "validation" / "published"
+# how far a published size may sit from the stored tensors, by how it was published: exact file bytes hold
+# the tensors plus each shard's safetensors header (about 100 bytes a tensor: under 0.01 % here); a size
+# rounded to 0.1 GB holds them within half that
+TOLERANCE = {"exact": (0.0, 1e-4), "0.1 GB": (-0.05e9, 0.05e9)}
 
 
 def config_path(ref: str) -> str:
     if ref.startswith("configs/"):
         return str(ROOT / "benchmarks" / "published" / f"{ref}.json")
     return ref  # a catalog entry
+
+
+def stored_estimate(row: dict) -> int:
+    """The bytes of what the checkpoint stores, as the row's engine holds it, from its config alone:
+    transformers' loaded weights less the non-persistent buffers (kept as stored, ``--gpu H200``); vLLM's
+    per-rank weights (estimator/vllm/layout.py) less the rotary cos/sin cache it builds, which no checkpoint
+    stores. vLLM's NVFP4 layers keep 16 bytes of scalars a merged shard where the checkpoint stores 8 a
+    module (global weight and input scales): 1,792 bytes more for a Llama-3.1-8B, within the tolerance."""
+    if row["engine"] == "vllm":
+        from vramcal.estimator.resolve import resolve_model
+        from vramcal.estimator.vllm import quant as vq
+        from vramcal.estimator.vllm.arch import arch_of
+        from vramcal.estimator.vllm.layout import rank_weights
+        from vramcal.estimator.vllm.shapes import model_params
+
+        source = resolve_model(config_path(row["config"]))
+        params, filled = model_params(source, "bfloat16")
+        scheme = vq.resolve(source.config, None)
+        groups = rank_weights(params, arch_of(source.config, filled), 1, 1, 2, scheme)[0].groups
+        return sum(b for g, b in groups.items() if g != "rotary_cache")
+    from vramcal.estimator.estimate import estimate
+    from vramcal.probes.hardware import gpu_target
+
+    e = estimate(config_path(row["config"]), ctx=1024, gpu=gpu_target("H200"))
+    return e.components["weights"] - e.weights_breakdown.get("buffers", 0)
+
+
+def sizes_table() -> list[dict]:
+    out = []
+    for r in csv.DictReader(SIZES.open()):
+        published, est = int(r["published_bytes"]), stored_estimate(r)
+        lo, hi = TOLERANCE[r["precision"]]
+        bound = (published * lo, published * hi) if r["precision"] == "exact" else (lo, hi)
+        out.append({**r, "estimated_bytes": est, "gap_bytes": published - est,
+                    "within": bound[0] <= published - est <= bound[1]})
+    return out
+
+
+def sizes_lines(rows: list[dict]) -> list[str]:
+    lines = ["", "Checkpoints whose size alone is published (`benchmarks/published/prequant_sizes.csv`: no tensor "
+             "table, so each is compared with what it stores at the precision the size was published with; "
+             "`stored_estimate` in the script says which bytes; where each config comes from, and what in it was "
+             "not read from the checkpoint, in benchmarks/published/sources.md):", "",
+             "| checkpoint | engine | method | published | stored, estimated | published − estimated | within |",
+             "| --- | --- | --- | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        lines.append(f"| {r['hub_id']} | {r['engine']} | {r['quant_method']} | {int(r['published_bytes']):,} B "
+                     f"({r['what_is_published']}) | {r['estimated_bytes']:,} B | {r['gap_bytes']:+,} B | "
+                     f"{'yes' if r['within'] else 'NO'} |")
+    return lines
 
 
 def main() -> int:
@@ -76,12 +131,15 @@ def main() -> int:
         pct = "—" if o["error_pct"] is None else f"{o['error_pct']:+.2f} %"
         lines.append(f"| {o['id']} | {o['hub_id']} | {o['quant_method']} | {o['stored_bytes'] / 2**30:.2f} | {est} "
                      f"| {pct} | {o['note'][:140]} |")
-    (OUT / "prequant.md").write_text("\n".join(lines) + "\n")
-    (OUT / "published-prequant.md").write_text(section(out, errs))
+    sizes = sizes_table()
+    for r in sizes:
+        print(json.dumps(r))
+    (OUT / "prequant.md").write_text("\n".join(lines + sizes_lines(sizes)) + "\n")
+    (OUT / "published-prequant.md").write_text(section(out, errs, sizes))
     return 0
 
 
-def section(out: list[dict], errs: list[float]) -> str:
+def section(out: list[dict], errs: list[float], sizes: list[dict]) -> str:
     """docs/validation.md's section (benchmarks/report.py takes it as it is): each checkpoint, its error,
     and why the loaded model and the stored file differ where they do (the corpus' ``why_they_differ``)."""
     lines = ["## Pre-quantized checkpoints: stored tensors beside the estimate", "",
@@ -97,7 +155,7 @@ def section(out: list[dict], errs: list[float]) -> str:
         pct = "—" if o["error_pct"] is None else f"{o['error_pct']:+.2f} %"
         lines.append(f"| {o['hub_id']} | {o['quant_method']} | {o['stored_bytes'] / 2**30:.2f} | {est} | {pct} | "
                      f"{o['why'] or '—'} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + sizes_lines(sizes)) + "\n"
 
 
 if __name__ == "__main__":

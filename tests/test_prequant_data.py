@@ -72,3 +72,19 @@ def test_config_loads_with_its_quantization_config(path):
     assert cfg.get_text_config().num_hidden_layers > 0
     qc = AutoQuantizationConfig.from_dict(dict(fields["quantization_config"]))
     assert qc.quant_method == fields["quantization_config"]["quant_method"]
+
+
+def test_published_sizes_agree_with_what_the_estimate_stores():
+    """benchmarks/published/prequant_sizes.csv: an NVFP4 checkpoint priced by vLLM's layout, a GPTQ one by
+    transformers', each within the precision its size was published with (published_prequant.TOLERANCE)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from published_prequant import sizes_table
+
+    rows = sizes_table()
+    assert {r["engine"] for r in rows} == {"vllm", "transformers"} and any("NVFP4" in r["quant_method"] for r in rows)
+    for r in rows:
+        cfg = json.loads(_config_path(r["config"]).read_text())
+        assert cfg["_vramcal_catalog"]["hub_id"] == r["hub_id"] and "quantization_config" in cfg
+        assert r["within"], r

@@ -155,10 +155,15 @@ def test_fp8_dequantized_equals_what_transformers_loads(fp8_block, how):
 
 def test_mxfp4_load_dtype_is_the_checkpoints_not_float32(mxfp4):
     """gpt-oss's config names no dtype: from_pretrained(dtype="auto") takes the checkpoint's first floating
-    tensor (bf16), not float32 (the estimate priced gpt-oss-20b at 83.7 GB against 13.8 GB stored)."""
+    tensor (bf16), not float32 (the estimate priced gpt-oss-20b at 83.7 GB against 13.8 GB stored). The
+    experts' biases are the exception: Mxfp4GptOssExperts declares them float32 and the loader casts to the
+    declared dtype (a kept load here, its swizzle skipped, holds them float32), so they cost twice their
+    stored bf16 bytes."""
     e = _est(mxfp4, gpu="H200")
     assert e.dtype == "bfloat16"
-    assert e.components["weights"] - _buffers(e) == _headers(mxfp4)
+    biases = GPT_OSS["num_hidden_layers"] * GPT_OSS["num_local_experts"] * (2 * GPT_OSS["intermediate_size"]
+                                                                            + GPT_OSS["hidden_size"])
+    assert e.components["weights"] - _buffers(e) == _headers(mxfp4) + 2 * biases
 
 
 def test_mxfp4_dequantized_below_turing_and_on_the_cpu(mxfp4):
@@ -170,6 +175,106 @@ def test_mxfp4_dequantized_below_turing_and_on_the_cpu(mxfp4):
     # gpt-oss's sliding layers: the real cache layers, not a formula over the whole context
     kept = _est(mxfp4, gpu="H200")
     assert not any("formula" in n for n in kept.notes)
+
+
+FBGEMM_QC = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]}
+
+
+@pytest.fixture(scope="module")
+def fbgemm(tmp_path_factory):
+    """Llama (with attention biases) in FBGEMM's fp8 layout, as Llama-3.1-405B-FP8 stores it: each projection's
+    weight fp8 [out, in] and its row scales ``weight_scale`` float32 [out, 1]; lm_head and the rest 16-bit.
+    The config says float16: FbgemmFp8HfQuantizer.update_dtype loads bfloat16 whatever it says."""
+    import torch
+
+    path = tmp_path_factory.mktemp("fbgemm") / "m"
+    _save({**LLAMA, "attention_bias": True}, path)
+
+    def convert(k, v):
+        if not k.endswith("proj.weight"):
+            return {k: v.to(torch.float16)}
+        scale = v.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-6) / 448.0
+        return {k: (v.float() / scale).to(torch.float8_e4m3fn), k + "_scale": scale}
+
+    _rewrite(path, convert, FBGEMM_QC)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["dtype"] = "float16"
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_fbgemm_fp8_kept_is_its_meta_model_its_headers_and_its_load(fbgemm, monkeypatch):
+    """transformers' own replace_with_fbgemm_fp8_linear on the meta model (fbgemm-gpu's op lookup answered
+    with a placeholder, formats.FbgemmFP8): the estimate is the meta model's tensors to the byte; beside the
+    headers it adds only the biases, which FbgemmFp8Linear declares float32 (stored float16 here). A real
+    from_pretrained here, the GPU check and the op lookup skipped (loading runs no kernel), holds the same."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers.quantizer_fbgemm_fp8 import FbgemmFp8HfQuantizer
+
+    import transformers.integrations.fbgemm_fp8 as fb
+    from vramcal.estimator.meta import build_meta_model
+    from vramcal.estimator.quant import resolve_quant
+    from vramcal.estimator.resolve import resolve_model
+    from vramcal.probes.hardware import gpu_target
+
+    e = _est(fbgemm, gpu="H200")
+    assert (e.quant, e.dtype) == ("fbgemm_fp8", "bfloat16") and any("kept as stored" in n for n in e.notes)
+    source = resolve_model(str(fbgemm))
+    model, _, _ = build_meta_model(source, resolve_quant("auto", source, gpu=gpu_target("H200")))
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert "FbgemmFp8Linear" in kinds and type(model.lm_head).__name__ == "Linear"
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert e.components["weights"] - _buffers(e) == held
+    biases = 2 * (256 + 128 + 128 + 256)  # q, k, v, o biases of two layers: float16 stored, float32 held
+    assert held == _headers(fbgemm) + 2 * biases
+    monkeypatch.setattr(FbgemmFp8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
+    monkeypatch.setattr(fb, "get_quantize_fp8_per_row", lambda: None)
+    loaded = AutoModelForCausalLM.from_pretrained(str(fbgemm))
+    assert {p.dtype for p in loaded.parameters()} == {torch.float8_e4m3fn, torch.float32, torch.bfloat16}
+    assert held == sum(p.numel() * p.element_size() for p in loaded.parameters())
+
+
+def test_fbgemm_fp8_llama4_experts_on_meta(tmp_path):
+    """Llama 4's fused experts become FbgemmFp8Llama4TextExperts: fp8 [E, H, 2I] / [E, I, H] and float32
+    scales per output column ([E, 1, 2I] / [E, H, 1]); the routers stay 16-bit (modules_to_not_convert)."""
+    path = tmp_path / "l4"
+    path.mkdir()
+    h, i, e, layers, vocab = 256, 256, 4, 2, 1000
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "llama4_text", "architectures": ["Llama4ForCausalLM"], "vocab_size": vocab, "hidden_size": h,
+        "intermediate_size": i, "intermediate_size_mlp": 512, "num_hidden_layers": layers, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "num_local_experts": e, "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 1, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+        "max_position_embeddings": 4096, "quantization_config": {
+            **FBGEMM_QC, "modules_to_not_convert": ["lm_head", "model.layers.*.feed_forward.router"]}}))
+    est = _est(path, gpu="H200")
+    experts = layers * (e * h * 2 * i + e * i * h + 4 * (e * 2 * i + e * h))
+    linears = layers * sum(o * n + 4 * o for o, n in ((h, h), (128, h), (128, h), (h, h), (i, h), (i, h), (h, i)))
+    sixteen = 2 * (2 * vocab * h + layers * e * h + (2 * layers + 1) * h)  # embeddings, lm_head, routers, norms
+    assert est.components["weights"] - _buffers(est) == experts + linears + sixteen
+
+
+def test_vllm_fbgemm_fp8_keeps_a_float32_scale_per_row():
+    """vLLM's own fbgemm_fp8 method (layers/quantization/fbgemm_fp8.py): fp8 weight and a per-channel float32
+    scale, not fp8's one scale a merged shard (vramcal priced it as plain fp8 before)."""
+    from vramcal.estimator.vllm import quant as vq
+
+    q = vq.resolve({**LLAMA, "quantization_config": FBGEMM_QC}, None)
+    assert (q.scheme, q.method) == ("ct-channel", "fbgemm_fp8")
+    assert q.linear_bytes(4096, 1024, 2) == 4096 * 1024 + 4096 * 4
+    with pytest.raises(UserError, match="does not match"):
+        vq.resolve({**LLAMA, "quantization_config": FBGEMM_QC}, "fp8")
+
+
+@pytest.mark.parametrize("argv, words", [(["--gpu", "A100-SXM4-80GB"], "compute capability >= 9.0"),
+                                         (["--gpu", "RTX 3090"], "compute capability >= 9.0"),
+                                         (["--device", "cpu"], "use a cuda device")])
+def test_fbgemm_fp8_below_hopper_and_on_the_cpu_is_one_line(fbgemm, argv, words):
+    """FbgemmFp8HfQuantizer.validate_environment refuses compute capability < 9.0 and a machine without a GPU,
+    and FbgemmFp8Config has no dequantize: no path to price."""
+    r = _cli("estimate", str(fbgemm), "--ctx", "128", *argv)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and words in r.stderr, r.stderr
 
 
 def test_no_misleading_num_experts_note(mxfp4):
@@ -378,3 +483,34 @@ def test_a_probe_takes_gpu_as_given_where_nvml_cannot_read_the_capability(fake):
     assert target.compute_capability == (8, 0)
     fake({0: [1 << 30]}, gpu_name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0))
     assert _probe_gpu(argparse.Namespace(gpu="NVIDIA H100 80GB HBM3", device="cuda:0")).compute_capability == (9, 0)
+
+
+@pytest.mark.parametrize("qc, label", [
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "fp8"),
+    (MXFP4_QC, "mxfp4"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+      "quantization_status": "compressed", "config_groups": {"group_0": {
+          "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+                                             "dynamic": False}}}}, "compressed-tensors"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}, "AWQ"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "bitsandbytes"),
+])
+@pytest.mark.parametrize("verb", ["probe", "check"])
+def test_synthetic_refuses_a_pre_quantized_config(tmp_path, capsys, qc, label, verb):
+    """--synthetic writes 16-bit random weights without the quantization_config: on this CPU the fp8 load
+    would have measured a plain bf16 model against the estimate's dequantizing load, compressed-tensors a
+    bf16 model against its fp8 layout (both ran and recorded before). Now one line, exit 2, nothing run
+    or recorded, for a kept and a dequantized path alike."""
+    from vramcal.cli import main
+
+    path = tmp_path / "m"
+    path.mkdir()
+    base = GPT_OSS if qc is MXFP4_QC else LLAMA
+    (path / "config.json").write_text(json.dumps({**base, "torch_dtype": "bfloat16", "quantization_config": qc}))
+    db = tmp_path / "r.db"
+    argv = [verb, str(path), "--synthetic", "--device", "cpu", "--ctx", "64"]
+    rc = main(argv + ["--db", str(db)] if verb == "check" else argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"not this checkpoint's {label} layout" in err and "download its weights" in err
+    assert not db.exists()

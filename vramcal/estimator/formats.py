@@ -63,6 +63,7 @@ class Format:
     kept_from: tuple[int, int] | None = None  # the compute capability from which the format is kept
     can_dequantize = False  # transformers has a dequantize=True load for it
     config_class = ""  # transformers' config class of the format (the dequantized load passes it)
+    load_dtype: str | None = None  # the one dtype the quantizer's update_dtype loads the rest in (None: the config's)
 
     def check(self, qc: dict) -> None:
         """Refuse a contradictory quantization_config in one line (UserError)."""
@@ -141,9 +142,29 @@ class FineGrainedFP8(Format):
 
 
 class FbgemmFP8(Format):
+    """Meta's FBGEMM fp8 (``FbgemmFp8HfQuantizer``, e.g. Llama-3.1-405B-FP8): every Linear but
+    ``modules_to_not_convert`` becomes ``FbgemmFp8Linear`` (fp8 ``weight`` [out, in], float32 ``weight_scale``
+    [out, 1], a non-persistent float32 ``input_scale_ub``); Llama 4's fused experts become
+    ``FbgemmFp8Llama4TextExperts`` (fp8 projections, float32 scales per output column). Kept from compute
+    capability 9.0 (``validate_environment``); the config has no ``dequantize``, so below 9.0 and on the CPU
+    it is refused. ``update_dtype`` loads everything else in bfloat16 whatever the config says."""
+
     methods = ("fbgemm_fp8",)
     label = "fbgemm_fp8"
-    kept_from = (9, 0)  # FbgemmFp8HfQuantizer: compute capability >= 9.0, no dequantized load
+    config_class = "FbgemmFp8Config"
+    kept_from = (9, 0)
+    load_dtype = "bfloat16"
+
+    def replacement_patches(self):
+        # replace_with_fbgemm_fp8_linear looks up fbgemm-gpu's quantize_fp8_per_row op (a CUDA library not
+        # installed here) before it builds the modules; building them on meta calls no op, so the lookup is
+        # answered with a placeholder while it runs, and the module global it sets is put back after
+        from unittest import mock
+
+        import transformers.integrations.fbgemm_fp8 as fbgemm
+
+        return (mock.patch.object(fbgemm, "get_quantize_fp8_per_row", lambda: None),
+                mock.patch.object(fbgemm, "quantize_fp8_per_row", None, create=True))
 
 
 class MXFP4(Format):

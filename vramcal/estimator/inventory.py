@@ -224,8 +224,12 @@ def count_meta_model(source: ModelSource, quant: QuantSpec, model, hf_quantizer,
             else:
                 n = None
                 # from_pretrained casts every floating parameter to the load dtype, unless the model's
-                # keep-in-fp32 plan says otherwise (bitsandbytes modules create their bias in float32)
-                target = _planned_dtype(full, dtype_plan) or (dtype if p.is_floating_point() else p.dtype)
+                # keep-in-fp32 plan says otherwise (bitsandbytes modules create their bias in float32), or a
+                # format's quantizer put the module in place: the loader then casts to the dtype the module
+                # declares (core_model_loading: the empty param's dtype), so FbgemmFp8Linear's bias and
+                # Mxfp4GptOssExperts' biases stay float32
+                declared = not p.is_floating_point() or (fmt is not None and _replaced(module))
+                target = _planned_dtype(full, dtype_plan) or (p.dtype if declared else dtype)
                 b = p.numel() * target.itemsize
                 note(full, b)
                 sizes[b] += 1
@@ -330,11 +334,15 @@ def _is_state(pname: str) -> bool:
 def _stored_as_declared(module, pname: str, p) -> bool:
     """A tensor of a quantizer's module that keeps its own dtype through from_pretrained: packed or 8-bit
     data, and quantization state (scales, zero points)."""
-    replaced = type(module).__module__.startswith(("transformers.integrations", "compressed_tensors")) or hasattr(
-        module, "quantization_scheme")
-    if not replaced:
+    if not _replaced(module):
         return False
     return p.element_size() == 1 or not p.is_floating_point() or _is_state(pname)
+
+
+def _replaced(module) -> bool:
+    """A module a format's quantizer put in place of the model's own (or, compressed-tensors, marked)."""
+    return type(module).__module__.startswith(("transformers.integrations", "compressed_tensors")) or hasattr(
+        module, "quantization_scheme")
 
 
 def _unpacked_elements(module, pname: str, p) -> int:

@@ -195,6 +195,7 @@ def _pre_quantized(qc: dict, fmt, base: str, gpu, dequantize: bool) -> QuantSpec
                          pre_quantized=True, implementation=method.upper(),
                          extra={**extra, "desc_act": qc.get("desc_act")})
     block = qc.get("weight_block_size")
+    base = fmt.load_dtype or base  # the quantizer's update_dtype overrides the config's dtype (fbgemm_fp8: bf16)
     return QuantSpec(name=method, method=method, dtype=base, bits=8 if "fp8" in method else None, pre_quantized=True,
                      implementation=f"{fmt.label} (block {block[0]}x{block[1]})" if block else fmt.label,
                      extra={**extra, "weight_block_size": block})

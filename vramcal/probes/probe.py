@@ -202,8 +202,9 @@ def preflight(source: ModelSource, spec, device: str, synthetic: bool, interval_
                            f"{source.revision}` puts the weights in the local cache, or " if source.origin == "hub" else "")
                         + "add --synthetic to probe random weights at its real widths")
     if synthetic:
-        from .synthetic import check_room
+        from .synthetic import check_room, refuse_pre_quantized
 
+        refuse_pre_quantized(source, spec)
         check_room(source, spec)
     return series, notes, placed
 

@@ -3,6 +3,7 @@
 ``--synthetic`` probes a model before downloading it: the config's architecture, random values, the
 same ``from_pretrained`` path as a real checkpoint. Where this can differ from the real checkpoint:
 its stored dtype is the config's (a real one may be stored in another dtype and converted at load),
+a pre-quantized config is refused (:func:`refuse_pre_quantized`: the random weights are 16-bit),
 tied embeddings are stored once (as published tied checkpoints are), and values differ, which moves
 only data-dependent parts (MoE routing, LLM.int8 outlier columns), not the tensors' sizes.
 """
@@ -21,6 +22,23 @@ def checkpoint_bytes(source, spec) -> int:
     from ..estimator.quant import DTYPE_BYTES, config_dtype
 
     return inventory(source, spec).params * DTYPE_BYTES[config_dtype(clean_config(source.config))]
+
+
+def refuse_pre_quantized(source, spec) -> None:
+    """A pre-quantized checkpoint (fp8, MXFP4, compressed-tensors, GPTQ, AWQ, serialized bitsandbytes) is
+    refused in one line: the random checkpoint is written in 16 bits without the config's
+    quantization_config, so the load would hold a plain model while the estimate prices the stored format
+    (kept) or its dequantizing load (which reads the stored layout). The probe would measure another model."""
+    if not spec.pre_quantized:
+        return
+    from ..errors import UserError
+    from ..estimator.formats import format_for
+
+    label = format_for(source.config.get("quantization_config") or {}).label
+    raise UserError(f"--synthetic writes plain 16-bit random weights, not this checkpoint's {label} layout, so the "
+                    f"probe would measure another model than the one {source.name} loads; nothing was run or "
+                    "recorded: download its weights and probe them, or probe the unquantized base model's config "
+                    "with --synthetic")
 
 
 def check_room(source, spec, folder: str | None = None) -> int:

@@ -12,6 +12,9 @@ scheme                    what a linear layer of ``out x in`` keeps (vLLM file)
 ``ct-channel``            compressed-tensors W8A8 (int8 or fp8) with per-channel weight scales: 1-byte
                           weight and one float32 scale per output row (``compressed_tensors_w8a8_*.py``)
 ``ct-tensor``             the same with a per-tensor scale (one float32 per merged shard)
+``ct-channel`` (fbgemm)   an ``fbgemm_fp8`` checkpoint (Llama-3.1-405B-FP8): the same per-row layout
+                          (``fbgemm_fp8.py``: fp8 weight, ``ChannelQuantScaleParameter`` float32
+                          [out, 1]; its one-float ``input_scale_ub`` a layer is left out)
 ``wNa16``                 4/8-bit integer weights packed into int32, one scale per group and output row in
                           the activation dtype (compressed-tensors ``pack-quantized``, GPTQ, AWQ; Marlin
                           repacks into tensors of the same size, ``gptq_marlin.py``, ``awq_marlin.py``);
@@ -41,16 +44,17 @@ from ...errors import UserError
 from .mxfp4 import Mxfp4Backend
 
 CHECKPOINT_METHODS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "bitsandbytes", "fp8",
-                      "mxfp4", "modelopt")
-QUANT_CHOICES = ("fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "bitsandbytes", "mxfp4",
-                 "modelopt")
+                      "fbgemm_fp8", "mxfp4", "modelopt")
+QUANT_CHOICES = ("fp8", "fbgemm_fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "bitsandbytes",
+                 "mxfp4", "modelopt")
 NVFP4_GROUP = 16
 MXFP4_BLOCK = 32
 # vLLM accepts these spellings of a checkpoint's own method (config/model.py's _verify_quantization:
 # the Marlin kernels override the plain names)
 COMPATIBLE = {"gptq": {"gptq", "gptq_marlin"}, "awq": {"awq", "awq_marlin"},
               "compressed-tensors": {"compressed-tensors"}, "bitsandbytes": {"bitsandbytes"},
-              "fp8": {"fp8"}, "mxfp4": {"mxfp4"}, "modelopt": {"modelopt", "modelopt_fp4"}}
+              "fp8": {"fp8"}, "fbgemm_fp8": {"fbgemm_fp8"}, "mxfp4": {"mxfp4"},
+              "modelopt": {"modelopt", "modelopt_fp4"}}
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,7 @@ def checkpoint_method(config: dict) -> str | None:
         qc = tc.get("quantization_config") if isinstance(tc, dict) else None
     if not isinstance(qc, dict):
         return None
-    m = str(qc.get("quant_method", "")).lower()
-    return "fp8" if m == "fbgemm_fp8" else m
+    return str(qc.get("quant_method", "")).lower()
 
 
 def resolve(config: dict, quantization: str | None) -> VllmQuant:
@@ -149,6 +152,8 @@ def _checkpoint_scheme(own: str, qc: dict, asked: str | None) -> VllmQuant:
         if block:
             return VllmQuant("fp8-block", "fp8", 8, block=(int(block[0]), int(block[1])))
         return VllmQuant("fp8", "fp8", 8)
+    if own == "fbgemm_fp8":  # per-row float32 scales, not fp8's one scale a shard
+        return VllmQuant("ct-channel", "fbgemm_fp8", 8)
     if own in ("gptq", "awq"):
         bits = int(qc.get("bits", qc.get("w_bit", 4)))
         group = int(qc.get("group_size", qc.get("q_group_size", 128)))
