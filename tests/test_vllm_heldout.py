@@ -189,6 +189,28 @@ def test_held_out_weights_within_one_percent(row):
     assert not got["error"] and abs(got["weights_err_pct"]) < 1.0, got
 
 
+# Qwen3-14B(-AWQ) on vLLM 0.29.0's V2 model runner, L40S: the transient peak the logs give (printed peak minus
+# the printed graph estimate) is 1.48-1.60 GiB, about the vocabulary matrix (151,936 x 5,120 x 2 B = 1.45 GiB)
+# above what the V2 runner's profile_run visibly allocates; vramcal prices 0.56-1.16 GiB. The cause is not
+# found in vLLM's source (docs/vllm.md "Held out" lists what was read and ruled out). Strict: a fix shows here.
+V2_ACTIVATION_GAP = pytest.mark.xfail(strict=True, reason="V2 runner's profile peak ~ the vocabulary matrix, not modelled")
+V2_LOGGED = [r for r in HELD_OUT if r["vllm_version"] == "0.29.0"]
+
+
+@V2_ACTIVATION_GAP
+@pytest.mark.parametrize("row", V2_LOGGED, ids=lambda r: r["id"])
+def test_held_out_v2_transient_peak_within_0_15_gib(row):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from published_vllm import args_of, model_ref
+
+    logged = parse_log((CORPUS_DIR / row["fixture"]).read_text()).activation_bytes
+    assert logged is not None  # printed peak minus the printed estimate
+    est = estimate_vllm(model_ref(row, CORPUS_DIR), args_of(row))
+    assert abs(est.activation_bytes - logged) < 0.15 * GIB, (est.activation_bytes / GIB, logged / GIB)
+
+
 def test_gpu_name_gives_vllms_device_defaults():
     """`_set_default_args` keys on the device's name as well as its memory: an A100 of 79.25 GiB gets 256
     sequences and 2048 batched tokens under `vllm serve`, an H100 of the same memory 1024 and 8192 (issue 27:
