@@ -281,8 +281,8 @@ def test_peak_activation_of_0_27_is_activation_plus_graph_estimate():
 
 def test_held_out_figures_are_the_reported_ones():
     """The held-out split (34 rows: 12 in corpus.csv, 12 in heldout-2026-12-02.csv, 10 in
-    heldout-2026-12-03.csv; nothing fitted to them): KV tokens median 1.52 %, p90 9.40 %; weights median
-    0.19 % (docs/validation.md). Pinned so that a change to a rule that moves them fails here and is
+    heldout-2026-12-03.csv; nothing fitted to them): KV tokens median 1.52 %, p90 7.64 % (9.40 % before the
+    L4 pair's tp 2 was priced over PCIe, --interconnect); weights median 0.19 % (docs/validation.md). Pinned so that a change to a rule that moves them fails here and is
     reported, better or worse. The issue's medians (KV tokens <= 2 %, weights <= 1 %) are met and asserted;
     its KV-token p90 (<= 5 %) is missed since the L40S / L4 rows of 2026-12-03 (4.04 % over the first
     24), and is not asserted: docs/vllm.md "Held out" says why."""
@@ -293,7 +293,7 @@ def test_held_out_figures_are_the_reported_ones():
     kv_med, kv_p90 = statistics.median(kv), statistics.quantiles(kv, n=10, method="inclusive")[8]
     w_med = statistics.median(w)
     assert (len(kv), len(w)) == (34, 28)
-    assert kv_med == pytest.approx(1.52, abs=0.02) and kv_p90 == pytest.approx(9.40, abs=0.05), (kv_med, kv_p90)
+    assert kv_med == pytest.approx(1.52, abs=0.02) and kv_p90 == pytest.approx(7.64, abs=0.05), (kv_med, kv_p90)
     assert w_med == pytest.approx(0.19, abs=0.02), w_med
     assert kv_med <= 2.0 and w_med <= 1.0
 
