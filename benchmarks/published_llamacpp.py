@@ -221,7 +221,8 @@ def args_of(row: dict):
                      flash_attn=row["flash_attn"], cache_type_k=row["cache_type_k"], cache_type_v=row["cache_type_v"],
                      n_batch=int(row["n_batch"]), n_ubatch=int(row["n_ubatch"]), tensor_split=ts,
                      overrides=overrides, n_gpus=int(row["n_gpus"]), use_mmap=row.get("use_mmap", "True") == "True",
-                     embeddings=row.get("embeddings") == "True", gpu_backend=row["backend"] if row["backend"] != "CPU" else "CUDA")
+                     embeddings=row.get("embeddings") == "True",
+                     gpu_backend=row["backend"] if row["backend"] != "CPU" else "CUDA")
 
 
 GPU_NAME = re.compile(r"^(?!CPU)[A-Za-z]+?(?P<i>\d+)(?:_Mapped)?$")

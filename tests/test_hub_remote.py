@@ -470,6 +470,6 @@ def test_llamacpp_plan_of_a_hub_repository_searches_each_quantization(hubenv, re
         assert r["args"][4:] == loc["args"][2:]
         assert r["estimate_command"].split()[4] == r["file"]
     hubenv.reset()
-    rc, out, err = _cli(capsys, "estimate", "--engine", "llama.cpp", *shlex.split(remote["plans"][0]["estimate_command"])[4:],
-                        "--json")
+    again = shlex.split(remote["plans"][0]["estimate_command"])[4:]
+    rc, out, err = _cli(capsys, "estimate", "--engine", "llama.cpp", *again, "--json")
     assert rc == 0 and hubenv.bytes_served == 0, err  # the plan's own check asks the Hub for nothing more

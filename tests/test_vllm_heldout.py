@@ -283,9 +283,10 @@ def test_held_out_figures_are_the_reported_ones():
     """The held-out split (34 rows: 12 in corpus.csv, 12 in heldout-2026-12-02.csv, 10 in
     heldout-2026-12-03.csv; nothing fitted to them): KV tokens median 1.52 %, p90 7.64 % (9.40 % before the
     L4 pair's tp 2 was priced over PCIe, --interconnect); weights median 0.19 % (docs/validation.md). Pinned
-    so that a change to a rule that moves them fails here and is reported, better or worse. The issue's medians (KV tokens <= 2 %, weights <= 1 %) are met and asserted;
-    its KV-token p90 (<= 5 %) is missed since the L40S / L4 rows of 2026-12-03 (4.04 % over the first
-    24), and is not asserted: docs/vllm.md "Held out" says why."""
+    so that a change to a rule that moves them fails here and is reported, better or worse. The issue's
+    medians (KV tokens <= 2 %, weights <= 1 %) are met and asserted; its KV-token p90 (<= 5 %) is missed since
+    the L40S / L4 rows of 2026-12-03 (4.04 % over the first 24), and is not asserted: docs/vllm.md "Held out"
+    says why."""
     res = [r for r in _held_out_results() if not r["error"]]
     assert len(res) == len(_held_out_results()) == 34
     kv = sorted(abs(r["KV tokens_err_pct"]) for r in res if r["KV tokens_err_pct"] is not None)

@@ -116,6 +116,7 @@ def machine_beyond(db: str | None) -> tuple[Beyond, str | None]:
                     rows += got
                     scopes.append(scope)
     except Exception as exc:  # noqa: BLE001 -- a lookup never fails an estimate; it says why
-        return DEFAULT_BEYOND, f"no llama.cpp correction applied: {str(exc).splitlines()[0][:160] or type(exc).__name__}"
+        why = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        return DEFAULT_BEYOND, f"no llama.cpp correction applied: {why}"
     scope = scopes[0] if len(set(scopes)) == 1 else "this machine and its class"
     return learned_beyond(rows, scope), None

@@ -148,9 +148,9 @@ class LlamaArgs:
         if self.split_mode not in ("none", "layer", "row", "tensor"):
             raise UserError(f"-sm/--split-mode {self.split_mode!r}: none, layer, row or tensor")
         if self.split_mode == "row" and self.n_gpus and self.gpu_backend == "CUDA":
-            raise UserError("-sm row: the llama.cpp modelled here stops loading with it ('device CUDA0 does not support "
-                            "split buffers'): CUDA's split buffers were removed in b9890 (ggml-org/llama.cpp#24216); "
-                            "use -sm layer (the default), or price an older build's run with its log")
+            raise UserError("-sm row: the llama.cpp modelled here stops loading with it ('device CUDA0 does not "
+                            "support split buffers'): CUDA's split buffers were removed in b9890 "
+                            "(ggml-org/llama.cpp#24216); use -sm layer (the default)")
         if self.split_mode == "tensor" and self.n_gpus:
             raise UserError("-sm tensor (llama.cpp's tensor parallelism, experimental) is not modelled yet by vramcal: "
                             "its weights and KV are split by the meta backend; price -sm layer instead")
