@@ -1,0 +1,169 @@
+"""The worst-case graphs of the architectures beyond the llama family, node by node as llama.cpp builds them
+(the tree llama-cpp-python 0.3.36 vendors), for :mod:`.compute`'s allocator replay.
+
+Each is written lazily (:class:`.ggml_graph.Graph` ``lazy=True``): tensors with their ggml shapes, and
+``expand`` where llama.cpp calls ``ggml_build_forward_expand``, so the node order is ggml's own. Weights, the
+KV cache and the recurrent states live in buffers of their own and are left out of the sources; an op that
+writes into a cache (``set_rows``, ``cpy`` into a state view) returns a view of it and takes nothing here.
+
+- **deepseek2 with MLA** (src/models/deepseek2.cpp; llama-graph.cpp ``build_attn`` over
+  ``llm_graph_input_attn_k``, ``build_attn_mha`` with ``v_mla``, ``build_moe_ffn``): the query through its
+  low-rank ``q_a`` / ``q_b``, its no-rope part absorbed into the latent space by ``attn_k_b``, the rope part
+  roped and concatenated; one latent K row of ``kv_lora_rank + rope`` per token (V is a view of it);
+  flash attention or KQ + soft_max over the latent, then ``attn_v_b`` back to each head's ``v_head`` values;
+  the first ``leading_dense_block_count`` layers dense, the rest MoE with a shared expert.
+"""
+
+from __future__ import annotations
+
+from .buffers import Context, Hparams
+from .ggml_graph import F16, F32, I32, I64, Graph, Node
+from .gguf_file import GgufModel
+
+REPLAYED = ("deepseek2",)  # with MLA (memory.mla): the architectures written down here
+
+
+def _int(m: GgufModel, key: str, default: int = 0) -> int:
+    v = m.get(key, default)
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+
+def replays(m: GgufModel, h: Hparams) -> bool:
+    """Whether this module writes the GGUF's graph down."""
+    mem = h.memory
+    if h.arch == "deepseek2":
+        return mem is not None and mem.mla and bool(_int(m, ".attention.q_lora_rank"))
+    return False
+
+
+def _norm(g: Graph, x: Node) -> Node:
+    """``build_norm`` RMS with a weight: rms_norm, then mul (both in place where ggml may)."""
+    return g.t("mul", x.layout[1:], g.t("rms_norm", x.layout[1:], x))
+
+
+def _ffn(g: Graph, x: Node, n_ff: int, T: int) -> Node:
+    """``build_ffn`` SiLU, parallel gate: gate and up, swiglu, down."""
+    E = x.layout[1]
+    gate = g.t("mul_mat", (n_ff, T), x)
+    up = g.t("mul_mat", (n_ff, T), x)
+    return g.t("mul_mat", (E, T), g.t("glu", (n_ff, T), gate, up))
+
+
+def _moe(g: Graph, x: Node, n_expert: int, k: int, n_ff: int, T: int, norm_w: bool, scale: float) -> Node:
+    """``build_moe_ffn`` with softmax gating and split gate/up experts."""
+    E = x.layout[1]
+    probs = g.t("soft_max", (n_expert, T), g.t("mul_mat", (n_expert, T), x))
+    top_k = g.strided(g.t("argsort", (n_expert, T), probs, size=I32))  # ggml_argsort_top_k: a view of the sort
+    w = g.t("get_rows", (1, k, T), g.reshape(probs, (1, n_expert, T)), top_k)
+    if norm_w:
+        w2 = g.reshape(w, (k, T))
+        total = g.t("clamp", (1, T), g.t("sum_rows", (1, T), w2))
+        w = g.reshape(g.t("div", (k, T), w2, total), (1, k, T))
+    if scale not in (0.0, 1.0):
+        w = g.t("scale", (1, k, T), w)
+    g.expand(w)
+    x3 = g.reshape(x, (E, 1, T))
+    gate = g.t("mul_mat_id", (n_ff, k, T), x3, top_k)
+    up = g.t("mul_mat_id", (n_ff, k, T), x3, top_k)
+    down = g.t("mul_mat_id", (E, k, T), g.t("glu", (n_ff, k, T), gate, up), top_k)
+    weighted = g.t("mul", (E, k, T), down, w)
+    views = [g.strided(weighted) for _ in range(k)]
+    out = views[0]
+    for v in views[1:]:
+        out = g.t("add", (E, T), out, v)
+        g.expand(out)
+    if k == 1:
+        out = g.t("cont", (E, T), out)
+    return out
+
+
+def _inputs(g: Graph, E: int, T: int) -> Node:
+    """``build_inp_embd``: the token ids' rows of ``token_embd``, and the embeddings input beside them
+    (``ggml_build_forward_select`` puts both in the graph)."""
+    emb = g.t("get_rows", (E, T), g.new_input((T,), I32))
+    g.expand(emb, g.new_input((E, T)))
+    return emb
+
+
+def _output(g: Graph, x: Node, n_vocab: int, T: int) -> None:
+    logits = g.t("mul_mat", (n_vocab, T), _norm(g, x))
+    logits.is_output = True
+    g.expand(logits)
+
+
+def deepseek2_mla(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
+                  with_output: bool) -> Graph:
+    """src/models/deepseek2.cpp, MLA with the absorption (``attn_k_b`` / ``attn_v_b``), q through ``q_lora``."""
+    g = Graph(lazy=True)
+    T, E, fa = n_tokens, h.n_embd, c.flash_attn
+    H = h.n_head[0]
+    hk = _int(m, ".attention.key_length_mla")  # nope + rope per head
+    v_head = _int(m, ".attention.value_length_mla")
+    rope = _int(m, ".rope.dimension_count")
+    nope = hk - rope
+    q_lora, kv_lora = _int(m, ".attention.q_lora_rank"), _int(m, ".attention.kv_lora_rank")
+    n_dense = _int(m, ".leading_dense_block_count")
+    n_ff_exp = h.n_ff_exp
+    n_shared = _int(m, ".expert_shared_count")
+    norm_w = bool(m.get(".expert_weights_norm", False))
+    w_scale = float(m.get(".expert_weights_scale", 0.0) or 0.0)
+    n_kv, ns = c.n_ctx_seq, c.n_stream
+    per_stream = T // ns if T % ns == 0 else T
+    last = h.n_layer - (h.memory.n_layer_nextn if h.memory else 0) - 1
+
+    cur = _inputs(g, E, T)
+    pos = g.new_input((T,), I32)
+    k_idx = g.new_input((T,), I64)
+    mask = g.new_input((n_kv, per_stream, 1, ns), F16 if fa else F32)
+    out_ids = g.new_input((n_outputs,), I32)
+    for il in (il for il in layers if il <= last):  # the MTP layers are a graph of their own (graph_mtp)
+        inp_sa = cur
+        x = _norm(g, cur)
+        q = g.t("mul_mat", (H * hk, T), _norm(g, g.t("mul_mat", (q_lora, T), x)))
+        q = g.reshape(q, (hk, H, T))
+        kv_pe = g.t("mul_mat", (kv_lora + rope, T), x)
+        k_pe = g.t("rope", (rope, 1, T), g.strided(kv_pe), pos)
+        kv_cmpr = g.t("mul", (kv_lora, T), g.t("rms_norm", (kv_lora, T), g.strided(kv_pe)))
+        q_pe = g.t("rope", (rope, H, T), g.strided(q), pos)
+        q_abs = g.t("mul_mat", (kv_lora, T, H), g.strided(g.strided(q)))  # attn_k_b x q_nope, permuted
+        q_cur = g.t("concat", (kv_lora + rope, H, T), g.strided(q_abs), q_pe)
+        v_cur = g.reshape(kv_cmpr, (kv_lora, 1, T))
+        k_cur = g.t("concat", (kv_lora + rope, 1, T), v_cur, k_pe)
+        g.expand(q_cur, v_cur, k_cur, g.t("set_rows", (0,), g.reshape(k_cur, (kv_lora + rope, T)), k_idx))
+        qp = g.strided(g.strided(q_cur))  # the per-stream view, permuted
+        if fa:
+            att = g.t("flash_attn_ext", (kv_lora, H, T), qp, mask)
+            att = g.t("mul_mat", (v_head, T, H), g.strided(att))  # attn_v_b
+            att = g.t("cont", (v_head, H, T), g.strided(att))
+            att = g.reshape(att, (v_head * H, T))
+        else:
+            v = g.t("cont", (n_kv, kv_lora, 1, ns), size=F16)  # the latent V transposed out of the cache
+            kq = g.t("soft_max", (n_kv, per_stream, H, ns), g.t("mul_mat", (n_kv, per_stream, H, ns), qp), mask)
+            kqv = g.t("mul_mat", (kv_lora, per_stream, H, ns), v, kq)
+            kqv = g.t("mul_mat", (v_head, per_stream, H, ns), kqv)  # attn_v_b
+            att = g.t("cont", (v_head * H, T), g.strided(kqv))
+        g.expand(att)
+        cur = g.t("mul_mat", (E, T), att)  # attn_output
+        if il == last:
+            cur = g.t("get_rows", (E, n_outputs), cur, out_ids)
+            inp_sa = g.t("get_rows", (E, n_outputs), inp_sa, out_ids)
+            T = n_outputs
+        ffn_inp = g.t("add", (E, T), cur, inp_sa)
+        x = _norm(g, ffn_inp)
+        if il < n_dense:
+            y = _ffn(g, x, h.n_ff[il], T)
+        else:
+            moe = _moe(g, x, h.n_expert, h.n_expert_used, n_ff_exp, T, norm_w, w_scale)
+            y = g.t("add", (E, T), moe, _ffn(g, x, n_ff_exp * n_shared, T))
+        cur = g.t("add", (E, T), y, ffn_inp)
+        g.expand(cur)
+    if with_output:
+        _output(g, cur, h.n_vocab, T)
+    else:
+        g.expand(cur)
+    return g
+
+
+def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
+          with_output: bool) -> Graph:
+    return deepseek2_mla(m, h, c, n_tokens, n_outputs, layers, with_output)
