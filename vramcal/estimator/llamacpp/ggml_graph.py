@@ -79,6 +79,11 @@ class Graph:
         never the same layout as a new tensor, so nothing runs in place on it."""
         return self.view(src, layout=("strided", object()))
 
+    def write(self, op: str, *srcs: Node) -> Node:
+        """An op that writes into a buffer outside the graph (``set_rows`` into the KV cache, ``cpy`` or an
+        in-place ``scale`` on a recurrent state): ggml returns a view of that buffer, so nothing is allocated."""
+        return self._add(Node(op, 0, srcs, view_of=Node("external", 0), layout=("external",)), self.nodes)
+
     def expand(self, *tensors: Node) -> None:
         """``ggml_build_forward_expand``: each tensor after its sources, depth first, sources left to right."""
         for t in tensors:
@@ -101,8 +106,11 @@ class Allocator:
         self.blocks: list[list[int]] = [[0, 1 << 62]]
         self.max_size = 0
 
+    def aligned(self, size: int) -> int:
+        return (size + self.align - 1) // self.align * self.align
+
     def alloc(self, size: int) -> int:
-        size = (size + self.align - 1) // self.align * self.align
+        size = self.aligned(size)
         best = -1
         for i, (_, bsize) in enumerate(self.blocks[:-1]):
             if bsize >= size and (best < 0 or bsize <= self.blocks[best][1]):
@@ -118,7 +126,7 @@ class Allocator:
         return off
 
     def free(self, off: int, size: int) -> None:
-        size = (size + self.align - 1) // self.align * self.align
+        size = self.aligned(size)
         for i, b in enumerate(self.blocks):
             if b[0] + b[1] == off:
                 b[1] += size
@@ -147,6 +155,7 @@ def _allocate(g: Graph, a: Allocator, n: Node) -> None:
                 src = p.view_of
                 if src.views == 1 and src.children == 0 and src.offset is not None:
                     n.offset, src.allocated, p.allocated = src.offset, False, False
+                    _free_extra(a, n, src)
                     return
                 continue
             if p.offset is None:
@@ -154,6 +163,14 @@ def _allocate(g: Graph, a: Allocator, n: Node) -> None:
             n.offset, p.allocated = p.offset, False
             return
     n.offset = a.alloc(n.nbytes)
+
+
+def _free_extra(a: Allocator, n: Node, src: Node) -> None:
+    """ggml-alloc.c ``ggml_gallocr_free_extra_space``: a node placed in a larger source's memory gives the
+    source's tail back."""
+    size, used = a.aligned(src.nbytes), a.aligned(n.nbytes)
+    if size > used:
+        a.free(src.offset + used, size - used)
 
 
 def _free(a: Allocator, n: Node) -> None:

@@ -28,12 +28,16 @@ def _int(m: GgufModel, key: str, default: int = 0) -> int:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
 
 
+def _has(m: GgufModel, suffix: str) -> bool:
+    return any(t.name.endswith(suffix) for t in m.tensors)
+
+
 def replays(m: GgufModel, h: Hparams) -> bool:
     """Whether this module writes the GGUF's graph down."""
     mem = h.memory
     if h.arch == "deepseek2":
         return mem is not None and mem.mla and bool(_int(m, ".attention.q_lora_rank"))
-    return False
+    return h.arch in BUILDERS
 
 
 def _norm(g: Graph, x: Node) -> Node:
@@ -129,7 +133,7 @@ def deepseek2_mla(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs
         q_cur = g.t("concat", (kv_lora + rope, H, T), g.strided(q_abs), q_pe)
         v_cur = g.reshape(kv_cmpr, (kv_lora, 1, T))
         k_cur = g.t("concat", (kv_lora + rope, 1, T), v_cur, k_pe)
-        g.expand(q_cur, v_cur, k_cur, g.t("set_rows", (0,), g.reshape(k_cur, (kv_lora + rope, T)), k_idx))
+        g.expand(q_cur, v_cur, k_cur, g.write("set_rows", g.reshape(k_cur, (kv_lora + rope, T)), k_idx))
         qp = g.strided(g.strided(q_cur))  # the per-stream view, permuted
         if fa:
             att = g.t("flash_attn_ext", (kv_lora, H, T), qp, mask)
@@ -164,6 +168,115 @@ def deepseek2_mla(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs
     return g
 
 
+
+
+# ------------------------------------------------------------------------------------- recurrent state
+
+
+def _rs(g: Graph, s_copy: tuple[Node, Node], state_size: int, n_seqs: int, rows: Node | None = None) -> Node:
+    """llama-graph.cpp ``build_rs``: the cleared state zeroed in place (in the RS buffer), this ubatch's states
+    gathered (``get_rows``, or ``rows``: the op that reads them, ``ssm_scan``), the other cells' copied back in
+    place. Reserved with every cell in use, the extra copy has no rows."""
+    g.expand(g.write("scale"))  # ggml_scale_inplace on a view of the state: nothing allocated
+    out = rows if rows is not None else g.t("get_rows", (state_size, n_seqs), s_copy[0])
+    g.expand(out)
+    g.expand(g.write("cpy", g.t("get_rows", (state_size, 0), s_copy[1])))
+    return out
+
+
+def _mamba_layer(m: GgufModel, g: Graph, x: Node, s_copy: tuple[Node, Node], n_embd_r: int, T: int, S: int) -> Node:
+    """src/models/mamba-base.cpp ``build_mamba_layer`` (Mamba-1: a d_state x d_inner decay, K = 1)."""
+    d_conv, d_inner = _int(m, ".ssm.conv_kernel"), _int(m, ".ssm.inner_size")
+    d_state, dt_rank = _int(m, ".ssm.state_size"), _int(m, ".ssm.time_step_rank")
+    ts = T // S
+    conv = g.reshape(_rs(g, s_copy, n_embd_r, S), (d_conv - 1, d_inner, S))
+    xz = g.t("mul_mat", (2 * d_inner, ts, S), g.reshape(x, (x.layout[1], ts, S)))
+    conv_x = g.t("concat", (d_conv - 1 + ts, d_inner, S), conv, g.strided(g.strided(xz)))
+    g.expand(g.write("cpy", g.strided(conv_x)))
+    xc = g.t("unary", (d_inner, ts, S), g.t("add", (d_inner, ts, S), g.t("ssm_conv", (d_inner, ts, S), conv_x)))
+    x_db = g.t("mul_mat", (dt_rank + 2 * d_state, ts, S), xc)
+    dt, b, c = g.strided(x_db), g.strided(x_db), g.strided(x_db)
+    if m.get(".ssm.dt_b_c_rms") or _has(m, "ssm_dt_norm.weight"):
+        dt = g.t("mul", (dt_rank, ts, S), g.t("rms_norm", (dt_rank, ts, S), dt))
+        b = g.t("mul", (d_state, 1, ts, S), g.t("rms_norm", (d_state, 1, ts, S), b))
+        c = g.t("mul", (d_state, 1, ts, S), g.t("rms_norm", (d_state, 1, ts, S), c))
+    else:
+        dt = g.t("cont", (dt_rank, ts, S), dt)
+    dt = g.t("add", (d_inner, ts, S), g.t("mul_mat", (d_inner, ts, S), dt))
+    xr = g.reshape(xc, (1, d_inner, ts, S))
+    scan = g.t("ssm_scan", (d_inner * ts * S + d_state * d_inner * S,), xr, dt, b, c, s_copy[0])
+    y_ssm = _rs(g, s_copy, d_state * d_inner, S, scan)
+    g.expand(g.write("cpy", g.strided(y_ssm)))
+    y = g.t("add", (d_inner, ts, S), g.reshape(y_ssm, (d_inner, ts, S)), g.t("mul", (d_inner, ts, S), xc))
+    z = g.t("cont", (d_inner, ts, S), g.strided(xz))
+    out = g.t("mul_mat", (x.layout[1], ts, S), g.t("glu", (d_inner, ts, S), z, y))
+    return g.reshape(out, (x.layout[1], T))
+
+
+def _mamba2_layer(m: GgufModel, g: Graph, x: Node, s_copy: tuple[Node, Node], n_embd_r: int, T: int, S: int,
+                  il: int) -> Node:
+    """src/models/mamba-base.cpp ``build_mamba2_layer`` (one state slot: ``n_rs_seq`` 0, K = 1)."""
+    d_conv, d_inner = _int(m, ".ssm.conv_kernel"), _int(m, ".ssm.inner_size")
+    d_state, n_head = _int(m, ".ssm.state_size"), _int(m, ".ssm.time_step_rank")
+    n_group = _int(m, ".ssm.group_count")
+    head_dim, conv_dim, ts = d_inner // n_head, d_inner + 2 * n_group * d_state, T // S
+    d_in_proj = 2 * d_inner + 2 * n_group * d_state + n_head
+    conv = g.reshape(_rs(g, s_copy, n_embd_r, S), (d_conv - 1, conv_dim, S))
+    zx = g.reshape(g.t("mul_mat", (d_in_proj, T), x), (d_in_proj, ts, S))
+    conv_x = g.t("concat", (d_conv - 1 + ts, conv_dim, S), conv, g.strided(g.strided(zx)))
+    g.expand(g.write("cpy", g.strided(conv_x)))
+    xbc = g.t("unary", (conv_dim, ts, S), g.t("add", (conv_dim, ts, S), g.t("ssm_conv", (conv_dim, ts, S), conv_x)))
+    xs = g.strided(xbc)
+    dt = g.t("add", (n_head, ts, S), g.t("cont", (n_head, ts, S), g.strided(zx)))
+    scan = g.t("ssm_scan", (d_inner * ts * S + d_state * d_inner * S,), xs, dt, g.strided(xbc), g.strided(xbc),
+               s_copy[0])
+    y_ssm = _rs(g, s_copy, d_state * d_inner, S, scan)
+    g.expand(g.write("cpy", g.strided(y_ssm)))
+    shape = (head_dim, n_head, ts, S)
+    y = g.t("add", shape, g.reshape(y_ssm, shape), g.t("mul", shape, xs))
+    y = g.t("glu", shape, g.t("cont", shape, g.strided(zx)), y)
+    if _has(m, f"blk.{il}.ssm_norm.weight"):
+        y = _norm(g, g.reshape(y, (d_inner // n_group, n_group, ts, S)))
+    return g.t("mul_mat", (x.layout[1], T), g.reshape(y, (d_inner, T)))
+
+
+def mamba(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
+          with_output: bool) -> Graph:
+    """src/models/mamba.cpp (mamba and mamba2): per layer an RMS norm, the mixer, the residual."""
+    g = Graph(lazy=True)
+    T, E, S = n_tokens, h.n_embd, c.n_seq_max
+    cur = _inputs(g, E, T)
+    s_copy = _s_copy(g, S)
+    out_ids = g.new_input((n_outputs,), I32)
+    for il in layers:
+        x = _norm(g, cur)
+        if h.arch == "mamba2":
+            y = _mamba2_layer(m, g, x, s_copy, h.memory.n_embd_r, T, S, il)
+        else:
+            y = _mamba_layer(m, g, x, s_copy, h.memory.n_embd_r, T, S)
+        if il == h.n_layer - 1:
+            y, cur = g.t("get_rows", (E, n_outputs), y, out_ids), g.t("get_rows", (E, n_outputs), cur, out_ids)
+            T = n_outputs
+        cur = g.t("add", (E, T), y, cur)
+    if with_output:
+        _output(g, cur, h.n_vocab, T)
+    else:
+        g.expand(cur)
+    return g
+
+
+def _s_copy(g: Graph, n_rs: int) -> tuple[Node, Node]:
+    """``build_rs_inp``: the state copy ids, int32 per cell in use, viewed as this ubatch's and the rest."""
+    s = g.new_input((n_rs,), I32)
+    return g.strided(s), g.strided(s)
+
+
 def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
           with_output: bool) -> Graph:
-    return deepseek2_mla(m, h, c, n_tokens, n_outputs, layers, with_output)
+    """The graph of a ubatch of ``n_tokens`` (llama-context.cpp ``graph_reserve``: rounded up to a multiple of
+    ``n_seq_max``, each sequence an equal share) with ``n_outputs`` outputs."""
+    n_tokens = -(-n_tokens // c.n_seq_max) * c.n_seq_max
+    return BUILDERS[h.arch](m, h, c, n_tokens, n_outputs, layers, with_output)
+
+
+BUILDERS = {"deepseek2": deepseek2_mla, "mamba": mamba, "mamba2": mamba}
