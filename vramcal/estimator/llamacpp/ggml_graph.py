@@ -36,10 +36,16 @@ class Node:
 
 
 class Graph:
-    def __init__(self, lazy: bool = False) -> None:
+    def __init__(self, lazy: bool = False, reuse_views: bool = True) -> None:
         self.nodes: list[Node] = []
         self.leafs: list[Node] = []
         self.lazy = lazy
+        # whether an in-place op may take a view parent's memory: ggml-alloc.c's view branch in
+        # ggml_gallocr_allocate_node. In the tree llama-cpp-python 0.3.36 vendors it never runs -- a view is never
+        # "own" (ggml_gallocr_is_own: views are not allocated), so the parent is skipped first -- and the graphs
+        # written for that tree (.graphs) say False. The llama family's eager graph keeps True: it is held against
+        # published logs of 2025 builds, which it meets within 3 % that way (docs/validation.md)
+        self.reuse_views = reuse_views
         self._seen: set[int] = set()
 
     def _add(self, n: Node, to: list[Node]) -> Node:
@@ -152,6 +158,8 @@ def _allocate(g: Graph, a: Allocator, n: Node) -> None:
             if p.layout != n.layout or p.children != 1 or p.views != 0:
                 continue
             if p.view_of is not None:
+                if not g.reuse_views:
+                    continue
                 src = p.view_of
                 if src.views == 1 and src.children == 0 and src.offset is not None:
                     n.offset, src.allocated, p.allocated = src.offset, False, False

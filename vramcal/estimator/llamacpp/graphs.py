@@ -98,7 +98,7 @@ def _output(g: Graph, x: Node, n_vocab: int, T: int) -> None:
 def deepseek2_mla(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
                   with_output: bool) -> Graph:
     """src/models/deepseek2.cpp, MLA with the absorption (``attn_k_b`` / ``attn_v_b``), q through ``q_lora``."""
-    g = Graph(lazy=True)
+    g = Graph(lazy=True, reuse_views=False)
     T, E, fa = n_tokens, h.n_embd, c.flash_attn
     H = h.n_head[0]
     hk = _int(m, ".attention.key_length_mla")  # nope + rope per head
@@ -243,7 +243,7 @@ def _mamba2_layer(m: GgufModel, g: Graph, x: Node, s_copy: tuple[Node, Node], n_
 def mamba(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
           with_output: bool) -> Graph:
     """src/models/mamba.cpp (mamba and mamba2): per layer an RMS norm, the mixer, the residual."""
-    g = Graph(lazy=True)
+    g = Graph(lazy=True, reuse_views=False)
     T, E, S = n_tokens, h.n_embd, c.n_seq_max
     cur = _inputs(g, E, T)
     s_copy = _s_copy(g, S)
