@@ -89,8 +89,15 @@ def _inputs(g: Graph, E: int, T: int) -> Node:
     return emb
 
 
-def _output(g: Graph, x: Node, n_vocab: int, T: int) -> None:
+def _finish(g: Graph, x: Node, n_vocab: int, T: int, with_output: bool, logit_scale: bool = False) -> None:
+    """The output layer (the final RMS norm and the logits, scaled where the model says), or, on a device without
+    it, the last layer's result."""
+    if not with_output:
+        g.expand(x)
+        return
     logits = g.t("mul_mat", (n_vocab, T), _norm(g, x))
+    if logit_scale:
+        logits = g.t("scale", (n_vocab, T), logits)
     logits.is_output = True
     g.expand(logits)
 
@@ -161,10 +168,7 @@ def deepseek2_mla(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs
             y = g.t("add", (E, T), moe, _ffn(g, x, n_ff_exp * n_shared, T))
         cur = g.t("add", (E, T), y, ffn_inp)
         g.expand(cur)
-    if with_output:
-        _output(g, cur, h.n_vocab, T)
-    else:
-        g.expand(cur)
+    _finish(g, cur, h.n_vocab, T, with_output)
     return g
 
 
@@ -258,10 +262,7 @@ def mamba(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, l
             y, cur = g.t("get_rows", (E, n_outputs), y, out_ids), g.t("get_rows", (E, n_outputs), cur, out_ids)
             T = n_outputs
         cur = g.t("add", (E, T), y, cur)
-    if with_output:
-        _output(g, cur, h.n_vocab, T)
-    else:
-        g.expand(cur)
+    _finish(g, cur, h.n_vocab, T, with_output)
     return g
 
 
@@ -269,6 +270,123 @@ def _s_copy(g: Graph, n_rs: int) -> tuple[Node, Node]:
     """``build_rs_inp``: the state copy ids, int32 per cell in use, viewed as this ubatch's and the rest."""
     s = g.new_input((n_rs,), I32)
     return g.strided(s), g.strided(s)
+
+
+
+# ------------------------------------------------------------------------------------------- attention
+
+
+def _kv_inputs(g: Graph, h: Hparams, c: Context, T: int) -> tuple[Node, Node, Node]:
+    """``build_attn_inp_kv``: the K and V row indices (V transposed without flash attention: one index per value,
+    ``n_embd_v_gqa_max`` of them a token) and the KQ mask, ``[n_kv, n_tokens / n_stream, 1, n_stream]``."""
+    ns = c.n_stream
+    v_max = max(h.n_embd_v_gqa(il) for il in range(h.n_layer))
+    mask = g.new_input((c.n_ctx_seq, T // ns, 1, ns), F16 if c.flash_attn else F32)
+    return g.new_input((T,), I64), g.new_input((T * (1 if c.flash_attn else v_max),), I64), mask
+
+
+def _attention(g: Graph, h: Hparams, c: Context, x: Node, il: int, kv: tuple[Node, Node, Node],
+               pos: Node | None, T: int, norms: bool = False) -> Node:
+    """``build_qkv`` (separate q/k/v), rope where the model has it, ``build_attn`` over the KV cache
+    (llama-graph.cpp: q, v, k expanded in that order, then their rows stored) and ``build_attn_mha``."""
+    H, Hkv, hd = h.n_head[il], h.n_head_kv[il], h.n_embd_head_k
+    ns, n_kv = c.n_stream, c.n_ctx_seq
+    k_idx, v_idx, mask = kv
+    q = g.reshape(g.t("mul_mat", (H * hd, T), x), (hd, H, T))
+    k = g.reshape(g.t("mul_mat", (Hkv * hd, T), x), (hd, Hkv, T))
+    v = g.reshape(g.t("mul_mat", (Hkv * hd, T), x), (hd, Hkv, T))
+    if norms:  # per-head q / k norms (lfm2)
+        q, k = _norm(g, q), _norm(g, k)
+    if pos is not None:
+        q, k = g.t("rope", (hd, H, T), q, pos), g.t("rope", (hd, Hkv, T), k, pos)
+    g.expand(q, v, k, g.write("set_rows", g.reshape(k, (hd * Hkv, T)), k_idx),
+             g.write("set_rows", g.reshape(v, (hd * Hkv, T)), v_idx))
+    qp = g.strided(g.strided(q))  # the per-stream view, permuted
+    if c.flash_attn:
+        att = g.reshape(g.t("flash_attn_ext", (hd, H, T // ns, ns), qp, mask), (hd * H, T))
+    else:
+        kq = g.t("soft_max", (n_kv, T // ns, H, ns), g.t("mul_mat", (n_kv, T // ns, H, ns), qp), mask)
+        att = g.t("cont", (hd * H, T), g.strided(g.t("mul_mat", (hd, T // ns, H, ns), kq)))
+    g.expand(att)
+    return g.t("mul_mat", (h.n_embd, T), att)
+
+
+
+def _relu_sqr_ffn(g: Graph, x: Node, n_ff: int, T: int) -> Node:
+    """``build_ffn`` RELU_SQR without a gate: up, relu, square (both in place), down."""
+    up = g.t("mul_mat", (n_ff, T), x)
+    return g.t("mul_mat", (x.layout[1], T), g.t("sqr", (n_ff, T), g.t("unary", (n_ff, T), up)))
+
+
+def granitehybrid(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
+                  with_output: bool) -> Graph:
+    """src/models/granite-hybrid.cpp: a Mamba-2 mixer or attention per layer, then a dense feed-forward (or MoE),
+    the residual multiplier as a scale where the GGUF gives one."""
+    g = Graph(lazy=True, reuse_views=False)
+    T, E, S = n_tokens, h.n_embd, c.n_seq_max
+    recr = h.memory.recr_layers
+    res_scale = float(m.get(".residual_scale", 0.0) or 0.0)
+    cur = _inputs(g, E, T)
+    s_copy = _s_copy(g, S)
+    kv = _kv_inputs(g, h, c, T)
+    out_ids = g.new_input((n_outputs,), I32)
+    pos = g.new_input((T,), I32) if _int(m, ".rope.dimension_count") else None
+    for il in layers:
+        inp_sa, x = cur, _norm(g, cur)
+        if recr[il]:
+            y = _mamba2_layer(m, g, x, s_copy, h.memory.n_embd_r, T, S, il)
+        else:
+            y = _attention(g, h, c, x, il, kv, pos, T)
+        if il == h.n_layer - 1:
+            y, inp_sa = g.t("get_rows", (E, n_outputs), y, out_ids), g.t("get_rows", (E, n_outputs), inp_sa, out_ids)
+            T = n_outputs
+        if res_scale:
+            y = g.t("scale", (E, T), y)
+        ffn_inp = g.t("add", (E, T), y, inp_sa)
+        x = _norm(g, ffn_inp)
+        if h.n_expert:
+            y = _moe(g, x, h.n_expert, h.n_expert_used, h.n_ff_exp or h.n_ff[il], T, True, 0.0)
+            n_shexp = _int(m, ".expert_shared_feed_forward_length")
+            if n_shexp:
+                y = g.t("add", (E, T), y, _ffn(g, x, n_shexp, T))
+        else:
+            y = _ffn(g, x, h.n_ff[il], T)
+        if res_scale:
+            y = g.t("scale", (E, T), y)
+        cur = g.t("add", (E, T), y, ffn_inp)
+    _finish(g, cur, h.n_vocab, T, with_output, logit_scale=bool(m.get(".logit_scale")))
+    return g
+
+
+def nemotron_h(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
+               with_output: bool) -> Graph:
+    """src/models/nemotron-h.cpp: per layer one of a Mamba-2 mixer, attention (no rope) or an MLP (relu
+    squared), each after its own RMS norm, then the residual; the outputs' rows are taken after the final norm
+    (``embeddings_nextn_masked`` is off by default, llama-context.cpp)."""
+    g = Graph(lazy=True, reuse_views=False)
+    T, E, S = n_tokens, h.n_embd, c.n_seq_max
+    mem = h.memory
+    cur = _inputs(g, E, T)
+    s_copy = _s_copy(g, S)
+    kv = _kv_inputs(g, h, c, T)
+    out_ids = g.new_input((n_outputs,), I32)
+    for il in layers:
+        x = _norm(g, cur)
+        if mem.recr_layers[il]:
+            y = _mamba2_layer(m, g, x, s_copy, mem.n_embd_r, T, S, il)
+        elif h.n_ff[il] == 0:
+            y = _attention(g, h, c, x, il, kv, None, T)
+        else:
+            y = _relu_sqr_ffn(g, x, h.n_ff[il], T)
+        cur = g.t("add", (E, T), y, cur)
+    if with_output:
+        x = g.t("get_rows", (E, n_outputs), _norm(g, cur), out_ids)
+        logits = g.t("mul_mat", (h.n_vocab, n_outputs), x)
+        logits.is_output = True
+        g.expand(logits)
+    else:
+        g.expand(cur)
+    return g
 
 
 def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
@@ -279,4 +397,5 @@ def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, l
     return BUILDERS[h.arch](m, h, c, n_tokens, n_outputs, layers, with_output)
 
 
-BUILDERS = {"deepseek2": deepseek2_mla, "mamba": mamba, "mamba2": mamba}
+BUILDERS = {"deepseek2": deepseek2_mla, "mamba": mamba, "mamba2": mamba, "granitehybrid": granitehybrid,
+            "nemotron_h": nemotron_h}
