@@ -389,6 +389,61 @@ def nemotron_h(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: i
     return g
 
 
+
+def jamba(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
+          with_output: bool) -> Graph:
+    """src/models/jamba.cpp: a Mamba (1) mixer where a layer has no KV heads, attention without rope elsewhere;
+    then a dense feed-forward or MoE (softmax gating, weights not normalized)."""
+    g = Graph(lazy=True, reuse_views=False)
+    T, E, S = n_tokens, h.n_embd, c.n_seq_max
+    cur = _inputs(g, E, T)
+    s_copy = _s_copy(g, S)
+    kv = _kv_inputs(g, h, c, T)
+    out_ids = g.new_input((n_outputs,), I32)
+    for il in layers:
+        x = _norm(g, cur)
+        if h.n_head_kv[il] == 0:
+            y = _mamba_layer(m, g, x, s_copy, h.memory.n_embd_r, T, S)
+        else:
+            y = _attention(g, h, c, x, il, kv, None, T)
+        if il == h.n_layer - 1:
+            y, cur = g.t("get_rows", (E, n_outputs), y, out_ids), g.t("get_rows", (E, n_outputs), cur, out_ids)
+            T = n_outputs
+        ffn_inp = g.t("add", (E, T), cur, y)
+        x = _norm(g, ffn_inp)
+        if h.n_expert:
+            y = _moe(g, x, h.n_expert, h.n_expert_used, h.n_ff_exp or h.n_ff[il], T, False,
+                     float(m.get(".expert_weights_scale", 0.0) or 0.0))
+        else:
+            y = _ffn(g, x, h.n_ff[il], T)
+        cur = g.t("add", (E, T), ffn_inp, y)
+    _finish(g, cur, h.n_vocab, T, with_output)
+    return g
+
+
+def falcon_h1(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
+              with_output: bool) -> Graph:
+    """src/models/falcon-h1.cpp: every layer runs roped attention and a Mamba-2 mixer on the same input (normed
+    twice: two nodes), adds them and the residual, then a dense feed-forward."""
+    g = Graph(lazy=True, reuse_views=False)
+    T, E, S = n_tokens, h.n_embd, c.n_seq_max
+    cur = _inputs(g, E, T)
+    pos = g.new_input((T,), I32)
+    s_copy = _s_copy(g, S)
+    kv = _kv_inputs(g, h, c, T)
+    out_ids = g.new_input((n_outputs,), I32)
+    for il in layers:
+        att = _attention(g, h, c, _norm(g, cur), il, kv, pos, T)
+        ssm = _mamba2_layer(m, g, _norm(g, cur), s_copy, h.memory.n_embd_r, T, S, il)
+        ffn_inp = g.t("add", (E, T), g.t("add", (E, T), att, ssm), cur)
+        if il == h.n_layer - 1:
+            ffn_inp = g.t("get_rows", (E, n_outputs), ffn_inp, out_ids)
+            T = n_outputs
+        cur = g.t("add", (E, T), _ffn(g, _norm(g, ffn_inp), h.n_ff[il], T), ffn_inp)
+    _finish(g, cur, h.n_vocab, T, with_output)
+    return g
+
+
 def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
           with_output: bool) -> Graph:
     """The graph of a ubatch of ``n_tokens`` (llama-context.cpp ``graph_reserve``: rounded up to a multiple of
@@ -398,4 +453,4 @@ def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, l
 
 
 BUILDERS = {"deepseek2": deepseek2_mla, "mamba": mamba, "mamba2": mamba, "granitehybrid": granitehybrid,
-            "nemotron_h": nemotron_h}
+            "nemotron_h": nemotron_h, "jamba": jamba, "falcon-h1": falcon_h1}
