@@ -444,6 +444,55 @@ def falcon_h1(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: in
     return g
 
 
+
+def _shortconv(m: GgufModel, g: Graph, x: Node, s_copy: tuple[Node, Node], n_embd_r: int, T: int, S: int) -> Node:
+    """src/models/lfm2.cpp ``build_shortconv_block`` (causal, one state slot): in_proj into B, C, x; B * x
+    through the short convolution after the cached columns; C times it; out_proj."""
+    E = x.layout[1]
+    d_conv, ts = _int(m, ".shortconv.l_cache") - 1, T // S
+    bcx = g.t("mul_mat", (3 * E, ts, S), g.reshape(x, (E, ts, S)))
+    bx = g.strided(g.t("mul", (E, ts, S), g.strided(bcx), g.strided(bcx)))  # transposed
+    conv = g.reshape(_rs(g, s_copy, n_embd_r, S), (d_conv, E, S))
+    bx = g.t("concat", (d_conv + ts, E, S), conv, bx)
+    g.expand(g.write("cpy", g.strided(bx)))
+    y = g.t("mul", (E, ts, S), g.strided(bcx), g.t("ssm_conv", (E, ts, S), bx))
+    return g.reshape(g.t("mul_mat", (E, ts, S), y), (E, T))
+
+
+def lfm2(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
+         with_output: bool) -> Graph:
+    """src/models/lfm2.cpp (without a sliding window): a short-convolution block or attention with q / k norms
+    and rope per layer, then a dense feed-forward (MoE past ``leading_dense_block_count`` where the model has
+    experts)."""
+    g = Graph(lazy=True, reuse_views=False)
+    T, E, S = n_tokens, h.n_embd, c.n_seq_max
+    n_dense = _int(m, ".leading_dense_block_count", h.n_layer) if h.n_expert else h.n_layer
+    cur = _inputs(g, E, T)
+    s_copy = _s_copy(g, S)
+    kv = _kv_inputs(g, h, c, T)
+    pos = g.new_input((T,), I32)
+    out_ids = g.new_input((n_outputs,), I32)
+    for il in layers:
+        x = _norm(g, cur)
+        if h.memory.recr_layers[il]:
+            y = _shortconv(m, g, x, s_copy, h.memory.n_embd_r, T, S)
+        else:
+            y = _attention(g, h, c, x, il, kv, pos, T, norms=True)
+        if il == h.n_layer - 1:
+            y, cur = g.t("get_rows", (E, n_outputs), y, out_ids), g.t("get_rows", (E, n_outputs), cur, out_ids)
+            T = n_outputs
+        cur = g.t("add", (E, T), cur, y)
+        x = _norm(g, cur)
+        if il >= n_dense:
+            y = _moe(g, x, h.n_expert, h.n_expert_used, h.n_ff_exp or h.n_ff[il], T, True,
+                     float(m.get(".expert_weights_scale", 0.0) or 0.0))
+        else:
+            y = _ffn(g, x, h.n_ff[il], T)
+        cur = g.t("add", (E, T), cur, y)
+    _finish(g, cur, h.n_vocab, T, with_output)
+    return g
+
+
 def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
           with_output: bool) -> Graph:
     """The graph of a ubatch of ``n_tokens`` (llama-context.cpp ``graph_reserve``: rounded up to a multiple of
@@ -453,4 +502,4 @@ def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, l
 
 
 BUILDERS = {"deepseek2": deepseek2_mla, "mamba": mamba, "mamba2": mamba, "granitehybrid": granitehybrid,
-            "nemotron_h": nemotron_h, "jamba": jamba, "falcon-h1": falcon_h1}
+            "nemotron_h": nemotron_h, "jamba": jamba, "falcon-h1": falcon_h1, "lfm2": lfm2}
