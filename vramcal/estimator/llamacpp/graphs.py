@@ -16,6 +16,8 @@ writes into a cache (``set_rows``, ``cpy`` into a state view) returns a view of 
 
 from __future__ import annotations
 
+from math import prod
+
 from .buffers import Context, Hparams
 from .ggml_graph import F16, F32, I32, I64, Graph, Node
 from .gguf_file import GgufModel
@@ -40,9 +42,11 @@ def replays(m: GgufModel, h: Hparams) -> bool:
     return h.arch in BUILDERS
 
 
-def _norm(g: Graph, x: Node) -> Node:
-    """``build_norm`` RMS with a weight: rms_norm, then mul (both in place where ggml may)."""
-    return g.t("mul", x.layout[1:], g.t("rms_norm", x.layout[1:], x))
+def _norm(g: Graph, x: Node, ne: tuple[int, ...] | None = None) -> Node:
+    """``build_norm`` RMS with a weight: rms_norm, then mul (both in place where ggml may); ``ne`` the shape
+    of a strided ``x``."""
+    ne = ne or x.layout[1:]
+    return g.t("mul", ne, g.t("rms_norm", ne, x))
 
 
 def _ffn(g: Graph, x: Node, n_ff: int, T: int) -> Node:
@@ -89,13 +93,19 @@ def _inputs(g: Graph, E: int, T: int) -> Node:
     return emb
 
 
-def _finish(g: Graph, x: Node, n_vocab: int, T: int, with_output: bool, logit_scale: bool = False) -> None:
-    """The output layer (the final RMS norm and the logits, scaled where the model says), or, on a device without
-    it, the last layer's result."""
+def _finish(g: Graph, x: Node, n_vocab: int, T: int, with_output: bool, logit_scale: bool = False,
+            rows: Node | None = None) -> None:
+    """The output layer (the final RMS norm and the logits, scaled where the model says; ``rows``: the output ids
+    whose rows are taken after the norm, where the model does that rather than in its last layer), or, on a
+    device without it, the last layer's result."""
     if not with_output:
         g.expand(x)
         return
-    logits = g.t("mul_mat", (n_vocab, T), _norm(g, x))
+    x = _norm(g, x)
+    if rows is not None:
+        T = rows.layout[1]
+        x = g.t("get_rows", (x.layout[1], T), x, rows)
+    logits = g.t("mul_mat", (n_vocab, T), x)
     if logit_scale:
         logits = g.t("scale", (n_vocab, T), logits)
     logits.is_output = True
@@ -287,20 +297,27 @@ def _kv_inputs(g: Graph, h: Hparams, c: Context, T: int) -> tuple[Node, Node, No
 
 def _attention(g: Graph, h: Hparams, c: Context, x: Node, il: int, kv: tuple[Node, Node, Node],
                pos: Node | None, T: int, norms: bool = False) -> Node:
-    """``build_qkv`` (separate q/k/v), rope where the model has it, ``build_attn`` over the KV cache
-    (llama-graph.cpp: q, v, k expanded in that order, then their rows stored) and ``build_attn_mha``."""
+    """``build_qkv`` (separate q/k/v), per-head q / k norms where the model has them (lfm2), rope where it has it,
+    :func:`_attend`, then the output projection."""
     H, Hkv, hd = h.n_head[il], h.n_head_kv[il], h.n_embd_head_k
-    ns, n_kv = c.n_stream, c.n_ctx_seq
-    k_idx, v_idx, mask = kv
     q = g.reshape(g.t("mul_mat", (H * hd, T), x), (hd, H, T))
     k = g.reshape(g.t("mul_mat", (Hkv * hd, T), x), (hd, Hkv, T))
     v = g.reshape(g.t("mul_mat", (Hkv * hd, T), x), (hd, Hkv, T))
-    if norms:  # per-head q / k norms (lfm2)
+    if norms:
         q, k = _norm(g, q), _norm(g, k)
     if pos is not None:
         q, k = g.t("rope", (hd, H, T), q, pos), g.t("rope", (hd, Hkv, T), k, pos)
-    g.expand(q, v, k, g.write("set_rows", g.reshape(k, (hd * Hkv, T)), k_idx),
-             g.write("set_rows", g.reshape(v, (hd * Hkv, T)), v_idx))
+    return g.t("mul_mat", (h.n_embd, T), _attend(g, c, q, k, v, kv, T))
+
+
+def _attend(g: Graph, c: Context, q: Node, k: Node, v: Node, kv: tuple[Node, Node, Node], T: int) -> Node:
+    """llama-graph.cpp ``build_attn`` over the KV cache (q, v, k expanded in that order, then their rows stored)
+    and ``build_attn_mha``: flash attention, or KQ, soft_max and KQV; ``[head_dim x n_head, n_tokens]``."""
+    hd, H = q.layout[1], q.layout[2]
+    ns, n_kv = c.n_stream, c.n_ctx_seq
+    k_idx, v_idx, mask = kv
+    g.expand(q, v, k, g.write("set_rows", g.reshape(k, (prod(k.layout[1:3]), T)), k_idx),
+             g.write("set_rows", g.reshape(v, (prod(v.layout[1:3]), T)), v_idx))
     qp = g.strided(g.strided(q))  # the per-stream view, permuted
     if c.flash_attn:
         att = g.reshape(g.t("flash_attn_ext", (hd, H, T // ns, ns), qp, mask), (hd * H, T))
@@ -308,8 +325,7 @@ def _attention(g: Graph, h: Hparams, c: Context, x: Node, il: int, kv: tuple[Nod
         kq = g.t("soft_max", (n_kv, T // ns, H, ns), g.t("mul_mat", (n_kv, T // ns, H, ns), qp), mask)
         att = g.t("cont", (hd * H, T), g.strided(g.t("mul_mat", (hd, T // ns, H, ns), kq)))
     g.expand(att)
-    return g.t("mul_mat", (h.n_embd, T), att)
-
+    return att
 
 
 def _relu_sqr_ffn(g: Graph, x: Node, n_ff: int, T: int) -> Node:
@@ -379,13 +395,7 @@ def nemotron_h(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: i
         else:
             y = _relu_sqr_ffn(g, x, h.n_ff[il], T)
         cur = g.t("add", (E, T), y, cur)
-    if with_output:
-        x = g.t("get_rows", (E, n_outputs), _norm(g, cur), out_ids)
-        logits = g.t("mul_mat", (h.n_vocab, n_outputs), x)
-        logits.is_output = True
-        g.expand(logits)
-    else:
-        g.expand(cur)
+    _finish(g, cur, h.n_vocab, T, with_output, rows=out_ids)
     return g
 
 
@@ -493,6 +503,103 @@ def lfm2(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, la
     return g
 
 
+
+def _gated_attention(g: Graph, h: Hparams, c: Context, x: Node, il: int, kv: tuple[Node, Node, Node], pos: Node,
+                     T: int) -> Node:
+    """src/models/qwen3next.cpp ``build_layer_attn``: a query twice as wide (each head's query and its output
+    gate), q / k norms, rope, attention, the output times sigmoid(gate), then ``attn_output``."""
+    H, Hkv, hd = h.n_head[il], h.n_head_kv[il], h.n_embd_head_k
+    q_full = g.reshape(g.t("mul_mat", (2 * hd * H, T), x), (2 * hd, H, T, 1))
+    k = g.reshape(g.t("mul_mat", (hd * Hkv, T), x), (hd, Hkv, T))
+    v = g.reshape(g.t("mul_mat", (hd * Hkv, T), x), (hd, Hkv, T))
+    q = g.t("rope", (hd, H, T, 1), _norm(g, g.strided(q_full), (hd, H, T, 1)), pos)
+    k = g.t("rope", (hd, Hkv, T), _norm(g, k), pos)
+    att = _attend(g, c, q, k, v, kv, T)
+    gate = g.t("unary", (hd * H, T), g.t("cont", (hd * H, T), g.strided(q_full)))  # sigmoid
+    return g.t("mul_mat", (h.n_embd, T), g.t("mul", (hd * H, T), att, gate))
+
+
+
+def _gated_delta_net(m: GgufModel, g: Graph, x: Node, s_copy: tuple[Node, Node], n_embd_r: int, n_embd_s: int,
+                     T: int, S: int) -> Node:
+    """src/models/qwen3next.cpp ``build_layer_attn_linear`` with ggml's fused ``gated_delta_net`` (one state
+    slot: delta-net-base.cpp ``build_delta_net_fused``, as resolve_fused_ops picks on the CPU): the q, k, v and z
+    projections split out of ``ssm_in`` and made contiguous, beta and the decay gate from ``ssm_ba``, the short
+    convolution over q, k, v after the cached columns, l2-normed q and k repeated to the value heads, the delta
+    rule, a gated RMS norm by silu(z), then ``ssm_out``."""
+    E = x.layout[1]
+    d_inner, hk = _int(m, ".ssm.inner_size"), _int(m, ".ssm.state_size")
+    nk, nv, d_conv = _int(m, ".ssm.group_count"), _int(m, ".ssm.time_step_rank"), _int(m, ".ssm.conv_kernel")
+    hv, ts = d_inner // nv, T // S
+    key_dim, channels = hk * nk, d_inner + 2 * nk * hk
+    qkvz = g.t("mul_mat", (2 * key_dim + 2 * d_inner, T), x)
+    z = g.t("cont", (d_inner // nk, nk, ts, S), g.strided(qkvz))
+    qf = g.t("cont", (key_dim, ts, S), g.strided(qkvz))
+    kf = g.t("cont", (key_dim, ts, S), g.strided(qkvz))
+    vf = g.t("cont", (d_inner, ts, S), g.strided(qkvz))
+    qkv = g.t("concat", (channels, ts, S), g.t("concat", (2 * key_dim, ts, S), qf, kf), vf)
+    ba = g.t("mul_mat", (2 * nv, T), x)
+    beta = g.reshape(g.t("unary", (nv // nk, nk, ts, S), g.t("cont", (nv // nk, nk, ts, S), g.strided(ba))),
+                     (1, nv, ts, S))  # sigmoid
+    alpha = g.t("add", (nv, ts, S), g.t("cont", (nv, ts, S), g.strided(ba)))
+    gate = g.reshape(g.t("mul", (nv, ts, S), g.t("unary", (nv, ts, S), alpha)), (1, nv, ts, S))  # softplus x A
+    conv = g.reshape(_rs(g, s_copy, n_embd_r, S), (d_conv - 1, channels, S))
+    conv_in = g.t("concat", (d_conv - 1 + ts, channels, S), conv, g.strided(qkv))
+    g.expand(g.write("cpy", g.strided(conv_in)))
+    state = g.reshape(_rs(g, s_copy, n_embd_s, S), (hv, hv, nv, S))
+    mixed = g.t("unary", (channels, ts, S), g.t("ssm_conv", (channels, ts, S), conv_in))  # silu
+
+    def l2(view: Node) -> Node:  # models.h build_gdn_l2_norm: rms_norm, then a scale
+        out = g.t("scale", (hk, nk, ts, S), g.t("rms_norm", (hk, nk, ts, S), view))
+        if nk != nv:
+            rep = g.t("repeat", (hk, nv // nk, nk, T), g.reshape(out, (hk, 1, nk, T)))
+            out = g.reshape(rep, (hk, nv, ts, S))
+        return out
+
+    q, k = l2(g.strided(mixed)), l2(g.strided(mixed))
+    gdn = g.t("gated_delta_net", (hv * nv * ts * S + hv * hv * nv * S,), q, k, g.strided(mixed), gate, beta, state)
+    g.expand(g.write("cpy", g.strided(gdn)))
+    normed = _norm(g, g.strided(gdn), (hv, nv, ts, S))
+    y = g.t("mul", (hv, nv, ts, S), normed, g.t("unary", (hv, nv, ts, S), g.reshape(z, (hv, nv, ts, S))))
+    return g.reshape(g.t("mul_mat", (E, ts, S), g.reshape(y, (d_inner, ts, S))), (E, T))
+
+
+def qwen3next(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
+              with_output: bool) -> Graph:
+    """src/models/qwen3next.cpp: gated delta-net layers and gated full attention, each after an RMS norm, the
+    residual, a post-attention norm, MoE with a sigmoid-gated shared expert; the outputs' rows are taken after
+    the final norm (``embeddings_nextn_masked`` off by default)."""
+    g = Graph(lazy=True, reuse_views=False)
+    T, E, S = n_tokens, h.n_embd, c.n_seq_max
+    mem = h.memory
+    cur = _inputs(g, E, T)
+    s_copy = _s_copy(g, S)
+    kv = _kv_inputs(g, h, c, T)
+    pos = g.new_input((T,), I32)
+    out_ids = g.new_input((n_outputs,), I32)
+    n_shexp = _int(m, ".expert_shared_feed_forward_length")
+    for il in (il for il in layers if il < h.n_layer - mem.n_layer_nextn):
+        x = _norm(g, cur)
+        g.expand(x)
+        if mem.recr_layers[il]:
+            y = _gated_delta_net(m, g, x, s_copy, mem.n_embd_r, mem.n_embd_s, T, S)
+        else:
+            y = _gated_attention(g, h, c, x, il, kv, pos, T)
+        res = g.t("add", (E, T), y, cur)
+        x = _norm(g, res)
+        if h.n_expert:
+            y = _moe(g, x, h.n_expert, h.n_expert_used, h.n_ff_exp or h.n_ff[il], T, True, 0.0)
+            if n_shexp:
+                shared = g.t("mul", (E, T), _ffn(g, x, n_shexp, T),
+                             g.t("unary", (1, T), g.t("mul_mat", (1, T), x)))  # sigmoid(ffn_gate_inp_shexp x)
+                y = g.t("add", (E, T), y, shared)
+        else:
+            y = _ffn(g, x, h.n_ff[il], T)
+        cur = g.t("add", (E, T), y, res)
+    _finish(g, cur, h.n_vocab, T, with_output, rows=out_ids)
+    return g
+
+
 def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
           with_output: bool) -> Graph:
     """The graph of a ubatch of ``n_tokens`` (llama-context.cpp ``graph_reserve``: rounded up to a multiple of
@@ -502,4 +609,5 @@ def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, l
 
 
 BUILDERS = {"deepseek2": deepseek2_mla, "mamba": mamba, "mamba2": mamba, "granitehybrid": granitehybrid,
-            "nemotron_h": nemotron_h, "jamba": jamba, "falcon-h1": falcon_h1, "lfm2": lfm2}
+            "nemotron_h": nemotron_h, "jamba": jamba, "falcon-h1": falcon_h1, "lfm2": lfm2,
+            "qwen3next": qwen3next}
