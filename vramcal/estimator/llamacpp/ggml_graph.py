@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from math import prod
 
 F32, F16, I32, I64 = 4, 2, 4, 8
-INPLACE = {"add", "mul", "scale", "rms_norm", "rope", "soft_max", "unary"}
+INPLACE = {"add", "sub", "mul", "div", "sqr", "scale", "clamp", "rms_norm", "rope", "soft_max", "unary"}
 
 
 @dataclass(eq=False)

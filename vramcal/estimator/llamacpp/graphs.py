@@ -600,6 +600,113 @@ def qwen3next(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: in
     return g
 
 
+
+# ------------------------------------------------------------------------------------------------ rwkv
+
+
+def _layer_norm(g: Graph, x: Node, ne: tuple[int, ...] | None = None) -> Node:
+    """``build_norm`` LLM_NORM with weight and bias: ggml_norm (never in place), mul, add."""
+    ne = ne or x.layout[1:]
+    return g.t("add", ne, g.t("mul", ne, g.t("norm", ne, x)))
+
+
+def _token_shift(g: Graph, s_copy: tuple[Node, Node], E: int, n_embd_r: int, S: int) -> Node:
+    """llama-graph.cpp ``build_rwkv_token_shift_load``: each sequence's last attention and feed-forward inputs."""
+    return g.reshape(_rs(g, s_copy, n_embd_r, S), (E, n_embd_r // E, S))
+
+
+def _shifted(g: Graph, shift: Node, x: Node, E: int, ts: int, S: int) -> Node:
+    """The previous token's values: the stored shift, then all but the last of ``x`` (a concat along tokens)."""
+    return g.t("concat", (E, ts, S), g.strided(shift), g.strided(x))
+
+
+def _rwkv6_time_mix(m: GgufModel, g: Graph, x: Node, x_prev: Node, s_copy: tuple[Node, Node], n_embd_s: int,
+                    T: int, S: int) -> Node:
+    """src/models/rwkv6-base.cpp ``build_rwkv6_time_mix`` (RWKV-6, the fused lerp): the data-dependent token
+    shift through ``time_mix_w1`` / ``w2``, r / k / v / gate projections, the decay through its own low rank,
+    ``rwkv_wkv6`` over the state, a per-head group norm, the gate, ``time_mix_output``."""
+    E, hs = x.layout[1], _int(m, ".wkv.head_size")
+    H, mix = E // hs, _int(m, ".time_mix_extra_dim")
+    decay = _int(m, ".time_decay_extra_dim")
+    ts = T // S
+    sx = g.t("sub", (E, ts, S), x_prev, x)
+    xxx = g.t("add", (E, T), g.t("mul", (E, T), g.reshape(sx, (E, T))), g.reshape(x, (E, T)))
+    xxx = g.t("unary", (5 * mix, T), g.t("mul_mat", (5 * mix, T), xxx))  # tanh
+    xxx = g.t("cont", (mix, 1, T, 5), g.strided(g.reshape(xxx, (mix, 1, 5, T))))
+    xxx = g.t("mul_mat", (E, 1, T, 5), xxx)
+    xxx = g.t("add", (E, 1, T, 5), g.t("mul", (E, 1, T, 5), g.t("add", (E, 1, T, 5), xxx), g.reshape(sx, (E, 1, T))),
+              g.reshape(x, (E, 1, T)))
+    xw, xk, xv, xr, xg = (g.strided(xxx) for _ in range(5))
+    r = g.reshape(g.t("mul_mat", (E, T), xr), (hs, H, T))
+    k = g.reshape(g.t("mul_mat", (E, T), xk), (hs, H, T))
+    v = g.reshape(g.t("mul_mat", (E, T), xv), (hs, H, T))
+    gate = g.t("unary", (E, T), g.t("mul_mat", (E, T), xg))  # silu
+    w = g.t("mul_mat", (E, T), g.t("unary", (decay, T), g.t("mul_mat", (decay, T), xw)))
+    w = g.t("unary", (E, T), g.t("unary", (E, T), g.t("unary", (E, T), g.t("add", (E, T), w))))  # exp(-exp(w))
+    state = _rs(g, s_copy, n_embd_s, S)
+    wkv = g.t("rwkv_wkv6", (E, T + hs * S), k, v, r, g.reshape(w, (hs, H, T)), state)
+    g.expand(g.write("cpy", g.strided(wkv)))
+    y = g.t("norm", (hs, H, T), g.reshape(g.strided(wkv), (hs, H, T)))
+    y = g.t("mul", (E, T), g.t("add", (E, T), g.t("mul", (E, T), g.reshape(y, (E, T)))), gate)
+    return g.reshape(g.t("mul_mat", (E, T), y), (E, ts, S))
+
+
+def rwkv6(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
+          with_output: bool) -> Graph:
+    """src/models/rwkv6.cpp: a layer-normed embedding; per layer the time mix and the channel mix (relu-squared
+    key, sigmoid receptance), each fed the previous token through the stored token shift, which is written back;
+    the last layer keeps the outputs' rows before its channel mix; a scale by 1/2 every
+    ``rescale_every_n_layers``."""
+    g = Graph(lazy=True, reuse_views=False)
+    T, E, S = n_tokens, h.n_embd, c.n_seq_max
+    ts, mem = T // S, h.memory
+    rescale = _int(m, ".rescale_every_n_layers")
+    cur = _layer_norm(g, _inputs(g, E, T))
+    s_copy = _s_copy(g, S)
+    out_ids = g.new_input((n_outputs,), I32)
+    for il in layers:
+        inp = g.reshape(cur, (E, ts, S))
+        shift = _token_shift(g, s_copy, E, mem.n_embd_r, S)
+        att_norm = _layer_norm(g, inp)
+        att = _rwkv6_time_mix(m, g, att_norm, _shifted(g, shift, att_norm, E, ts, S), s_copy, mem.n_embd_s, T, S)
+        ffn_inp = g.t("add", (E, ts, S), att, inp)
+        ffn_norm = _layer_norm(g, ffn_inp)
+        x_prev = _shifted(g, shift, ffn_norm, E, ts, S)
+        shift_out = g.t("concat", (E, 2, S), g.strided(att_norm), g.strided(ffn_norm))
+        g.expand(g.write("cpy", g.strided(shift_out)))
+        ffn_inp, ffn_norm, x_prev = (g.reshape(t, (E, T)) for t in (ffn_inp, ffn_norm, x_prev))
+        if il == h.n_layer - 1:
+            ffn_inp, ffn_norm, x_prev = (g.t("get_rows", (E, n_outputs), t, out_ids)
+                                         for t in (ffn_inp, ffn_norm, x_prev))
+            T = n_outputs
+        cur = g.t("add", (E, T), _rwkv6_channel_mix(g, ffn_norm, x_prev, h.n_ff[il], T), ffn_inp)
+        if rescale and (il + 1) % rescale == 0:
+            cur = g.t("scale", (E, T), cur)
+    _finish_layer_norm(g, cur, h.n_vocab, T, with_output)
+    return g
+
+
+def _rwkv6_channel_mix(g: Graph, x: Node, x_prev: Node, n_ff: int, T: int) -> Node:
+    """src/models/rwkv6-base.cpp ``build_rwkv6_channel_mix``."""
+    E = x.layout[1]
+    sx = g.t("sub", (E, T), x_prev, x)
+    xk = g.t("add", (E, T), g.t("mul", (E, T), sx), x)
+    xr = g.t("add", (E, T), g.t("mul", (E, T), sx), x)
+    r = g.t("unary", (E, T), g.t("mul_mat", (E, T), xr))  # sigmoid
+    k = g.t("sqr", (n_ff, T), g.t("unary", (n_ff, T), g.t("mul_mat", (n_ff, T), xk)))  # relu, squared
+    return g.t("mul", (E, T), r, g.t("mul_mat", (E, T), k))
+
+
+def _finish_layer_norm(g: Graph, x: Node, n_vocab: int, T: int, with_output: bool) -> None:
+    """The output layer after a layer norm with bias (the rwkv family)."""
+    if not with_output:
+        g.expand(x)
+        return
+    logits = g.t("mul_mat", (n_vocab, T), _layer_norm(g, x))
+    logits.is_output = True
+    g.expand(logits)
+
+
 def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
           with_output: bool) -> Graph:
     """The graph of a ubatch of ``n_tokens`` (llama-context.cpp ``graph_reserve``: rounded up to a multiple of
@@ -610,4 +717,4 @@ def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, l
 
 BUILDERS = {"deepseek2": deepseek2_mla, "mamba": mamba, "mamba2": mamba, "granitehybrid": granitehybrid,
             "nemotron_h": nemotron_h, "jamba": jamba, "falcon-h1": falcon_h1, "lfm2": lfm2,
-            "qwen3next": qwen3next}
+            "qwen3next": qwen3next, "rwkv6": rwkv6}
