@@ -707,6 +707,90 @@ def _finish_layer_norm(g: Graph, x: Node, n_vocab: int, T: int, with_output: boo
     g.expand(logits)
 
 
+
+def _rwkv7_time_mix(m: GgufModel, g: Graph, x: Node, x_prev: Node, v_first: Node | None,
+                    s_copy: tuple[Node, Node], n_embd_s: int, T: int, S: int, il: int) -> tuple[Node, Node]:
+    """src/models/rwkv7-base.cpp ``build_rwkv7_time_mix``: the token shift repeated over the five (six with a
+    gate) fused lerps (``ggml_repeat`` takes only the dummy's shape: it is no source, and not in the graph),
+    the low-rank decay, in-context learning rate, value-residual (every layer but the first
+    mixes in the first layer's value) and gate, ``rwkv_wkv7`` over the state, the group norm, the r.k bonus, the
+    gate, ``time_mix_output``. Returns the output and the first layer's value."""
+    E, hs = x.layout[1], _int(m, ".wkv.head_size")
+    H, ts = E // hs, T // S
+    gated = _has(m, f"blk.{il}.time_mix_g1.weight")
+    lora = {k: _int(m, f".attention.{k}_lora_rank") for k in ("decay", "iclr", "value_residual_mix", "gate")}
+    n_mix = 6 if gated else 5
+    sx = g.t("repeat", (E, ts, S, n_mix), g.t("sub", (E, ts, S), x_prev, x))
+    xxx = g.t("add", (E, ts, S, n_mix), g.t("mul", (E, ts, S, n_mix), sx), x)
+    xr, xw, xk, xv, xa = (g.strided(xxx) for _ in range(5))
+    r = g.t("mul_mat", (E, T), xr)
+    w = g.t("mul_mat", (E, T), g.t("unary", (lora["decay"], T), g.t("mul_mat", (lora["decay"], T), xw)))
+    w = g.t("unary", (E, T), g.t("scale", (E, T), g.t("unary", (E, T), g.t("add", (E, T), w))))  # exp(-k sigmoid)
+    k = g.t("mul_mat", (E, T), xk)
+    v = g.t("mul_mat", (E, T), xv)
+    if v_first is None:
+        v_first = v
+    else:
+        mix = g.t("mul_mat", (E, T), g.t("mul_mat", (lora["value_residual_mix"], T), xv))
+        v = g.t("add", (E, T), v, g.t("mul", (E, T), g.t("sub", (E, T), v_first, v),
+                                      g.t("unary", (E, T), g.t("add", (E, T), mix))))
+    gate = None
+    if gated:
+        lo = g.t("unary", (lora["gate"], T), g.t("mul_mat", (lora["gate"], T), g.strided(xxx)))
+        gate = g.t("mul_mat", (E, T), lo)
+    a = g.t("mul_mat", (E, T), g.t("mul_mat", (lora["iclr"], T), xa))
+    a = g.t("unary", (E, T), g.t("add", (E, T), a))  # sigmoid
+    kk = g.t("l2_norm", (hs, H, T), g.reshape(g.t("mul", (E, T), k), (hs, H, T)))
+    ka = g.t("mul", (E, T), k)
+    k = g.t("add", (E, T), k, g.t("sub", (E, T), g.t("mul", (E, T), a, ka), ka))
+    r3, w3, k3, v3, a3 = (g.reshape(t, (hs, H, T)) for t in (r, w, k, v, a))
+    state = _rs(g, s_copy, n_embd_s, S)
+    wkv = g.t("rwkv_wkv7", (E, T + hs * S), r3, w3, k3, v3, g.t("unary", (hs, H, T), kk),
+              g.t("mul", (hs, H, T), kk, a3), state)
+    g.expand(g.write("cpy", g.strided(wkv)))
+    y = g.t("norm", (hs, H, T), g.reshape(g.strided(wkv), (hs, H, T)))
+    y = g.t("add", (E, T), g.t("mul", (E, T), g.reshape(y, (E, T))))
+    rk = g.t("sum_rows", (1, H, T), g.t("mul", (hs, H, T), g.t("mul", (hs, H, T), k3, r3)))
+    y = g.t("add", (E, T), y, g.reshape(g.t("mul", (hs, H, T), v3, rk), (E, T)))
+    if gate is not None:
+        y = g.t("mul", (E, T), y, gate)
+    return g.reshape(g.t("mul_mat", (E, T), y), (E, ts, S)), v_first
+
+
+def rwkv7(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
+          with_output: bool) -> Graph:
+    """src/models/rwkv7.cpp: as rwkv6 (:func:`rwkv6`), with RWKV-7's time mix and a channel mix of a
+    relu-squared key alone."""
+    g = Graph(lazy=True, reuse_views=False)
+    T, E, S = n_tokens, h.n_embd, c.n_seq_max
+    ts, mem = T // S, h.memory
+    cur = _layer_norm(g, _inputs(g, E, T))
+    s_copy = _s_copy(g, S)
+    out_ids = g.new_input((n_outputs,), I32)
+    v_first = None
+    for il in layers:
+        inp = g.reshape(cur, (E, ts, S))
+        shift = _token_shift(g, s_copy, E, mem.n_embd_r, S)
+        att_norm = _layer_norm(g, inp)
+        att, v_first = _rwkv7_time_mix(m, g, att_norm, _shifted(g, shift, att_norm, E, ts, S), v_first, s_copy,
+                                       mem.n_embd_s, T, S, il)
+        ffn_inp = g.t("add", (E, ts, S), att, inp)
+        ffn_norm = _layer_norm(g, ffn_inp)
+        x_prev = _shifted(g, shift, ffn_norm, E, ts, S)
+        shift_out = g.t("concat", (E, 2, S), g.strided(att_norm), g.strided(ffn_norm))
+        g.expand(g.write("cpy", g.strided(shift_out)))
+        ffn_inp, ffn_norm, x_prev = (g.reshape(t, (E, T)) for t in (ffn_inp, ffn_norm, x_prev))
+        if il == h.n_layer - 1:
+            ffn_inp, ffn_norm, x_prev = (g.t("get_rows", (E, n_outputs), t, out_ids)
+                                         for t in (ffn_inp, ffn_norm, x_prev))
+            T = n_outputs
+        xk = g.t("add", (E, T), g.t("mul", (E, T), g.t("sub", (E, T), x_prev, ffn_norm)), ffn_norm)
+        k = g.t("sqr", (h.n_ff[il], T), g.t("unary", (h.n_ff[il], T), g.t("mul_mat", (h.n_ff[il], T), xk)))
+        cur = g.t("add", (E, T), g.t("mul_mat", (E, T), k), ffn_inp)
+    _finish_layer_norm(g, cur, h.n_vocab, T, with_output)
+    return g
+
+
 def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
           with_output: bool) -> Graph:
     """The graph of a ubatch of ``n_tokens`` (llama-context.cpp ``graph_reserve``: rounded up to a multiple of
@@ -717,4 +801,5 @@ def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, l
 
 BUILDERS = {"deepseek2": deepseek2_mla, "mamba": mamba, "mamba2": mamba, "granitehybrid": granitehybrid,
             "nemotron_h": nemotron_h, "jamba": jamba, "falcon-h1": falcon_h1, "lfm2": lfm2,
-            "qwen3next": qwen3next, "rwkv6": rwkv6}
+            "qwen3next": qwen3next, "rwkv6": rwkv6,
+            "rwkv7": rwkv7}
