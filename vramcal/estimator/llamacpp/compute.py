@@ -12,8 +12,15 @@ consumer.
 Here the same graph is written down node by node for the llama family of decoders (src/models/llama.cpp
 and the gemma2/gemma3 variants with their extra norms, scaling and soft-capping; dense or MoE feed
 forward; flash attention or KQ + soft_max), with each tensor's ggml shape and type, and the same
-allocator is run over it. Inputs (tokens, positions, the KQ mask -- f16 with flash attention, f32
-without --, the KV row indices) are allocated first, as ggml allocates graph inputs.
+allocator is run over it (:mod:`.ggml_graph`). Inputs (tokens, positions, the KQ mask -- f16 with flash
+attention, f32 without --, the KV row indices) are allocated first, as ggml allocates graph inputs.
+
+The recurrent, hybrid and MLA architectures (deepseek2 with MLA, mamba, mamba2, granitehybrid, nemotron_h,
+jamba, falcon-h1, lfm2, qwen3next, rwkv6, rwkv7) have graphs of their own, written down in :mod:`.graphs`
+from their source files and built in ggml's own node order; on tiny models each equals llama.cpp's CPU
+reservation to the log's 0.01 MiB (tests/test_llamacpp.py). The rest of the recurrent and MLA family
+(lfm2moe, nemotron_h_moe, qwen35, qwen35moe, rwkv6qwen2, arwkv7, an MLA GGUF without ``q_lora_rank``) is
+priced as the llama family's graph over the same widths, and the notes say it is approximate.
 
 Where the graph runs on several devices (a partial -ngl, several GPUs) ggml's scheduler cuts it into
 splits per backend and copies tensors between them; that is priced as each device's own layers'
@@ -28,7 +35,7 @@ from __future__ import annotations
 
 from .buffers import CPU_ALIGN, CUDA_ALIGN, Context, Hparams, LlamaArgs, Placement, row_size, swa_cells
 from . import graphs
-from .ggml_graph import F16, F32, I32, I64, Graph, Node, run_allocator
+from .ggml_graph import F16, F32, I32, I64, Graph, Node, input_bytes, run_allocator
 from .gguf_file import GgufModel
 
 GRAPH_ARCHS = ("llama", "gemma2", "gemma3", "qwen2", "qwen3", "mistral3", "qwen3moe", "qwen2moe", "granite", "phi3")
@@ -196,28 +203,31 @@ def compute_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, p: Place
     notes: list[str] = []
     mem = h.memory
     replayed = graphs.replays(m, h)
+    if replayed:
+        notes += graphs.caveats(m, h)
     if not replayed and mem is not None and (mem.kind != "kv" or mem.mla):
         what = "MLA" if mem.kind == "kv" else "recurrent-state (SSM / WKV / short-convolution)"
         notes.append(f"{h.arch}: its {what} nodes are not replayed -- the compute buffer is the llama family's graph "
-                     "over the same widths, approximate and likely low (4 to 69 % under llama.cpp's own on tiny "
-                     "models, docs/llamacpp.md); the KV and RS buffers are llama.cpp's own rules")
+                     "over the same widths, approximate and likely low (4 to 69 % under llama.cpp's own on the "
+                     "tiny models of the architectures now replayed, docs/llamacpp.md); the KV and RS buffers are "
+                     "llama.cpp's own rules")
     elif not replayed and h.arch not in GRAPH_ARCHS:
         notes.append(f"{h.arch}: its graph is priced as the llama family's (the same attention and feed-forward "
                      "shapes); its own extra nodes are not replayed")
     n_tokens = min(c.n_ctx, c.n_ubatch)
     n_outputs = min(n_tokens, c.n_batch)
-    method = (f"graph reservation replayed: {h.n_layer} layers, {n_tokens} tokens x {c.n_ctx_seq} cells, "
+    own = f"{h.arch}'s own graph (src/models/{graphs.SOURCES[h.arch]}), " if replayed else ""
+    method = (f"graph reservation replayed: {own}{h.n_layer} layers, {n_tokens} tokens x {c.n_ctx_seq} cells, "
               f"flash attention {'on' if c.flash_attn else 'off'} (ggml-alloc best fit)")
+    reservations = ((n_tokens, n_outputs), (c.n_seq_max, c.n_seq_max))
+
+    def graph(t: int, o: int, layers=None, with_output=True):
+        if replayed:
+            return graphs.build(m, h, c, t, o, range(h.n_layer) if layers is None else layers, with_output)
+        return build_graph(m, h, a, c, t, o, layers, with_output)
 
     def peak(align: int, layers=None, with_output=True) -> int:
-        best = 0
-        for t, o in ((n_tokens, n_outputs), (c.n_seq_max, c.n_seq_max)):
-            if replayed:
-                g = graphs.build(m, h, c, t, o, range(h.n_layer) if layers is None else layers, with_output)
-            else:
-                g = build_graph(m, h, a, c, t, o, layers, with_output)
-            best = max(best, run_allocator(g, align))
-        return best
+        return max(run_allocator(graph(t, o, layers, with_output), align) for t, o in reservations)
 
     if not p.gpus:
         return {"CPU": peak(CPU_ALIGN)}, method, notes
@@ -232,7 +242,12 @@ def compute_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, p: Place
         out[f"{a.gpu_backend}{g_idx}"] = peak(CUDA_ALIGN, layers, has_out)
     cpu_layers = [il for il in range(h.n_layer) if p.layers[il] is None]
     host_name = f"{a.gpu_backend}_Host"
-    host = max(host_inputs(h, a, c, t, o) for t, o in ((n_tokens, n_outputs), (c.n_seq_max, c.n_seq_max)))
+    if replayed:  # this tree's own inputs (its KQ mask f16 with flash attention, the state copy ids ...)
+        host = max(input_bytes(graph(t, o), CPU_ALIGN) for t, o in reservations)
+        notes.append(f"{h.arch}: the GPU buffers replay the graph of the llama.cpp vendored here with CUDA's 128-byte "
+                     "alignment, held against its CPU log only (tests/test_llamacpp.py), not yet against a GPU's")
+    else:
+        host = max(host_inputs(h, a, c, t, o) for t, o in reservations)
     if cpu_layers or p.output is None:
         host = max(host, peak(CPU_ALIGN, range(cpu_layers[0], cpu_layers[-1] + 1) if cpu_layers else range(0),
                               p.output is None))
@@ -240,6 +255,7 @@ def compute_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, p: Place
                      "copies between devices (and weights it offloads to the GPU for large batches) are not "
                      "priced -- approximate")
     out[host_name] = host
-    notes.append("GPU compute buffers follow the same replay with CUDA's 128-byte alignment (held against "
-                 "published GPU logs: docs/validation.md, the llama.cpp section)")
+    if not replayed:
+        notes.append("GPU compute buffers follow the same replay with CUDA's 128-byte alignment (held against "
+                     "published GPU logs: docs/validation.md, the llama.cpp section)")
     return out, method, notes

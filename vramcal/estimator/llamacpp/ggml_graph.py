@@ -214,3 +214,9 @@ def run_allocator(g: Graph, align: int) -> int:
                 else:
                     _free(a, p)
     return a.max_size
+
+
+def input_bytes(g: Graph, align: int) -> int:
+    """The graph's inputs, each aligned: what ggml's scheduler keeps in the GPU host's buffer when the layers are
+    on a GPU (inputs are assigned to the CPU backend and copied over, :func:`.compute.host_inputs`)."""
+    return sum((n.nbytes + align - 1) // align * align for n in g.leafs if n.is_input)

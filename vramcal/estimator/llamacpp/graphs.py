@@ -22,9 +22,6 @@ from .buffers import Context, Hparams
 from .ggml_graph import F16, F32, I32, I64, Graph, Node
 from .gguf_file import GgufModel
 
-REPLAYED = ("deepseek2",)  # with MLA (memory.mla): the architectures written down here
-
-
 def _int(m: GgufModel, key: str, default: int = 0) -> int:
     v = m.get(key, default)
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
@@ -38,8 +35,18 @@ def replays(m: GgufModel, h: Hparams) -> bool:
     """Whether this module writes the GGUF's graph down."""
     mem = h.memory
     if h.arch == "deepseek2":
-        return mem is not None and mem.mla and bool(_int(m, ".attention.q_lora_rank"))
+        return mem is not None and mem.mla
     return h.arch in BUILDERS
+
+
+def caveats(m: GgufModel, h: Hparams) -> list[str]:
+    """What a replayed graph leaves out for this GGUF, for the estimate's notes."""
+    out = []
+    if h.n_expert and _int(m, ".expert_group_count") > 1:
+        out.append(f"{h.arch}: the MoE's expert-group selection (expert_group_count "
+                   f"{_int(m, '.expert_group_count')}) is not written down: a few [n_expert, n_ubatch] tensors "
+                   "more in llama.cpp's graph")
+    return out
 
 
 def _norm(g: Graph, x: Node, ne: tuple[int, ...] | None = None) -> Node:
@@ -57,11 +64,14 @@ def _ffn(g: Graph, x: Node, n_ff: int, T: int) -> Node:
     return g.t("mul_mat", (E, T), g.t("glu", (n_ff, T), gate, up))
 
 
-def _moe(g: Graph, x: Node, n_expert: int, k: int, n_ff: int, T: int, norm_w: bool, scale: float) -> Node:
-    """``build_moe_ffn`` with softmax gating and split gate/up experts."""
+def _moe(g: Graph, x: Node, n_expert: int, k: int, n_ff: int, T: int, norm_w: bool, scale: float,
+         probs_bias: bool = False) -> Node:
+    """``build_moe_ffn`` with split gate/up experts: softmax or sigmoid gating (both one op in place), the
+    selection biased where the model has ``exp_probs_b``; expert groups are not written down."""
     E = x.layout[1]
     probs = g.t("soft_max", (n_expert, T), g.t("mul_mat", (n_expert, T), x))
-    top_k = g.strided(g.t("argsort", (n_expert, T), probs, size=I32))  # ggml_argsort_top_k: a view of the sort
+    selection = g.t("add", (n_expert, T), probs) if probs_bias else probs
+    top_k = g.strided(g.t("argsort", (n_expert, T), selection, size=I32))  # ggml_argsort_top_k: a view of the sort
     w = g.t("get_rows", (1, k, T), g.reshape(probs, (1, n_expert, T)), top_k)
     if norm_w:
         w2 = g.reshape(w, (k, T))
@@ -114,7 +124,8 @@ def _finish(g: Graph, x: Node, n_vocab: int, T: int, with_output: bool, logit_sc
 
 def deepseek2_mla(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
                   with_output: bool) -> Graph:
-    """src/models/deepseek2.cpp, MLA with the absorption (``attn_k_b`` / ``attn_v_b``), q through ``q_lora``."""
+    """src/models/deepseek2.cpp, MLA with the absorption (``attn_k_b`` / ``attn_v_b``), q through ``q_lora`` (or
+    one ``wq``: the lite models)."""
     g = Graph(lazy=True, reuse_views=False)
     T, E, fa = n_tokens, h.n_embd, c.flash_attn
     H = h.n_head[0]
@@ -127,6 +138,7 @@ def deepseek2_mla(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs
     n_ff_exp = h.n_ff_exp
     n_shared = _int(m, ".expert_shared_count")
     norm_w = bool(m.get(".expert_weights_norm", False))
+    probs_bias = _has(m, "exp_probs_b.bias")
     w_scale = float(m.get(".expert_weights_scale", 0.0) or 0.0)
     n_kv, ns = c.n_ctx_seq, c.n_stream
     per_stream = T // ns if T % ns == 0 else T
@@ -140,7 +152,7 @@ def deepseek2_mla(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs
     for il in (il for il in layers if il <= last):  # the MTP layers are a graph of their own (graph_mtp)
         inp_sa = cur
         x = _norm(g, cur)
-        q = g.t("mul_mat", (H * hk, T), _norm(g, g.t("mul_mat", (q_lora, T), x)))
+        q = g.t("mul_mat", (H * hk, T), _norm(g, g.t("mul_mat", (q_lora, T), x)) if q_lora else x)  # lite: wq
         q = g.reshape(q, (hk, H, T))
         kv_pe = g.t("mul_mat", (kv_lora + rope, T), x)
         k_pe = g.t("rope", (rope, 1, T), g.strided(kv_pe), pos)
@@ -174,7 +186,7 @@ def deepseek2_mla(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs
         if il < n_dense:
             y = _ffn(g, x, h.n_ff[il], T)
         else:
-            moe = _moe(g, x, h.n_expert, h.n_expert_used, n_ff_exp, T, norm_w, w_scale)
+            moe = _moe(g, x, h.n_expert, h.n_expert_used, n_ff_exp, T, norm_w, w_scale, probs_bias)
             y = g.t("add", (E, T), moe, _ffn(g, x, n_ff_exp * n_shared, T))
         cur = g.t("add", (E, T), y, ffn_inp)
         g.expand(cur)
@@ -799,6 +811,11 @@ def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, l
     return BUILDERS[h.arch](m, h, c, n_tokens, n_outputs, layers, with_output)
 
 
+# the vendored source each builder follows (src/models/), for the estimate's method line and docs/llamacpp.md
+SOURCES = {"deepseek2": "deepseek2.cpp", "mamba": "mamba.cpp, mamba-base.cpp", "mamba2": "mamba.cpp, mamba-base.cpp",
+           "granitehybrid": "granite-hybrid.cpp", "nemotron_h": "nemotron-h.cpp", "jamba": "jamba.cpp",
+           "falcon-h1": "falcon-h1.cpp", "lfm2": "lfm2.cpp", "qwen3next": "qwen3next.cpp, delta-net-base.cpp",
+           "rwkv6": "rwkv6.cpp, rwkv6-base.cpp", "rwkv7": "rwkv7.cpp, rwkv7-base.cpp"}
 BUILDERS = {"deepseek2": deepseek2_mla, "mamba": mamba, "mamba2": mamba, "granitehybrid": granitehybrid,
             "nemotron_h": nemotron_h, "jamba": jamba, "falcon-h1": falcon_h1, "lfm2": lfm2,
             "qwen3next": qwen3next, "rwkv6": rwkv6,
