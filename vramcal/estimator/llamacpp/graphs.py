@@ -6,12 +6,15 @@ Each is written lazily (:class:`.ggml_graph.Graph` ``lazy=True``): tensors with 
 KV cache and the recurrent states live in buffers of their own and are left out of the sources; an op that
 writes into a cache (``set_rows``, ``cpy`` into a state view) returns a view of it and takes nothing here.
 
-- **deepseek2 with MLA** (src/models/deepseek2.cpp; llama-graph.cpp ``build_attn`` over
-  ``llm_graph_input_attn_k``, ``build_attn_mha`` with ``v_mla``, ``build_moe_ffn``): the query through its
-  low-rank ``q_a`` / ``q_b``, its no-rope part absorbed into the latent space by ``attn_k_b``, the rope part
-  roped and concatenated; one latent K row of ``kv_lora_rank + rope`` per token (V is a view of it);
-  flash attention or KQ + soft_max over the latent, then ``attn_v_b`` back to each head's ``v_head`` values;
-  the first ``leading_dense_block_count`` layers dense, the rest MoE with a shared expert.
+Written down (docs/llamacpp.md has the table, each with its source file): deepseek2 with MLA (the absorbed
+``attn_k_b`` / ``attn_v_b`` attention over one latent K row, flash attention or not), mamba and mamba2
+(``build_rs``, ``ssm_conv``, ``ssm_scan``), granitehybrid, nemotron_h, falcon-h1 and jamba (those mixers beside
+KV attention), lfm2 (the short convolution), qwen3next (the fused gated delta net and gated attention), rwkv6
+and rwkv7 (token shift, time mix, channel mix). Each builder takes the ubatch llama-context.cpp
+``graph_reserve`` builds (:func:`build`) and the layers on one device.
+
+The vendored ggml-alloc.c never runs an op in place on a view (a view is never "own"), so these graphs are
+built with ``reuse_views=False`` (:class:`.ggml_graph.Graph`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from math import prod
 from .buffers import Context, Hparams
 from .ggml_graph import F16, F32, I32, I64, Graph, Node
 from .gguf_file import GgufModel
+
 
 def _int(m: GgufModel, key: str, default: int = 0) -> int:
     v = m.get(key, default)
@@ -141,7 +145,7 @@ def deepseek2_mla(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs
     probs_bias = _has(m, "exp_probs_b.bias")
     w_scale = float(m.get(".expert_weights_scale", 0.0) or 0.0)
     n_kv, ns = c.n_ctx_seq, c.n_stream
-    per_stream = T // ns if T % ns == 0 else T
+    per_stream = T // ns  # build() rounds T to a multiple of np
     last = h.n_layer - (h.memory.n_layer_nextn if h.memory else 0) - 1
 
     cur = _inputs(g, E, T)
@@ -192,8 +196,6 @@ def deepseek2_mla(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs
         g.expand(cur)
     _finish(g, cur, h.n_vocab, T, with_output)
     return g
-
-
 
 
 # ------------------------------------------------------------------------------------- recurrent state
@@ -294,7 +296,6 @@ def _s_copy(g: Graph, n_rs: int) -> tuple[Node, Node]:
     return g.strided(s), g.strided(s)
 
 
-
 # ------------------------------------------------------------------------------------------- attention
 
 
@@ -373,7 +374,8 @@ def granitehybrid(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs
         ffn_inp = g.t("add", (E, T), y, inp_sa)
         x = _norm(g, ffn_inp)
         if h.n_expert:
-            y = _moe(g, x, h.n_expert, h.n_expert_used, h.n_ff_exp or h.n_ff[il], T, True, 0.0)
+            y = _moe(g, x, h.n_expert, h.n_expert_used, h.n_ff_exp or h.n_ff[il], T, True,
+                     float(m.get(".expert_weights_scale", 0.0) or 0.0))
             n_shexp = _int(m, ".expert_shared_feed_forward_length")
             if n_shexp:
                 y = g.t("add", (E, T), y, _ffn(g, x, n_shexp, T))
@@ -409,7 +411,6 @@ def nemotron_h(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: i
         cur = g.t("add", (E, T), y, cur)
     _finish(g, cur, h.n_vocab, T, with_output, rows=out_ids)
     return g
-
 
 
 def jamba(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
@@ -466,7 +467,6 @@ def falcon_h1(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: in
     return g
 
 
-
 def _shortconv(m: GgufModel, g: Graph, x: Node, s_copy: tuple[Node, Node], n_embd_r: int, T: int, S: int) -> Node:
     """src/models/lfm2.cpp ``build_shortconv_block`` (causal, one state slot): in_proj into B, C, x; B * x
     through the short convolution after the cached columns; C times it; out_proj."""
@@ -515,7 +515,6 @@ def lfm2(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, la
     return g
 
 
-
 def _gated_attention(g: Graph, h: Hparams, c: Context, x: Node, il: int, kv: tuple[Node, Node, Node], pos: Node,
                      T: int) -> Node:
     """src/models/qwen3next.cpp ``build_layer_attn``: a query twice as wide (each head's query and its output
@@ -529,7 +528,6 @@ def _gated_attention(g: Graph, h: Hparams, c: Context, x: Node, il: int, kv: tup
     att = _attend(g, c, q, k, v, kv, T)
     gate = g.t("unary", (hd * H, T), g.t("cont", (hd * H, T), g.strided(q_full)))  # sigmoid
     return g.t("mul_mat", (h.n_embd, T), g.t("mul", (hd * H, T), att, gate))
-
 
 
 def _gated_delta_net(m: GgufModel, g: Graph, x: Node, s_copy: tuple[Node, Node], n_embd_r: int, n_embd_s: int,
@@ -610,7 +608,6 @@ def qwen3next(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: in
         cur = g.t("add", (E, T), y, res)
     _finish(g, cur, h.n_vocab, T, with_output, rows=out_ids)
     return g
-
 
 
 # ------------------------------------------------------------------------------------------------ rwkv
@@ -717,7 +714,6 @@ def _finish_layer_norm(g: Graph, x: Node, n_vocab: int, T: int, with_output: boo
     logits = g.t("mul_mat", (n_vocab, T), _layer_norm(g, x))
     logits.is_output = True
     g.expand(logits)
-
 
 
 def _rwkv7_time_mix(m: GgufModel, g: Graph, x: Node, x_prev: Node, v_first: Node | None,
