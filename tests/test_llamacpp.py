@@ -83,6 +83,28 @@ def test_placement_of_layers_and_the_output(dense):
     assert set(split.model_buffer_bytes) == {"CPU_Mapped", "CUDA0", "CUDA1"} and set(split.kv_buffer_bytes) == {"CUDA0"}
 
 
+def test_a_lazy_graph_is_built_and_placed_as_ggml_does():
+    """``expand`` orders nodes as ggml_build_forward_expand (sources first, left to right, each once; inputs as
+    leafs in the order met); an in-place op takes a parent's memory, but not a view's when the graph says
+    views are never reused (the vendored ggml-alloc.c: a view is never "own")."""
+    from vramcal.estimator.llamacpp.ggml_graph import Graph, run_allocator
+
+    def graph(reuse_views: bool):
+        g = Graph(lazy=True, reuse_views=reuse_views)
+        a = g.t("mul_mat", (256, 64), g.new_input((16,)))
+        b = g.t("mul_mat", (256, 64), g.new_input((32,)))
+        n = g.t("rms_norm", (64, 4, 64), g.reshape(g.t("add", (256, 64), a, b), (64, 4, 64)))  # on a view
+        g.expand(n, a, g.t("scale", (256, 64), b))  # b stays alive past the norm
+        return g
+
+    g = graph(False)
+    assert [x.op for x in g.nodes] == ["mul_mat", "mul_mat", "add", "view", "rms_norm", "scale"]
+    assert [x.nbytes for x in g.leafs] == [64, 128]
+    # inputs 64 + 128 bytes; a, b 64 KiB each; add in place on a; rms_norm on the reshape of it: a new 64 KiB
+    assert run_allocator(g, 32) == 64 + 128 + 3 * 65536
+    assert run_allocator(graph(True), 32) == 64 + 128 + 2 * 65536
+
+
 def test_quantized_v_without_flash_attention_is_refused(dense):
     with pytest.raises(UserError, match="requires Flash Attention"):
         estimate_llamacpp(dense, LlamaArgs(cache_type_v="q8_0", flash_attn="off", **CPU))
@@ -194,9 +216,8 @@ def _mib(n: int) -> str:
     return f"{n / MIB:.2f}"
 
 
-def assert_matches(est, logged, compute_tol: float | None = 0.01):
-    """Every buffer equal to the log's 0.01 MiB; the compute buffer within ``compute_tol`` (None: not compared,
-    for the architectures whose graph the replay does not write down -- the estimate's notes say so)."""
+def assert_matches(est, logged, compute_tol: float = 0.01):
+    """Every buffer equal to the log's 0.01 MiB; the compute buffer within ``compute_tol``."""
     assert logged.lines >= 4, "llama.cpp printed no buffer lines"
     assert logged.n_ctx == est.n_ctx
     for kind in ("model", "kv", "rs"):
@@ -204,8 +225,6 @@ def assert_matches(est, logged, compute_tol: float | None = 0.01):
             {k: _mib(v) for k, v in getattr(logged, f"{kind}_buffer_bytes").items()}, kind
     assert _mib(est.output_buffer_bytes) == _mib(logged.output_buffer_bytes)
     assert set(est.compute_buffer_bytes) == set(logged.compute_buffer_bytes)
-    if compute_tol is None:
-        return
     for name, b in logged.compute_buffer_bytes.items():
         assert abs(est.compute_buffer_bytes[name] - b) <= compute_tol * b + MIB // 200, \
             (name, est.compute_buffer_bytes, b)
@@ -214,7 +233,10 @@ def assert_matches(est, logged, compute_tol: float | None = 0.01):
 # the compute replay is within 1 % of llama.cpp's reservation for these graphs; in the four marked with
 # GAP it is off by about one [n_embd, n_ubatch] f32 tensor (1.5 to 4.4 %: KQ without flash attention, a peak
 # at the logits (n_vocab 4000), a q8_0 unified cache, gemma3's sliding window) -- a node or a placement of the
-# allocator the replay gets wrong, cause not found; asserted within 5 % so a larger drift still fails
+# allocator the replay gets wrong; asserted within 5 % so a larger drift still fails. Two of them (KQ without
+# flash attention, the logits peak) close when no op runs in place on a view, as the vendored ggml-alloc.c has
+# it (graphs.py's graphs do so); the llama family's graph keeps view reuse, which its published 2025 logs fit
+# (docs/llamacpp.md, "Recurrent, hybrid and MLA graphs")
 GAP = 0.05
 CASES = [
     ("dense-f16", dict(), dict(ctx_size=2048)),
@@ -496,7 +518,7 @@ def test_state_bytes_from_first_principles(tmp_path):
     d = estimate_llamacpp(tiny_gguf.write_deepseek2(tmp_path / "d.gguf", kv_lora=64, rope=16),
                           LlamaArgs(ctx_size=1024, **CPU))
     assert d.kv_buffer_bytes == {"CPU": 2 * (64 + 16) * 2 * 1024} and d.kv_caches[0]["v_bytes"] == 0
-    assert any("MLA" in n for n in d.notes) and any("not replayed" in n for n in d.notes)
+    assert any("MLA" in n for n in d.notes) and "deepseek2's own graph" in d.compute_method
 
 
 def test_a_published_qwen35_log_on_a_gpu(tmp_path):
@@ -564,16 +586,16 @@ STATE_CASES = [
 @needs_llama
 @pytest.mark.parametrize("case", STATE_CASES, ids=[c[0] for c in STATE_CASES])
 def test_state_buffers_equal_what_llama_cpp_logs(tmp_path, case):
-    """Model, KV, RS and output buffers equal llama.cpp's log; the compute buffer is not compared (the replay
-    has no recurrent or MLA nodes: the estimate says it is approximate)."""
+    """Model, KV, RS and output buffers equal llama.cpp's log, and the compute buffer -- each architecture's own
+    graph replayed (graphs.py) -- within 1 % (all equal it to the log's 0.01 MiB today)."""
     name, arch, model, flags = case
     path = getattr(tiny_gguf, f"write_{arch}")(tmp_path / f"{name}.gguf", **model)
     est, logged = _probe(path, LlamaArgs(**flags, **CPU))
-    assert_matches(est, logged, compute_tol=None)
+    assert_matches(est, logged)
+    assert "own graph" in est.compute_method and not any("approximate" in n for n in est.notes)
     if est.rs_cache is not None:
         assert logged.rs_cells == est.rs_cache["cells"] == flags.get("n_parallel", 1)
         assert _mib(logged.rs_size_bytes) == _mib(est.rs_cache["r_bytes"] + est.rs_cache["s_bytes"])
     else:
         assert logged.rs_buffer_bytes == {}
     assert logged.kv_layers == [c["layers"] for c in est.kv_caches]  # the attention layers only
-    assert any("approximate" in n for n in est.notes)

@@ -12,8 +12,15 @@ consumer.
 Here the same graph is written down node by node for the llama family of decoders (src/models/llama.cpp
 and the gemma2/gemma3 variants with their extra norms, scaling and soft-capping; dense or MoE feed
 forward; flash attention or KQ + soft_max), with each tensor's ggml shape and type, and the same
-allocator is run over it. Inputs (tokens, positions, the KQ mask -- f16 with flash attention, f32
-without --, the KV row indices) are allocated first, as ggml allocates graph inputs.
+allocator is run over it (:mod:`.ggml_graph`). Inputs (tokens, positions, the KQ mask -- f16 with flash
+attention, f32 without --, the KV row indices) are allocated first, as ggml allocates graph inputs.
+
+The recurrent, hybrid and MLA architectures (deepseek2 with MLA, mamba, mamba2, granitehybrid, nemotron_h,
+jamba, falcon-h1, lfm2, qwen3next, rwkv6, rwkv7) have graphs of their own, written down in :mod:`.graphs`
+from their source files and built in ggml's own node order; on tiny models each equals llama.cpp's CPU
+reservation to the log's 0.01 MiB (tests/test_llamacpp.py). The rest of the recurrent and MLA family
+(lfm2moe, nemotron_h_moe, qwen35, qwen35moe, rwkv6qwen2, arwkv7, an MLA GGUF without ``q_lora_rank``) is
+priced as the llama family's graph over the same widths, and the notes say it is approximate.
 
 Where the graph runs on several devices (a partial -ngl, several GPUs) ggml's scheduler cuts it into
 splits per backend and copies tensors between them; that is priced as each device's own layers'
@@ -26,153 +33,12 @@ pipeline parallelism's), remain approximate and the notes say so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .buffers import CPU_ALIGN, CUDA_ALIGN, Context, Hparams, LlamaArgs, Placement, row_size, swa_cells
+from . import graphs
+from .ggml_graph import F16, F32, I32, I64, Graph, Node, input_bytes, run_allocator
 from .gguf_file import GgufModel
 
-F32, F16, I32, I64 = 4, 2, 4, 8
-INPLACE = {"add", "mul", "scale", "rms_norm", "rope", "soft_max", "unary"}
 GRAPH_ARCHS = ("llama", "gemma2", "gemma3", "qwen2", "qwen3", "mistral3", "qwen3moe", "qwen2moe", "granite", "phi3")
-
-
-@dataclass(eq=False)
-class Node:
-    op: str
-    nbytes: int
-    srcs: tuple = ()
-    view_of: Node | None = None
-    is_input: bool = False
-    is_output: bool = False
-    layout: tuple = ()  # same layout = same bytes and shape: the in-place test
-    # allocator state
-    children: int = 0
-    views: int = 0
-    offset: int | None = None
-    allocated: bool = False
-
-
-class Graph:
-    def __init__(self) -> None:
-        self.nodes: list[Node] = []
-        self.leafs: list[Node] = []
-
-    def input(self, nbytes: int) -> Node:
-        n = Node("input", nbytes, is_input=True, layout=(nbytes,))
-        self.leafs.append(n)
-        return n
-
-    def op(self, op: str, nbytes: int, *srcs: Node | None, layout: tuple | None = None) -> Node:
-        n = Node(op, nbytes, tuple(s for s in srcs if s is not None), layout=layout or (nbytes,))
-        self.nodes.append(n)
-        return n
-
-    def view(self, src: Node, layout: tuple | None = None) -> Node:
-        base = src.view_of or src
-        n = Node("view", src.nbytes, (src,), view_of=base, layout=layout or src.layout)
-        self.nodes.append(n)
-        return n
-
-    def weight_op(self, op: str, nbytes: int, *srcs: Node | None) -> Node:
-        return self.op(op, nbytes, *srcs)
-
-
-class Allocator:
-    """ggml-alloc.c's ``ggml_dyn_tallocr``: free blocks by offset, best fit but the last, which grows."""
-
-    def __init__(self, align: int) -> None:
-        self.align = align
-        self.blocks: list[list[int]] = [[0, 1 << 62]]
-        self.max_size = 0
-
-    def alloc(self, size: int) -> int:
-        size = (size + self.align - 1) // self.align * self.align
-        best = -1
-        for i, (_, bsize) in enumerate(self.blocks[:-1]):
-            if bsize >= size and (best < 0 or bsize <= self.blocks[best][1]):
-                best = i
-        if best < 0:
-            best = len(self.blocks) - 1
-        off = self.blocks[best][0]
-        self.blocks[best][0] += size
-        self.blocks[best][1] -= size
-        if self.blocks[best][1] == 0:
-            del self.blocks[best]
-        self.max_size = max(self.max_size, off + size)
-        return off
-
-    def free(self, off: int, size: int) -> None:
-        size = (size + self.align - 1) // self.align * self.align
-        for i, b in enumerate(self.blocks):
-            if b[0] + b[1] == off:
-                b[1] += size
-                if i + 1 < len(self.blocks) and b[0] + b[1] == self.blocks[i + 1][0]:
-                    b[1] += self.blocks[i + 1][1]
-                    del self.blocks[i + 1]
-                return
-            if off + size == b[0]:
-                b[0], b[1] = off, b[1] + size
-                return
-        at = next((i for i, b in enumerate(self.blocks) if b[0] > off), len(self.blocks))
-        self.blocks.insert(at, [off, size])
-
-
-def _allocate(g: Graph, a: Allocator, n: Node) -> None:
-    if n.allocated or n.view_of is not None:
-        return
-    n.allocated = True
-    if n.op in INPLACE:
-        for p in n.srcs:
-            if p.is_output or (p.view_of is not None and p.view_of.is_output):
-                continue
-            if p.layout != n.layout or p.children != 1 or p.views != 0:
-                continue
-            if p.view_of is not None:
-                src = p.view_of
-                if src.views == 1 and src.children == 0 and src.offset is not None:
-                    n.offset, src.allocated, p.allocated = src.offset, False, False
-                    return
-                continue
-            if p.offset is None:
-                continue
-            n.offset, p.allocated = p.offset, False
-            return
-    n.offset = a.alloc(n.nbytes)
-
-
-def _free(a: Allocator, n: Node) -> None:
-    if n.allocated and n.offset is not None and not n.is_output:
-        a.free(n.offset, n.nbytes)
-        n.allocated = False
-
-
-def run_allocator(g: Graph, align: int) -> int:
-    """The highest offset ggml's graph allocator reaches for ``g`` (ggml-alloc.c
-    ``ggml_gallocr_alloc_graph_impl``): leafs first, then inputs, then each node after its parents,
-    freeing a parent (and a view's source) when its last consumer has run."""
-    a = Allocator(align)
-    for leaf in g.leafs:
-        _allocate(g, a, leaf)
-    for n in g.nodes:
-        if n.view_of is not None:
-            n.view_of.views += 1
-        for s in n.srcs:
-            s.children += 1
-    for n in g.nodes:
-        for p in n.srcs:
-            _allocate(g, a, p)
-        _allocate(g, a, n)
-        for p in n.srcs:
-            p.children -= 1
-            if p.children == 0 and p.views == 0:
-                if p.view_of is not None:
-                    src = p.view_of
-                    src.views -= 1
-                    if src.views == 0 and src.children == 0:
-                        _free(a, src)
-                else:
-                    _free(a, p)
-    return a.max_size
 
 
 # ------------------------------------------------------------------------------------------------ graph
@@ -336,24 +202,32 @@ def compute_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, p: Place
     """Each backend's compute buffer, the method, notes."""
     notes: list[str] = []
     mem = h.memory
-    if mem is not None and (mem.kind != "kv" or mem.mla):
+    replayed = graphs.replays(m, h)
+    if replayed:
+        notes += graphs.caveats(m, h)
+    if not replayed and mem is not None and (mem.kind != "kv" or mem.mla):
         what = "MLA" if mem.kind == "kv" else "recurrent-state (SSM / WKV / short-convolution)"
         notes.append(f"{h.arch}: its {what} nodes are not replayed -- the compute buffer is the llama family's graph "
-                     "over the same widths, approximate and likely low (4 to 69 % under llama.cpp's own on tiny "
-                     "models, docs/llamacpp.md); the KV and RS buffers are llama.cpp's own rules")
-    elif h.arch not in GRAPH_ARCHS:
+                     "over the same widths, approximate and likely low (4 to 69 % under llama.cpp's own on the "
+                     "tiny models of the architectures now replayed, docs/llamacpp.md); the KV and RS buffers are "
+                     "llama.cpp's own rules")
+    elif not replayed and h.arch not in GRAPH_ARCHS:
         notes.append(f"{h.arch}: its graph is priced as the llama family's (the same attention and feed-forward "
                      "shapes); its own extra nodes are not replayed")
     n_tokens = min(c.n_ctx, c.n_ubatch)
     n_outputs = min(n_tokens, c.n_batch)
-    method = (f"graph reservation replayed: {h.n_layer} layers, {n_tokens} tokens x {c.n_ctx_seq} cells, "
+    own = f"{h.arch}'s own graph (src/models/{graphs.SOURCES[h.arch]}), " if replayed else ""
+    method = (f"graph reservation replayed: {own}{h.n_layer} layers, {n_tokens} tokens x {c.n_ctx_seq} cells, "
               f"flash attention {'on' if c.flash_attn else 'off'} (ggml-alloc best fit)")
+    reservations = ((n_tokens, n_outputs), (c.n_seq_max, c.n_seq_max))
+
+    def graph(t: int, o: int, layers=None, with_output=True):
+        if replayed:
+            return graphs.build(m, h, c, t, o, range(h.n_layer) if layers is None else layers, with_output)
+        return build_graph(m, h, a, c, t, o, layers, with_output)
 
     def peak(align: int, layers=None, with_output=True) -> int:
-        best = 0
-        for t, o in ((n_tokens, n_outputs), (c.n_seq_max, c.n_seq_max)):
-            best = max(best, run_allocator(build_graph(m, h, a, c, t, o, layers, with_output), align))
-        return best
+        return max(run_allocator(graph(t, o, layers, with_output), align) for t, o in reservations)
 
     if not p.gpus:
         return {"CPU": peak(CPU_ALIGN)}, method, notes
@@ -368,7 +242,12 @@ def compute_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, p: Place
         out[f"{a.gpu_backend}{g_idx}"] = peak(CUDA_ALIGN, layers, has_out)
     cpu_layers = [il for il in range(h.n_layer) if p.layers[il] is None]
     host_name = f"{a.gpu_backend}_Host"
-    host = max(host_inputs(h, a, c, t, o) for t, o in ((n_tokens, n_outputs), (c.n_seq_max, c.n_seq_max)))
+    if replayed:  # this tree's own inputs (its KQ mask f16 with flash attention, the state copy ids ...)
+        host = max(input_bytes(graph(t, o), CPU_ALIGN) for t, o in reservations)
+        notes.append(f"{h.arch}: the GPU buffers replay the graph of the llama.cpp vendored here with CUDA's 128-byte "
+                     "alignment, held against its CPU log only (tests/test_llamacpp.py), not yet against a GPU's")
+    else:
+        host = max(host_inputs(h, a, c, t, o) for t, o in reservations)
     if cpu_layers or p.output is None:
         host = max(host, peak(CPU_ALIGN, range(cpu_layers[0], cpu_layers[-1] + 1) if cpu_layers else range(0),
                               p.output is None))
@@ -376,6 +255,7 @@ def compute_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, p: Place
                      "copies between devices (and weights it offloads to the GPU for large batches) are not "
                      "priced -- approximate")
     out[host_name] = host
-    notes.append("GPU compute buffers follow the same replay with CUDA's 128-byte alignment (held against "
-                 "published GPU logs: docs/validation.md, the llama.cpp section)")
+    if not replayed:
+        notes.append("GPU compute buffers follow the same replay with CUDA's 128-byte alignment (held against "
+                     "published GPU logs: docs/validation.md, the llama.cpp section)")
     return out, method, notes

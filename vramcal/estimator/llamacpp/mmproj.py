@@ -134,7 +134,7 @@ def _warmup_graph(m: GgufModel, flash_attn: bool):
     the order ggml's graph walk leaves them (``build_attn`` fixes each layer's Q, K, V chains first with
     ``ggml_build_forward_order``; the final expand then meets the projection's ``cont(transpose(W))`` before
     the last layer's attention). Weights live in the model buffer and are not graph allocations."""
-    from .compute import F16, F32, Graph
+    from .ggml_graph import F16, F32, Graph
 
     meta, names = m.metadata, {t.name: t for t in m.tensors}
     D = int(meta["clip.vision.embedding_length"])
@@ -231,7 +231,7 @@ def _compute(m: GgufModel, modality: str, proj: str, on_gpu: bool, gpu_backend: 
         -> tuple[dict[str, int] | None, str | None]:
     """(buffer type -> compute bytes, None) where the warm-up graph is replayed, else (None, why)."""
     from .buffers import CPU_ALIGN, CUDA_ALIGN, pad
-    from .compute import run_allocator
+    from .ggml_graph import run_allocator
 
     if modality != "vision" or proj not in REPLAYED:
         return None, (f"the {modality} projector {proj!r}'s compute buffer (its warm-up graph, logged as "
