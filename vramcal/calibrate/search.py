@@ -360,10 +360,13 @@ def stored_corrections(db: str | None, fingerprint: dict, source, quants, device
 
 
 def _layer_bytes(est: Estimator) -> int:
-    """A decoder layer's weights in this quantization: all but the embeddings (lm_head included), norms and
-    buffers, over the layers."""
+    """A decoder layer's weights in this quantization: all but the input embeddings, an untied lm_head (no
+    layer holds it: transformers' map places it as a module of its own, and bitsandbytes keeps it 16-bit,
+    so counting it in a layer made Llama-3.1-8B's nf4 layer 155 MB for its 123 MB), norms and buffers,
+    over the layers. A tied lm_head is the embeddings' tensor, counted once under them."""
     from ..estimator.resolve import size_field, text_config
 
     layers = max(int(size_field(text_config(est.source.config), "num_hidden_layers") or 1), 1)
     g = est.inv.groups
-    return max(est.inv.tensor_bytes - g.get("embeddings", 0) - g.get("norms", 0) - g.get("buffers", 0), 0) // layers
+    outside = sum(g.get(k, 0) for k in ("embeddings", "lm_head", "norms", "buffers"))
+    return max(est.inv.tensor_bytes - outside, 0) // layers
