@@ -236,6 +236,7 @@ class Search:
         fitted: dict[str, int] = {}  # the budgets of the best split
         too_small: dict[str, int] | None = None  # budgets transformers could not place the model in
         too_large: dict[str, int] | None = None  # budgets whose peaks went over
+        exact = False  # priced with the exact trace at ``work`` once a map fits (below)
         for _ in range(MAX_STEPS):
             budgets = {g: min(b, cap[g]) for g, b in budgets.items()}
             mm = dict(budgets)
@@ -251,7 +252,13 @@ class Search:
                 if budgets == too_small or budgets == usable and too_small == usable:
                     break
                 continue
-            ok, peaks = self.fits(est, work, budget, placement)
+            ok, peaks = self.fits(est, work, budget, placement, exact=exact)
+            if ok and not exact:
+                # the activation fit bounds a point between its traces from above, by how much depending on
+                # the traces made so far: the room that proves one more layer does not fit is the exact
+                # trace's. One trace at this workload, then every map is priced with it
+                exact = True
+                ok, peaks = self.fits(est, work, budget, placement, exact=True)
             if not ok:
                 over = {g: peaks.get(g, 0) - usable[g] for g in gpus}
                 if all(v <= 0 for v in over.values()):  # RAM or disk over, every GPU within its memory

@@ -548,11 +548,14 @@ class Estimator:
     def _device_figures(self, plan, work: Workload, parts: _Parts,
                         runtime: RuntimeProfile | None) -> dict[str, DeviceEstimate]:
         """:func:`~vramcal.estimator.stages.placed_stages` of the plan that loads (a refused plan's
-        alternative), fed with this estimator's per-layer cache and transients."""
+        alternative), fed with this estimator's per-layer cache and transients; a plan that is the one-GPU load
+        (everything on one GPU) with the one-GPU replay, so that a split and the plain estimate agree there."""
         kvp, kve = self._kv_layers_or_split(work, parts)
+        replayed = (self.load_reserved(), parts.slack) if parts.slack is not None else None
         return placed_stages(plan.loads, kv_prompt=kvp, kv_end=kve, prefill_extra=max(parts.prefill_extra, 0),
                              decode_extra=max(parts.decode_extra, 0), on_the_fly=self.on_the_fly,
-                             runtime=(lambda d: runtime) if runtime is not None else default_profile)
+                             runtime=(lambda d: runtime) if runtime is not None else default_profile,
+                             replayed=replayed)
 
     def _place(self, out: Estimate, plan, work: Workload, parts: _Parts, runtime: RuntimeProfile | None) -> None:
         """Per-device stages of ``plan`` (docs/placement.md), into ``out``: ``devices``, ``placement``, and
@@ -568,7 +571,10 @@ class Estimator:
         out.stages = {k: sum(per[d].stages[k] for d in gpus) for k in STAGES}
         out.allocated = {k: sum(per[d].allocated[k] for d in gpus) for k in STAGES}
         out.reserved = {k: sum(per[d].reserved.get(k, 0) for d in gpus) for k in STAGES}
-        out.methods["reserved"] = "each GPU's allocated rounded up to 2 MiB segments (a placement is not replayed)"
+        out.methods["reserved"] = (
+            f"the caching allocator replayed as for the plain load: the plan holds everything on {gpus[0]}"
+            if parts.slack is not None and len(loads.devices) == 1 and gpus else
+            "each GPU's allocated rounded up to 2 MiB segments (a placement is not replayed)")
         out.peak_stage = max(STAGES, key=lambda k: out.stages[k])
         out.peak = out.stages[out.peak_stage]
         out.peak_device = max(gpus, key=lambda d: per[d].peak) if gpus else None
