@@ -36,6 +36,7 @@ from ..units import MIB
 from ..workload import MAX_TOKENS, STAGES, Workload, device_kind
 
 MAX_STEPS = 10
+GRID = (16, 1024, 64)  # the largest context is found to 16 tokens below 1024, to 64 above (the exact trace decides)
 SEARCH_SECONDS = 180.0  # plan's search stops asking new questions after this (docs/plan.md)
 
 
@@ -216,6 +217,65 @@ class Search:
                 hi = mid - 1
         return lo, peaks
 
+    def verified_ctx(self, est: Estimator, batch: int, new_tokens: int, budget: Budget, ctx: int, limit: int,
+                     placement=None) -> tuple[int | None, dict[str, int]]:
+        """``ctx`` (a :meth:`largest_ctx` answer) checked with the exact trace, and the largest context the exact
+        trace allows near it, with its peaks; plan and fit both end their searches here, so they give one
+        answer. The activation fit's answer may be off either way: it bounds the activations from above
+        between its traces (short, by how much depending on the traces the disk cache holds), and the
+        caching allocator's slack is interpolated between the nodes of its ladder, which bounds nothing (past
+        the exact answer: fit said 20,896 tokens where the exact trace allows 18,944). Going down by sixteenths
+        to one that fits, up by sixteenths to one that does not, then halving on a fixed grid of contexts
+        (:data:`GRID`: every 16 tokens below 1024, every 64 above) makes the answer the exact trace's -- the
+        largest context on the grid that fits (or ``limit``), whatever the fit said. None: not even the
+        shortest (one prompt token) fits."""
+        floor = new_tokens + 1
+        seen: dict[int, tuple[bool, dict[str, int]]] = {}
+
+        def ok(c: int) -> bool:
+            if c not in seen:
+                seen[c] = self.fits(est, Workload(c - new_tokens, new_tokens, batch), budget, placement, exact=True)
+            return seen[c][0]
+
+        lo, hi, c = None, None, ctx
+        for _ in range(12):
+            if ok(c):
+                lo = c
+                break
+            hi = c
+            if c <= floor:
+                return None, seen[c][1]
+            c = max(floor, c - max(c // 16, 1))
+        if lo is None:
+            return None, seen[c][1]
+        for _ in range(12):
+            if hi is not None or lo >= limit:
+                break
+            c = min(limit, lo + max(lo // 16, 1))
+            if ok(c):
+                lo = c
+            else:
+                hi = c
+        if hi is None:
+            return lo, seen[lo][1]  # the limit fits
+        a, b = _grid_index(lo), _grid_index(hi)
+        if _grid_point(b) < hi:
+            b += 1
+        if _grid_point(a) < floor:
+            return lo, seen[lo][1]  # shorter than the grid reaches
+        # on the grid: the point at or below lo fits and the one at or above hi does not (a longer context
+        # never needs less memory), so halving between them ends at the same point from any start
+        while b - a > 1:
+            mid = (a + b) // 2
+            if ok(_grid_point(mid)):
+                a = mid
+            else:
+                b = mid
+        c = _grid_point(a)
+        # priced (the caller prices its answer anyway: the trace is kept): with the allocator's slack a longer
+        # context can need a little less, so the grid point below lo may not fit where lo does
+        return (c, seen[c][1]) if ok(c) else (lo, seen[lo][1])
+
     def split(self, est: Estimator, work: Workload, budget: Budget, offload: bool = True,
               strategy: str | None = None) -> Split | None:
         """The placement that keeps the most weights on the GPUs while every GPU's whole peak fits and what
@@ -305,6 +365,17 @@ class Search:
         if best is not None and not offload and best.offloaded:
             return None
         return best
+
+
+def _grid_index(c: int) -> int:
+    """The index of the largest point of the context grid (:data:`GRID`) at or below ``c``."""
+    fine, turn, coarse = GRID
+    return c // fine if c < turn else turn // fine + (c - turn) // coarse
+
+
+def _grid_point(i: int) -> int:
+    fine, turn, coarse = GRID
+    return i * fine if i < turn // fine else turn + (i - turn // fine) * coarse
 
 
 def _between(low: dict[str, int], high: dict[str, int]) -> dict[str, int]:
