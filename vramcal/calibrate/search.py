@@ -15,7 +15,8 @@ device, so a GPU's budget is searched, not set to its size: start from its usabl
 workload adds beside the weights, ask transformers' own device map (``plan_placement``) for the
 placement, price every device's stages, take back from a GPU what it went over by; once it holds, offer
 a GPU as many whole layers as its slack holds while weights still sit in RAM (one fewer while that goes
-over), until less than a layer's room is left -- the proof that one more layer does not fit. Where
+over), until less than a layer's room is left -- the proof that one more layer does not fit, made on the
+exact trace (every map from the first that holds is priced with it). Where
 transformers cannot place the model in the budgets (a module fits no device), the budgets go back up
 toward the GPU's usable memory, half way to the last that went over. At most :data:`MAX_STEPS` maps.
 """
@@ -296,6 +297,7 @@ class Search:
         fitted: dict[str, int] = {}  # the budgets of the best split
         too_small: dict[str, int] | None = None  # budgets transformers could not place the model in
         too_large: dict[str, int] | None = None  # budgets whose peaks went over
+        ceiling: dict[str, int] = {}  # per GPU: the smallest budget that went over once a split held
         exact = False  # priced with the exact trace at ``work`` once a map fits (below)
         for _ in range(MAX_STEPS):
             budgets = {g: min(b, cap[g]) for g, b in budgets.items()}
@@ -337,8 +339,13 @@ class Search:
                     if not moved:
                         break
                     continue
-                if best is not None:  # the layers offered were too many: one fewer, down to the last fit
-                    fewer = {g: b - (layer_bytes if over[g] > 0 else 0) for g, b in budgets.items()}
+                if best is not None:
+                    # the layers offered were too many: half way back to the last fit. Not one layer's bytes
+                    # back: transformers sizes a layer by its own rule (bitsandbytes' weights at 0.5 or 1 byte
+                    # an element, without their quantization state), so a budget one such layer smaller can
+                    # map the same layers (a tiny nf4 model went from 6 layers to 8 and back, never 7)
+                    ceiling.update({g: min(ceiling.get(g, b), b) for g, b in budgets.items() if over[g] > 0})
+                    fewer = {g: _between(fitted, budgets)[g] if over[g] > 0 else b for g, b in budgets.items()}
                     if all(fewer[g] <= fitted[g] for g in gpus if over[g] > 0):
                         break
                     budgets = fewer
@@ -359,6 +366,9 @@ class Search:
             # less room than a layer holds is proof enough that one more does not fit
             grow = {g: (s // layer_bytes) * layer_bytes for g in gpus
                     if (s := usable[g] - peaks.get(g, 0)) >= layer_bytes > 0 and budgets[g] < cap[g]}
+            # below a budget that went over, at most half way to it: within a MiB of it, nothing more fits
+            half = {g: (budgets[g] + c) // 2 // MIB * MIB - budgets[g] for g, c in ceiling.items()}
+            grow = {g: min(v, half.get(g, v)) for g, v in grow.items() if half.get(g, v) > 0}
             if not grow:
                 break
             budgets = {g: b + grow.get(g, 0) for g, b in budgets.items()}
