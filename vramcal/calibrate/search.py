@@ -14,10 +14,10 @@ Splitting (:meth:`Search.split`): ``max_memory`` bounds only the weights transfo
 device, so a GPU's budget is searched, not set to its size: start from its usable memory less what the
 workload adds beside the weights, ask transformers' own device map (``plan_placement``) for the
 placement, price every device's stages, take back from a GPU what it went over by; once it holds, offer
-a GPU as many whole layers as its slack holds while weights still sit in RAM (one fewer while that goes
-over), until less than a layer's room is left -- the proof that one more layer does not fit, made on the
-exact trace (every map from the first that holds is priced with it). Where
-transformers cannot place the model in the budgets (a module fits no device), the budgets go back up
+a GPU as many whole layers as its slack holds while weights still sit in RAM (half way back to the last fit
+while that goes over), until less than a layer's room is left -- the proof that one more layer does not
+fit, made on the exact trace (every map from the first that holds is priced with it). Where transformers
+cannot place the model in the budgets (a module fits no device), the budgets go back up
 toward the GPU's usable memory, half way to the last that went over. At most :data:`MAX_STEPS` maps.
 """
 
@@ -362,7 +362,7 @@ class Search:
             best, fitted = Split(mm, placement, peaks), dict(budgets)
             if not best.offloaded:
                 break
-            # room for more layers: offer as many whole layers as the slack holds (too many: one fewer, above);
+            # room for more layers: offer as many whole layers as the slack holds (too many: half way back, above);
             # less room than a layer holds is proof enough that one more does not fit
             grow = {g: (s // layer_bytes) * layer_bytes for g in gpus
                     if (s := usable[g] - peaks.get(g, 0)) >= layer_bytes > 0 and budgets[g] < cap[g]}
