@@ -129,7 +129,7 @@ def test_a_placement_of_everything_on_one_gpu_is_priced_as_the_plain_load(tiny_m
 
 def test_the_replay_runs_when_a_figure_asks_and_a_cached_trace_is_replayed_alike(tiny_models, monkeypatch):
     """Traces are replayed when a one-GPU figure first needs their slack, not as they are made (a placement's
-    GPUs are never replayed); a trace cached by a run that never replayed it is traced again for its slack,
+    GPUs are not replayed, but for the map of everything on one GPU); a trace cached by a run that never replayed it is traced again for its slack,
     and gives the figures of a cold replayed estimate."""
     from vramcal.estimator import estimate as est_mod
     from vramcal.estimator.placement import plan_placement

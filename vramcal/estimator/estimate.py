@@ -292,8 +292,9 @@ class Estimator:
     def _replayed(self, t: Trace) -> Trace:
         """``t`` with its slack for each replayed setting, from its events (then dropped): ``[]`` where the dry
         run could not give the whole model's events (several layer kinds, images). Made when a figure first
-        asks for it, not as the trace is made: a placement's GPUs are never replayed, so a search that splits
-        a model never pays for the replay of the traces it makes there. A trace read from the disk cache
+        asks for it, not as the trace is made: a placement's GPUs are not replayed (but for the plain load's,
+        :attr:`~vramcal.estimator.placement.Placement.plain_load`), so a search that splits a model pays for
+        no replay it does not read. A trace read from the disk cache
         without this setting's slack (cached by a run that never asked) is traced again for it: the trace
         returned is then a new one, with the same figures."""
         if all(k in t.slack for k in self._slack_keys()):
@@ -398,8 +399,9 @@ class Estimator:
         return base, device_stages("cuda", rt, other).peak
 
     # ---------------------------------------------------------------- the parts at a workload
-    def _parts(self, work: Workload) -> tuple[_Parts, dict[str, str], bool]:
-        """KV and transients at ``work``, how each was obtained, and whether a formula stood in."""
+    def _parts(self, work: Workload, placement=None) -> tuple[_Parts, dict[str, str], bool]:
+        """KV and transients at ``work``, how each was obtained, and whether a formula stood in. The slack is
+        replayed for one device or a ``placement`` that is the plain load, not for one no figure reads it in."""
         methods: dict[str, str] = {}
         approximate = False
         tc = self.text_config
@@ -421,7 +423,9 @@ class Estimator:
             prefill, decode = formula_activations(tc, self.inv, work.batch, work.prompt)
             methods["activations"] = "formula (dry run unavailable)"
             approximate = True
-        slack = self._slack(work, self.alloc_conf) if not methods["activations"].startswith("formula") else None
+        read = placement is None or placement.loads.plain_load
+        slack = self._slack(work, self.alloc_conf) if read and not methods["activations"].startswith("formula") \
+            else None
         return _Parts(kv_prompt, kv_end, prefill, decode, slack), methods, approximate
 
     def _single(self, rt: RuntimeProfile, parts: _Parts, work: Workload) -> tuple[DeviceEstimate, CpuStages | None]:
@@ -467,7 +471,7 @@ class Estimator:
         methods = {"weights": {"meta": "meta-device model + quantizer (exact)",
                                "checkpoint": "checkpoint safetensors headers",
                                "formula": "formula from config fields"}[inv.method]}
-        parts, how, approx = self._parts(work)
+        parts, how, approx = self._parts(work, placement)
         methods.update(how)
         if self._dry_error and methods["activations"].startswith("formula"):
             notes.append(f"dry run failed ({self._dry_error}); activations from a formula")
@@ -573,7 +577,7 @@ class Estimator:
         out.reserved = {k: sum(per[d].reserved.get(k, 0) for d in gpus) for k in STAGES}
         out.methods["reserved"] = (
             f"the caching allocator replayed as for the plain load: the plan holds everything on {gpus[0]}"
-            if parts.slack is not None and len(loads.devices) == 1 and gpus else
+            if parts.slack is not None and loads.plain_load else
             "each GPU's allocated rounded up to 2 MiB segments (a placement is not replayed)")
         out.peak_stage = max(STAGES, key=lambda k: out.stages[k])
         out.peak = out.stages[out.peak_stage]
@@ -632,7 +636,7 @@ class Estimator:
         for ctx, batch in points:
             text = workload(ctx, batch, new_tokens)
             work = self.lm_workload(text)
-            parts, _, _ = self._parts(work)
+            parts, _, _ = self._parts(work, placement)
             if placement is not None:
                 per = self._device_figures(placement, work, parts, runtime)
                 devices = {d: dict(v.stages) for d, v in per.items()}

@@ -155,11 +155,10 @@ def placed_stages(plan, *, kv_prompt: list[int], kv_end: list[int], prefill_extr
     holds the largest offloaded block while it runs. cpu and disk hold their offloaded weights.
 
     ``replayed``: the one-device load's (reserved at the load's peak and after it, slack at the prefill's and
-    the decode step's peaks) from the caching allocator's replay. A plan that holds and runs everything on one
-    GPU is that load -- the same tensors in the same order -- so it takes them; any other plan's GPUs are
-    rounded to segments only (a placement is not replayed)."""
+    the decode step's peaks) from the caching allocator's replay, taken by a plan that is that load
+    (``plan.plain_load``); any other plan's GPUs are rounded to segments only (a placement is not replayed)."""
     out: dict[str, DeviceEstimate] = {}
-    whole = replayed if replayed is not None and len(plan.devices) == 1 else None
+    whole = replayed if replayed is not None and plan.plain_load else None
     kvp, kve = kv_by_device(plan, kv_prompt), kv_by_device(plan, kv_end)
     transient = max(plan.offloaded_alloc.values(), default=0)
     runs = set(plan.layer_exec) | {plan.lm_head_device}
