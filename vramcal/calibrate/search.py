@@ -248,7 +248,7 @@ class Search:
                 return None, seen[c][1]
             c = max(floor, c - max(c // 16, 1))
         if lo is None:
-            return None, seen[c][1]
+            return None, seen[hi][1]  # the last context checked
         for _ in range(12):
             if hi is not None or lo >= limit:
                 break
