@@ -278,8 +278,11 @@ class Estimator:
     # ---------------------------------------------------------------- the caching allocator replayed
     def _slack_keys(self) -> tuple[str, str]:
         """The settings replayed: the run's, and the same with expandable segments (plan and fit say when
-        that would save memory)."""
-        return self.alloc_conf.key, self.alloc_conf.with_expandable().key
+        that would save memory). Kept once made: a sweep asks at every point (half its time in 10,000 points)."""
+        conf = self.alloc_conf
+        if getattr(self, "_keys", (None,))[0] is not conf:
+            self._keys = (conf, (conf.key, conf.with_expandable().key))
+        return self._keys[1]
 
     def _load_events(self) -> list:
         if getattr(self, "_load_ev", None) is None:
