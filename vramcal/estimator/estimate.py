@@ -111,8 +111,9 @@ class Estimator:
         self.use_cache = use_cache
         self.alloc_conf = alloc_conf or alloc_conf_option(None)  # the environment's, else torch's defaults
         self._load_replays: dict[str, tuple[int, int]] = {}
-        # the replay is opt-in (VRAMCAL_ALLOC_REPLAY=1) until plan's and fit's searches are consistent with its
-        # figures (issue 26); off: segments rounding only, as a placement's GPUs are priced (:meth:`unreplayed`)
+        # the replay is opt-in (VRAMCAL_ALLOC_REPLAY=1): plan's and fit's searches agree with its figures (issue
+        # 26), but an offloaded split carries none of its slack (docs/accounting.md); off: segments rounding
+        # only, as an offloaded placement's GPUs are priced (:meth:`unreplayed`)
         self.replay = alloc_replay_enabled()
         self._progress = progress or (lambda step: None)
         self._problems: list[str] = []
