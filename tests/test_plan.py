@@ -125,7 +125,10 @@ def test_each_plan_leaves_nothing_on_the_table(wide, offload_case):
             plan = plan_placement(source, est.quant, mm)
             layers = lambda pl: sum(d == "cuda:0" for d in pl.loads.layer_devices)  # noqa: E731
             before = plan_placement(source, est.quant, p.max_memory)
-            assert layers(plan) == layers(before) + 1
+            # one more: or, where the map goes from offloading to holding the whole model, two -- while anything
+            # is offloaded, accelerate's infer_auto_device_map keeps the largest remaining layer's room on the
+            # main GPU, so the last layer in brings the one that room was kept for (a tiny nf4 model: 6 then 8)
+            assert layers(plan) == layers(before) + 1 or layers(plan) == len(plan.loads.layers) == layers(before) + 2
             peak = search.peaks(est, Workload(p.ctx - p.new_tokens, p.new_tokens, p.batch), plan, exact=True)
             assert peak["cuda:0"] > usable, (p.quant, p.ctx)
 
@@ -210,7 +213,14 @@ def test_the_goal_orders_the_plans(wide, offload_case):
     fast = [p.tokens_per_s for p in speed.plans if p.reaches]
     assert fast == sorted(fast, reverse=True)
     assert [p.ctx for p in context.plans] == sorted((p.ctx for p in context.plans), reverse=True)
-    assert not quality.plans[0].offloaded  # quality: on the GPUs alone where a plan reaches the context
+    # quality: on the GPUs alone where a plan reaches the context, before a better precision offloaded. Asked
+    # on a GPU nf4 alone reaches 4,096 tokens on: with the allocator replayed, no plan of offload_case's GPU
+    # reaches them, and a plan short of the context ranks by how close it comes, offloaded or not
+    nf4 = estimate(wide, "nf4", ctx=4096)
+    quality = plan_model(wide, _hw(cuda_0=nf4.peak + BUFFER, cpu=8 * GIB), buffer=BUFFER)
+    first = quality.plans[0]
+    assert first.reaches and not first.offloaded and first.quant.startswith("nf4"), first
+    assert any(p.reaches and p.offloaded and p.quant == "bf16" for p in quality.plans)
 
 
 # ------------------------------------------------------------------------------- speed bound

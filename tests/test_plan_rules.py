@@ -258,9 +258,9 @@ def test_a_mamba_plan_is_bounded_in_time_and_says_what_it_did(tmp_path, monkeypa
 # ------------------------------------------------------------------------------- fit and plan agree
 
 def test_fit_and_plan_agree_on_one_gpu(tmp_path, monkeypatch):
-    """The same model, GPU and buffer: plan's bf16 plan on the GPU is a context fit calls fitting, and fit's
-    longest is not past it by more than plan's verification grid (64 tokens above 1,024) plus the fit's own
-    step between traces (plan verifies with the exact trace; fit bisects the activation fit)."""
+    """The same model, GPU and buffer: fit's longest context for bf16 is plan's bf16 plan on the GPU. Both
+    bisect the activation fit, then refine the answer with the exact trace on the same grid (with the
+    allocator replayed, the fit's figure is no bound: fit said 20,896 tokens where plan's exact 18,944)."""
     from vramcal.calibrate.fit import fit_contexts
     from vramcal.calibrate.search import Budget, Search
     from vramcal.estimator.resolve import resolve_model
@@ -273,7 +273,8 @@ def test_fit_and_plan_agree_on_one_gpu(tmp_path, monkeypatch):
     p = next(p for p in r.plans if p.quant == "bf16" and p.kv_dtype == "auto" and p.layout == "gpu")
     f = fit_contexts(mid, gpu, device="cuda:0", db=None, buffer=buffer, quants=["bf16"], batches=[1])
     row = f.rows[0]
-    assert row.max_ctx is not None and p.ctx <= row.max_ctx <= p.ctx + p.ctx // 16 + 64, (p.ctx, row.max_ctx)
+    assert row.max_ctx == p.ctx, (p.ctx, row.max_ctx)
+    assert row.peak_bytes == p.peak_bytes["cuda:0"] <= gpu - buffer  # the exact trace's peak, as plan's
     search = Search(resolve_model(mid), device="cuda:0")
     est = search.estimator("bf16")
     assert search.fits(est, Workload(p.ctx - 16, 16, 1), Budget({"cuda:0": gpu - buffer}))[0]

@@ -105,9 +105,31 @@ def test_the_estimate_replays_the_allocator(tiny_models):
     assert x.reserved != e.reserved
 
 
+@pytest.mark.parametrize("replay", ["1", "0"])
+def test_a_placement_of_everything_on_one_gpu_is_priced_as_the_plain_load(tiny_models, monkeypatch, replay):
+    """A split's search prices its maps through the placement path: the map that holds everything on one GPU
+    is the plain load, so it has the plain estimate's figures, replayed or not (before: never replayed, so a
+    split called the whole model fitting where the plain estimate did not, and offloaded nothing)."""
+    from vramcal.estimator.estimate import Estimator
+    from vramcal.estimator.placement import plan_placement
+
+    monkeypatch.setenv("VRAMCAL_ALLOC_REPLAY", replay)
+    source = resolve_model(tiny_models["dense-gqa"])
+    quant = resolve_quant("bf16", source.config)
+    est = Estimator(source, quant, use_cache=False)
+    plain = est.estimate(ctx=1024, exact=True)
+    whole = plan_placement(source, quant, {"cuda:0": 10**10, "cpu": 10**10})
+    assert whole.loads.devices == ["cuda:0"]
+    placed = est.estimate(ctx=1024, exact=True, placement=whole)
+    assert placed.devices["cuda:0"].stages == plain.stages
+    assert est.sweep([(1024, 1)], placement=whole)[0].devices["cuda:0"] == plain.stages
+    assert placed.methods["reserved"].startswith("the caching allocator replayed") == (replay == "1")
+    assert plain.reserved != plain.allocated or replay == "0"  # the replay's slack is in both figures
+
+
 def test_the_replay_runs_when_a_figure_asks_and_a_cached_trace_is_replayed_alike(tiny_models, monkeypatch):
     """Traces are replayed when a one-GPU figure first needs their slack, not as they are made (a placement's
-    GPUs are never replayed); a trace cached by a run that never replayed it is traced again for its slack,
+    GPUs are not replayed, but for the map of everything on one GPU); a trace cached by a run that never replayed it is traced again for its slack,
     and gives the figures of a cold replayed estimate."""
     from vramcal.estimator import estimate as est_mod
     from vramcal.estimator.placement import plan_placement

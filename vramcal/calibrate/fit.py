@@ -5,7 +5,9 @@ load's resident set has a run-to-run range, its top until this machine has a cor
 (``max_memory`` / ``device_map``, docs/placement.md): the placement is planned once per quantization,
 and every GPU of the plan that loads must stay within its own budget minus the buffer, each with the
 correction of its device position when this machine has one. The questions are asked through
-:class:`vramcal.calibrate.search.Search`, as ``plan`` and the what-to-change ladder ask them.
+:class:`vramcal.calibrate.search.Search`, as ``plan`` and the what-to-change ladder ask them: each row's
+context is bisected on the activation fit, then refined with the exact trace as plan refines its own
+(:meth:`~vramcal.calibrate.search.Search.verified_ctx`), so fit and plan give one answer.
 """
 
 from __future__ import annotations
@@ -159,6 +161,8 @@ def _search_rows(rows, quants, batches, search, source, target, placed, new_toke
             continue
         for b in batches:
             ctx, peaks = search.largest_ctx(est, b, new_tokens, target, max_ctx, placement=plan)
+            if ctx is not None:  # refined with the exact trace, as plan refines its own: one answer
+                ctx, peaks = search.verified_ctx(est, b, new_tokens, target, ctx, max_ctx, placement=plan)
             row = FitRow(q, b, ctx, new_tokens, max(peaks.values()), peaks if plan is not None else None,
                          images=images, image_size=image_size)
             advice = expandable_advice(est, Workload(ctx - new_tokens, new_tokens, b)) \

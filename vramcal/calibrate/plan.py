@@ -42,21 +42,9 @@ from .search import (SEARCH_SECONDS, Budget, OutOfTime, Search, Split, bounded, 
 
 OFFLOAD_CTX = 4096  # the context an offloaded plan is split for when none is asked
 SPLIT_FLOOR = 256  # the shortest power of two a split is sized for before the shortest context
-GRID = (16, 1024, 64)  # the largest context is found to 16 tokens below 1024, to 64 above (the exact trace decides)
 PRECISION = ("fp32", "bf16", "fp16", "int8", "nf4", "nf4-dq", "fp4", "fp4-dq")  # best first
 KV_ORDER = ("auto", "fp8")
 UNBOUNDED = 1 << 60  # "as much RAM as it takes": for saying how much is missing
-
-
-def _grid_index(c: int) -> int:
-    """The index of the largest point of the context grid (:data:`GRID`) at or below ``c``."""
-    fine, turn, coarse = GRID
-    return c // fine if c < turn else turn // fine + (c - turn) // coarse
-
-
-def _grid_point(i: int) -> int:
-    fine, turn, coarse = GRID
-    return i * fine if i < turn // fine else turn + (i - turn // fine) * coarse
 
 
 @dataclass
@@ -258,52 +246,10 @@ class Planner:
         return self._plan(quant, kv, layout, est, budget, split, ctx)
 
     def _verified(self, est, budget: Budget, placement, ctx: int) -> int | None:
-        """The context, checked with the exact trace, and the largest the exact trace allows near it. The
-        fit bounds the activations from above between its traces, so its answer may be short, and by how
-        much depends on the traces the disk cache holds: going down by sixteenths to one that fits, up by
-        sixteenths to one that does not, then halving on a fixed grid of contexts (:data:`GRID`: every 16
-        tokens below 1024, every 64 above) makes the answer the exact trace's -- the largest context on the
-        grid that fits (or the limit), whatever traces the cache held. None: not even the shortest fits."""
-        floor, limit = self.new_tokens + 1, (self.target if self.asked else self.limit)
-
-        def ok(c: int) -> bool:
-            return self.search.fits(est, self.work(c), budget, placement, exact=True)[0]
-
-        lo, hi, c = None, None, ctx
-        for _ in range(12):
-            if ok(c):
-                lo = c
-                break
-            hi = c
-            if c <= floor:
-                return None
-            c = max(floor, c - max(c // 16, 1))
-        if lo is None:
-            return None
-        for _ in range(12):
-            if hi is not None or lo >= limit:
-                break
-            c = min(limit, lo + max(lo // 16, 1))
-            if ok(c):
-                lo = c
-            else:
-                hi = c
-        if hi is None:
-            return lo  # the limit fits
-        a, b = _grid_index(lo), _grid_index(hi)
-        if _grid_point(b) < hi:
-            b += 1
-        if _grid_point(a) < floor:
-            return lo  # shorter than the grid reaches
-        # on the grid: the point at or below lo fits and the one at or above hi does not (a longer context
-        # never needs less memory), so halving between them ends at the same point from any start
-        while b - a > 1:
-            mid = (a + b) // 2
-            if ok(_grid_point(mid)):
-                a = mid
-            else:
-                b = mid
-        return _grid_point(a)
+        """The context, checked and refined with the exact trace (:meth:`Search.verified_ctx`, as ``fit``
+        refines its own). None: not even the shortest fits."""
+        limit = self.target if self.asked else self.limit
+        return self.search.verified_ctx(est, self.batch, self.new_tokens, budget, ctx, limit, placement)[0]
 
     def _plan(self, quant: str, kv: str, layout: str, est, budget: Budget, split: Split | None, ctx: int) -> Plan:
         work = self.work(ctx)

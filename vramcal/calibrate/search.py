@@ -14,9 +14,10 @@ Splitting (:meth:`Search.split`): ``max_memory`` bounds only the weights transfo
 device, so a GPU's budget is searched, not set to its size: start from its usable memory less what the
 workload adds beside the weights, ask transformers' own device map (``plan_placement``) for the
 placement, price every device's stages, take back from a GPU what it went over by; once it holds, offer
-a GPU as many whole layers as its slack holds while weights still sit in RAM (one fewer while that goes
-over), until less than a layer's room is left -- the proof that one more layer does not fit. Where
-transformers cannot place the model in the budgets (a module fits no device), the budgets go back up
+a GPU as many whole layers as its slack holds while weights still sit in RAM (half way back to the last fit
+while that goes over), until less than a layer's room is left -- the proof that one more layer does not
+fit, made on the exact trace (every map from the first that holds is priced with it). Where transformers
+cannot place the model in the budgets (a module fits no device), the budgets go back up
 toward the GPU's usable memory, half way to the last that went over. At most :data:`MAX_STEPS` maps.
 """
 
@@ -36,6 +37,7 @@ from ..units import MIB
 from ..workload import MAX_TOKENS, STAGES, Workload, device_kind
 
 MAX_STEPS = 10
+GRID = (16, 1024, 64)  # the largest context is found to 16 tokens below 1024, to 64 above (the exact trace decides)
 SEARCH_SECONDS = 180.0  # plan's search stops asking new questions after this (docs/plan.md)
 
 
@@ -216,6 +218,65 @@ class Search:
                 hi = mid - 1
         return lo, peaks
 
+    def verified_ctx(self, est: Estimator, batch: int, new_tokens: int, budget: Budget, ctx: int, limit: int,
+                     placement=None) -> tuple[int | None, dict[str, int]]:
+        """``ctx`` (a :meth:`largest_ctx` answer) checked with the exact trace, and the largest context the exact
+        trace allows near it, with its peaks; plan and fit both end their searches here, so they give one
+        answer. The activation fit's answer may be off either way: it bounds the activations from above
+        between its traces (short, by how much depending on the traces the disk cache holds), and the
+        caching allocator's slack is interpolated between the nodes of its ladder, which bounds nothing (past
+        the exact answer: fit said 20,896 tokens where the exact trace allows 18,944). Going down by sixteenths
+        to one that fits, up by sixteenths to one that does not, then halving on a fixed grid of contexts
+        (:data:`GRID`: every 16 tokens below 1024, every 64 above) makes the answer the exact trace's -- the
+        largest context on the grid that fits (or ``limit``), whatever the fit said. None: not even the
+        shortest (one prompt token) fits."""
+        floor = new_tokens + 1
+        seen: dict[int, tuple[bool, dict[str, int]]] = {}
+
+        def ok(c: int) -> bool:
+            if c not in seen:
+                seen[c] = self.fits(est, Workload(c - new_tokens, new_tokens, batch), budget, placement, exact=True)
+            return seen[c][0]
+
+        lo, hi, c = None, None, ctx
+        for _ in range(12):
+            if ok(c):
+                lo = c
+                break
+            hi = c
+            if c <= floor:
+                return None, seen[c][1]
+            c = max(floor, c - max(c // 16, 1))
+        if lo is None:
+            return None, seen[hi][1]  # the last context checked
+        for _ in range(12):
+            if hi is not None or lo >= limit:
+                break
+            c = min(limit, lo + max(lo // 16, 1))
+            if ok(c):
+                lo = c
+            else:
+                hi = c
+        if hi is None:
+            return lo, seen[lo][1]  # the limit fits
+        a, b = _grid_index(lo), _grid_index(hi)
+        if _grid_point(b) < hi:
+            b += 1
+        if _grid_point(a) < floor:
+            return lo, seen[lo][1]  # shorter than the grid reaches
+        # on the grid: the point at or below lo fits and the one at or above hi does not (a longer context
+        # never needs less memory), so halving between them ends at the same point from any start
+        while b - a > 1:
+            mid = (a + b) // 2
+            if ok(_grid_point(mid)):
+                a = mid
+            else:
+                b = mid
+        c = _grid_point(a)
+        # priced (the caller prices its answer anyway: the trace is kept): with the allocator's slack a longer
+        # context can need a little less, so the grid point below lo may not fit where lo does
+        return (c, seen[c][1]) if ok(c) else (lo, seen[lo][1])
+
     def split(self, est: Estimator, work: Workload, budget: Budget, offload: bool = True,
               strategy: str | None = None) -> Split | None:
         """The placement that keeps the most weights on the GPUs while every GPU's whole peak fits and what
@@ -236,6 +297,8 @@ class Search:
         fitted: dict[str, int] = {}  # the budgets of the best split
         too_small: dict[str, int] | None = None  # budgets transformers could not place the model in
         too_large: dict[str, int] | None = None  # budgets whose peaks went over
+        ceiling: dict[str, int] = {}  # per GPU: the smallest budget that went over once a split held
+        exact = False  # priced with the exact trace at ``work`` once a map fits (below)
         for _ in range(MAX_STEPS):
             budgets = {g: min(b, cap[g]) for g, b in budgets.items()}
             mm = dict(budgets)
@@ -251,7 +314,13 @@ class Search:
                 if budgets == too_small or budgets == usable and too_small == usable:
                     break
                 continue
-            ok, peaks = self.fits(est, work, budget, placement)
+            ok, peaks = self.fits(est, work, budget, placement, exact=exact)
+            if ok and not exact:
+                # the activation fit bounds a point between its traces from above, by how much depending on
+                # the traces made so far: the room that proves one more layer does not fit is the exact
+                # trace's. One trace at this workload, then every map is priced with it
+                exact = True
+                ok, peaks = self.fits(est, work, budget, placement, exact=True)
             if not ok:
                 over = {g: peaks.get(g, 0) - usable[g] for g in gpus}
                 if all(v <= 0 for v in over.values()):  # RAM or disk over, every GPU within its memory
@@ -270,8 +339,13 @@ class Search:
                     if not moved:
                         break
                     continue
-                if best is not None:  # the layers offered were too many: one fewer, down to the last fit
-                    fewer = {g: b - (layer_bytes if over[g] > 0 else 0) for g, b in budgets.items()}
+                if best is not None:
+                    # the layers offered were too many: half way back to the last fit. Not one layer's bytes
+                    # back: transformers sizes a layer by its own rule (bitsandbytes' weights at 0.5 or 1 byte
+                    # an element, without their quantization state), so a budget one such layer smaller can
+                    # map the same layers (a tiny nf4 model went from 6 layers to 8 and back, never 7)
+                    ceiling.update({g: min(ceiling.get(g, b), b) for g, b in budgets.items() if over[g] > 0})
+                    fewer = {g: _between(fitted, budgets)[g] if over[g] > 0 else b for g, b in budgets.items()}
                     if all(fewer[g] <= fitted[g] for g in gpus if over[g] > 0):
                         break
                     budgets = fewer
@@ -288,16 +362,30 @@ class Search:
             best, fitted = Split(mm, placement, peaks), dict(budgets)
             if not best.offloaded:
                 break
-            # room for more layers: offer as many whole layers as the slack holds (too many: one fewer, above);
+            # room for more layers: offer as many whole layers as the slack holds (too many: half way back, above);
             # less room than a layer holds is proof enough that one more does not fit
             grow = {g: (s // layer_bytes) * layer_bytes for g in gpus
                     if (s := usable[g] - peaks.get(g, 0)) >= layer_bytes > 0 and budgets[g] < cap[g]}
+            # below a budget that went over, at most half way to it: within a MiB of it, nothing more fits
+            half = {g: (budgets[g] + c) // 2 // MIB * MIB - budgets[g] for g, c in ceiling.items()}
+            grow = {g: min(v, half.get(g, v)) for g, v in grow.items() if half.get(g, v) > 0}
             if not grow:
                 break
             budgets = {g: b + grow.get(g, 0) for g, b in budgets.items()}
         if best is not None and not offload and best.offloaded:
             return None
         return best
+
+
+def _grid_index(c: int) -> int:
+    """The index of the largest point of the context grid (:data:`GRID`) at or below ``c``."""
+    fine, turn, coarse = GRID
+    return c // fine if c < turn else turn // fine + (c - turn) // coarse
+
+
+def _grid_point(i: int) -> int:
+    fine, turn, coarse = GRID
+    return i * fine if i < turn // fine else turn + (i - turn // fine) * coarse
 
 
 def _between(low: dict[str, int], high: dict[str, int]) -> dict[str, int]:
@@ -360,10 +448,13 @@ def stored_corrections(db: str | None, fingerprint: dict, source, quants, device
 
 
 def _layer_bytes(est: Estimator) -> int:
-    """A decoder layer's weights in this quantization: all but the embeddings (lm_head included), norms and
-    buffers, over the layers."""
+    """A decoder layer's weights in this quantization: all but the input embeddings, an untied lm_head (no
+    layer holds it: transformers' map places it as a module of its own, and bitsandbytes keeps it 16-bit,
+    so counting it in a layer made Llama-3.1-8B's nf4 layer 155 MB for its 123 MB), norms and buffers,
+    over the layers. A tied lm_head is the embeddings' tensor, counted once under them."""
     from ..estimator.resolve import size_field, text_config
 
     layers = max(int(size_field(text_config(est.source.config), "num_hidden_layers") or 1), 1)
     g = est.inv.groups
-    return max(est.inv.tensor_bytes - g.get("embeddings", 0) - g.get("norms", 0) - g.get("buffers", 0), 0) // layers
+    outside = sum(g.get(k, 0) for k in ("embeddings", "lm_head", "norms", "buffers"))
+    return max(est.inv.tensor_bytes - outside, 0) // layers

@@ -111,8 +111,9 @@ class Estimator:
         self.use_cache = use_cache
         self.alloc_conf = alloc_conf or alloc_conf_option(None)  # the environment's, else torch's defaults
         self._load_replays: dict[str, tuple[int, int]] = {}
-        # the replay is opt-in (VRAMCAL_ALLOC_REPLAY=1) until plan's and fit's searches are consistent with its
-        # figures (issue 26); off: segments rounding only, as a placement's GPUs are priced (:meth:`unreplayed`)
+        # the replay is opt-in (VRAMCAL_ALLOC_REPLAY=1): plan's and fit's searches agree with its figures (issue
+        # 26), but an offloaded split carries none of its slack (docs/accounting.md); off: segments rounding
+        # only, as an offloaded placement's GPUs are priced (:meth:`unreplayed`)
         self.replay = alloc_replay_enabled()
         self._progress = progress or (lambda step: None)
         self._problems: list[str] = []
@@ -278,8 +279,11 @@ class Estimator:
     # ---------------------------------------------------------------- the caching allocator replayed
     def _slack_keys(self) -> tuple[str, str]:
         """The settings replayed: the run's, and the same with expandable segments (plan and fit say when
-        that would save memory)."""
-        return self.alloc_conf.key, self.alloc_conf.with_expandable().key
+        that would save memory). Kept once made: a sweep asks at every point (half its time in 10,000 points)."""
+        conf = self.alloc_conf
+        if getattr(self, "_keys", (None,))[0] is not conf:
+            self._keys = (conf, (conf.key, conf.with_expandable().key))
+        return self._keys[1]
 
     def _load_events(self) -> list:
         if getattr(self, "_load_ev", None) is None:
@@ -292,8 +296,9 @@ class Estimator:
     def _replayed(self, t: Trace) -> Trace:
         """``t`` with its slack for each replayed setting, from its events (then dropped): ``[]`` where the dry
         run could not give the whole model's events (several layer kinds, images). Made when a figure first
-        asks for it, not as the trace is made: a placement's GPUs are never replayed, so a search that splits
-        a model never pays for the replay of the traces it makes there. A trace read from the disk cache
+        asks for it, not as the trace is made: a placement's GPUs are not replayed (but for the plain load's,
+        :attr:`~vramcal.estimator.placement.Placement.plain_load`), so a search that splits a model pays for
+        no replay it does not read. A trace read from the disk cache
         without this setting's slack (cached by a run that never asked) is traced again for it: the trace
         returned is then a new one, with the same figures."""
         if all(k in t.slack for k in self._slack_keys()):
@@ -398,8 +403,9 @@ class Estimator:
         return base, device_stages("cuda", rt, other).peak
 
     # ---------------------------------------------------------------- the parts at a workload
-    def _parts(self, work: Workload) -> tuple[_Parts, dict[str, str], bool]:
-        """KV and transients at ``work``, how each was obtained, and whether a formula stood in."""
+    def _parts(self, work: Workload, placement=None) -> tuple[_Parts, dict[str, str], bool]:
+        """KV and transients at ``work``, how each was obtained, and whether a formula stood in. The slack is
+        replayed for one device or a ``placement`` that is the plain load, not for one no figure reads it in."""
         methods: dict[str, str] = {}
         approximate = False
         tc = self.text_config
@@ -421,7 +427,9 @@ class Estimator:
             prefill, decode = formula_activations(tc, self.inv, work.batch, work.prompt)
             methods["activations"] = "formula (dry run unavailable)"
             approximate = True
-        slack = self._slack(work, self.alloc_conf) if not methods["activations"].startswith("formula") else None
+        read = placement is None or placement.loads.plain_load
+        slack = self._slack(work, self.alloc_conf) if read and not methods["activations"].startswith("formula") \
+            else None
         return _Parts(kv_prompt, kv_end, prefill, decode, slack), methods, approximate
 
     def _single(self, rt: RuntimeProfile, parts: _Parts, work: Workload) -> tuple[DeviceEstimate, CpuStages | None]:
@@ -474,7 +482,7 @@ class Estimator:
         methods = {"weights": {"meta": "meta-device model + quantizer (exact)",
                                "checkpoint": "checkpoint safetensors headers",
                                "formula": "formula from config fields"}[inv.method]}
-        parts, how, approx = self._parts(work)
+        parts, how, approx = self._parts(work, placement)
         methods.update(how)
         if self._dry_error and methods["activations"].startswith("formula"):
             notes.append(f"dry run failed ({self._dry_error}); activations from a formula")
@@ -560,11 +568,14 @@ class Estimator:
     def _device_figures(self, plan, work: Workload, parts: _Parts,
                         runtime: RuntimeProfile | None) -> dict[str, DeviceEstimate]:
         """:func:`~vramcal.estimator.stages.placed_stages` of the plan that loads (a refused plan's
-        alternative), fed with this estimator's per-layer cache and transients."""
+        alternative), fed with this estimator's per-layer cache and transients; a plan that is the one-GPU load
+        (everything on one GPU) with the one-GPU replay, so that a split and the plain estimate agree there."""
         kvp, kve = self._kv_layers_or_split(work, parts)
+        replayed = (self.load_reserved(), parts.slack) if parts.slack is not None else None
         return placed_stages(plan.loads, kv_prompt=kvp, kv_end=kve, prefill_extra=max(parts.prefill_extra, 0),
                              decode_extra=max(parts.decode_extra, 0), on_the_fly=self.on_the_fly,
-                             runtime=(lambda d: runtime) if runtime is not None else default_profile)
+                             runtime=(lambda d: runtime) if runtime is not None else default_profile,
+                             replayed=replayed)
 
     def _place(self, out: Estimate, plan, work: Workload, parts: _Parts, runtime: RuntimeProfile | None) -> None:
         """Per-device stages of ``plan`` (docs/placement.md), into ``out``: ``devices``, ``placement``, and
@@ -580,7 +591,10 @@ class Estimator:
         out.stages = {k: sum(per[d].stages[k] for d in gpus) for k in STAGES}
         out.allocated = {k: sum(per[d].allocated[k] for d in gpus) for k in STAGES}
         out.reserved = {k: sum(per[d].reserved.get(k, 0) for d in gpus) for k in STAGES}
-        out.methods["reserved"] = "each GPU's allocated rounded up to 2 MiB segments (a placement is not replayed)"
+        out.methods["reserved"] = (
+            f"the caching allocator replayed as for the plain load: the plan holds everything on {gpus[0]}"
+            if parts.slack is not None and loads.plain_load else
+            "each GPU's allocated rounded up to 2 MiB segments (a placement is not replayed)")
         out.peak_stage = max(STAGES, key=lambda k: out.stages[k])
         out.peak = out.stages[out.peak_stage]
         out.peak_device = max(gpus, key=lambda d: per[d].peak) if gpus else None
@@ -638,7 +652,7 @@ class Estimator:
         for ctx, batch in points:
             text = workload(ctx, batch, new_tokens)
             work = self.lm_workload(text)
-            parts, _, _ = self._parts(work)
+            parts, _, _ = self._parts(work, placement)
             if placement is not None:
                 per = self._device_figures(placement, work, parts, runtime)
                 devices = {d: dict(v.stages) for d, v in per.items()}

@@ -138,6 +138,12 @@ class Placement:
         return [d for d in self.devices if d.startswith("cuda")]
 
     @property
+    def plain_load(self) -> bool:
+        """Everything held and run on one GPU: the plain load (``device_map={"": N}``), the same tensors in the
+        same order, so its GPU has the plain estimate's figures, the caching allocator's replay included."""
+        return len(self.devices) == 1 and self.devices[0].startswith("cuda")
+
+    @property
     def loads(self) -> Placement:
         """The plan that loads: this one, or the alternative that loads instead of a refused one."""
         return self.alternative if self.refused and self.alternative is not None else self

@@ -152,15 +152,21 @@ def kv_by_device(plan, per_layer: list[int]) -> dict[str, int]:
 
 
 def placed_stages(plan, *, kv_prompt: list[int], kv_end: list[int], prefill_extra: int, decode_extra: int,
-                  on_the_fly: bool, runtime) -> dict[str, DeviceEstimate]:
+                  on_the_fly: bool, runtime, replayed: tuple[tuple[int, int], tuple[int, int]] | None = None
+                  ) -> dict[str, DeviceEstimate]:
     """Per-device stages of a placement (a :class:`~vramcal.estimator.placement.Placement` that loads).
 
     ``kv_prompt`` / ``kv_end``: each cache layer's bytes after the prefill and at the end (list index =
     decoder layer index); ``prefill_extra`` / ``decode_extra``: the dry run's transient peaks, seen on
     every GPU where a decoder layer or lm_head runs (the peak is reached inside one layer); ``on_the_fly``:
     bitsandbytes quantizes while loading; ``runtime(device) -> RuntimeProfile``. The main device also
-    holds the largest offloaded block while it runs. cpu and disk hold their offloaded weights."""
+    holds the largest offloaded block while it runs. cpu and disk hold their offloaded weights.
+
+    ``replayed``: the one-device load's (reserved at the load's peak and after it, slack at the prefill's and
+    the decode step's peaks) from the caching allocator's replay, taken by a plan that is that load
+    (``plan.plain_load``); any other plan's GPUs are rounded to segments only (a placement is not replayed)."""
     out: dict[str, DeviceEstimate] = {}
+    whole = replayed if replayed is not None and plan.plain_load else None
     kvp, kve = kv_by_device(plan, kv_prompt), kv_by_device(plan, kv_end)
     transient = max(plan.offloaded_alloc.values(), default=0)
     runs = set(plan.layer_exec) | {plan.lm_head_device}
@@ -174,6 +180,7 @@ def placed_stages(plan, *, kv_prompt: list[int], kv_end: list[int], prefill_extr
                           warmup=(plan.warmup or {}).get(dev, 0), runs=dev in runs,
                           kv_prompt=kvp.get(dev, 0), kv_end=kve.get(dev, 0),
                           prefill_extra=prefill_extra, decode_extra=decode_extra,
-                          offload_transient=transient if dev == plan.main_device else 0)
+                          offload_transient=transient if dev == plan.main_device else 0,
+                          load_reserved=whole[0] if whole else None, slack=whole[1] if whole else None)
         out[dev] = device_stages(dev, runtime(dev), load)
     return out
