@@ -130,14 +130,16 @@ def test_the_corpus_compares_as_docs_validation_reports(compared):
     model = [c for r in results for c in r.compared if c.term == "model" and c.err_pct is not None]
     assert {c.id for c in model} == {"lc01", "lc14", "lc17"} and max(abs(c.err_pct) for c in model) < 0.01
     assert [c.err_pct for c in model if c.id == "lc01"] == [0.0, 0.0]  # CUDA: equal to the log's 0.01 MiB
-    # compute: the median over 39 buffers, and the rows the replay meets within 3 %
+    # compute: the median over 39 buffers, and the rows the replay meets within 3 % (no op in place on a view,
+    # as ggml-alloc has it since v3: lc11, a 2026 llama-cpp-python on the CPU, equal)
     assert med["compute"][2] == 39
     assert med["compute"][0] == pytest.approx(5.26, abs=0.05)
     close = {(c.id, c.device) for r in results for c in r.compared
              if c.term == "compute" and abs(c.err_pct) <= 3.0}
-    assert {("lc01", "GPU0"), ("lc01", "host"), ("lc05", "host"), ("lc07", "host"), ("lc10", "GPU0"),
-            ("lc12", "GPU0"), ("lc13", "GPU0"), ("lc13", "GPU1"), ("lc14", "GPU0"), ("lc16", "GPU0"),
-            ("lc17", "GPU0"), ("lc18", "GPU0"), ("lc18", "GPU1"), ("lc18", "host")} <= close
+    assert {("lc01", "GPU0"), ("lc01", "host"), ("lc05", "host"), ("lc07", "host"), ("lc08", "host"),
+            ("lc10", "GPU0"), ("lc11", "host"), ("lc13", "GPU0"), ("lc13", "GPU1"), ("lc14", "GPU0"),
+            ("lc16", "GPU0"), ("lc17", "GPU0"), ("lc18", "GPU0"), ("lc18", "GPU1"), ("lc18", "host")} <= close
+    assert [c.err_pct for r in results for c in r.compared if c.term == "compute" and c.id == "lc11"] == [0.0]
 
 
 def test_the_report_writes_its_section(compared, tmp_path):

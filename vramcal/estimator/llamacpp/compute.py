@@ -7,7 +7,7 @@ intermediate tensor (llama-context.cpp ``sched_reserve`` -> ``graph_reserve`` ->
 ``ggml_dyn_tallocr`` (ggml-alloc.c), best fit among freed blocks, else the end of the buffer; a tensor
 is freed when its last consumer ran; an op that ggml may run in place (``ggml_op_can_inplace``: ADD,
 MUL, RMS_NORM, ROPE, SOFT_MAX, UNARY ...) takes its parent's memory when it is the parent's only
-consumer.
+consumer and the parent is not a view (:func:`.ggml_graph._allocate`).
 
 Here the same graph is written down node by node for the llama family of decoders (src/models/llama.cpp
 and the gemma2/gemma3 variants with their extra norms, scaling and soft-capping; dense or MoE feed
@@ -27,7 +27,7 @@ splits per backend and copies tensors between them; that is priced as each devic
 graph, plus the graph inputs the scheduler keeps on the GPU host (``CUDA_Host``, :func:`host_inputs`).
 Against published CUDA, Vulkan and Metal logs (docs/validation.md, the llama.cpp section) a full offload's
 GPU buffer is within 3 % wherever the build lays the cache and the ubatch out as today's (2024 builds and a
-shared multi-sequence cache differ); a partial offload's, and the scheduler's copies between devices (and
+shared multi-sequence cache differ, and gpt-oss, whose own nodes are not replayed, is 4 % under); a partial offload's, and the scheduler's copies between devices (and
 pipeline parallelism's), remain approximate and the notes say so.
 """
 

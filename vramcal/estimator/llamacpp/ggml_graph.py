@@ -6,8 +6,8 @@ order written down by hand. Or as ggml builds it (``Graph(lazy=True)``): nodes a
 sources, and :meth:`Graph.expand` appends them the way ``ggml_build_forward_expand`` does (ggml.c
 ``ggml_visit_parents_graph``: depth first, sources left to right, each node once, after its sources), the
 graph inputs among them as leafs in the order the walk meets them -- the order ggml-alloc allocates them.
-Lazy nodes carry their ggml shape (``ne``) and element size: the in-place test compares those, and a
-strided or offset view (:meth:`Graph.strided`) never matches, as its data is not its source's.
+Lazy nodes carry their ggml shape (``ne``) and element size: the in-place test compares those. No op runs in
+place on a view of any kind (:func:`_allocate`).
 """
 
 from __future__ import annotations
@@ -36,16 +36,10 @@ class Node:
 
 
 class Graph:
-    def __init__(self, lazy: bool = False, reuse_views: bool = True) -> None:
+    def __init__(self, lazy: bool = False) -> None:
         self.nodes: list[Node] = []
         self.leafs: list[Node] = []
         self.lazy = lazy
-        # whether an in-place op may take a view parent's memory: ggml-alloc.c's view branch in
-        # ggml_gallocr_allocate_node. In the tree llama-cpp-python 0.3.36 vendors it never runs -- a view is never
-        # "own" (ggml_gallocr_is_own: views are not allocated), so the parent is skipped first -- and the graphs
-        # written for that tree (.graphs) say False. The llama family's eager graph keeps True: it is held against
-        # published logs of 2025 builds, which it meets within 3 % that way (docs/validation.md)
-        self.reuse_views = reuse_views
         self._seen: set[int] = set()
 
     def _add(self, n: Node, to: list[Node]) -> Node:
@@ -81,8 +75,7 @@ class Graph:
         return self.view(src, layout=(src.layout[0], *ne))
 
     def strided(self, src: Node) -> Node:
-        """A view at an offset or with other strides (``ggml_view_*``, ``ggml_permute``, ``ggml_transpose``):
-        never the same layout as a new tensor, so nothing runs in place on it."""
+        """A view at an offset or with other strides (``ggml_view_*``, ``ggml_permute``, ``ggml_transpose``)."""
         return self.view(src, layout=("strided", object()))
 
     def write(self, op: str, *srcs: Node) -> Node:
@@ -147,38 +140,23 @@ class Allocator:
         self.blocks.insert(at, [off, size])
 
 
-def _allocate(g: Graph, a: Allocator, n: Node) -> None:
+def _allocate(a: Allocator, n: Node) -> None:
+    """ggml-alloc.c ``ggml_gallocr_allocate_node``: an op ``ggml_op_can_inplace`` lists takes the memory of a
+    parent that is "own" (``ggml_gallocr_is_own``: allocated by the graph allocator and not yet freed or handed
+    on), not an output, of its layout and with no other consumer. A view is never own -- views are not
+    allocated -- so nothing runs in place on a view: ggml's branch that would hand a view's source to the op
+    never runs, and is not written here. That is the rule since ggml-alloc v3 (ggml PR #727, in llama.cpp from
+    2024-02-11, PR #5452), the allocator of the vendored build and of every published log compared
+    (docs/llamacpp.md); the 2023 allocator judged "own" by address, and reused views."""
     if n.allocated or n.view_of is not None:
         return
     n.allocated = True
     if n.op in INPLACE:
         for p in n.srcs:
-            if p.is_output or (p.view_of is not None and p.view_of.is_output):
-                continue
-            if p.layout != n.layout or p.children != 1 or p.views != 0:
-                continue
-            if p.view_of is not None:
-                if not g.reuse_views:
-                    continue
-                src = p.view_of
-                if src.views == 1 and src.children == 0 and src.offset is not None:
-                    n.offset, src.allocated, p.allocated = src.offset, False, False
-                    _free_extra(a, n, src)
-                    return
-                continue
-            if p.offset is None:
-                continue
-            n.offset, p.allocated = p.offset, False
-            return
+            if p.allocated and not p.is_output and p.layout == n.layout and p.children == 1 and p.views == 0:
+                n.offset, p.allocated = p.offset, False
+                return
     n.offset = a.alloc(n.nbytes)
-
-
-def _free_extra(a: Allocator, n: Node, src: Node) -> None:
-    """ggml-alloc.c ``ggml_gallocr_free_extra_space``: a node placed in a larger source's memory gives the
-    source's tail back."""
-    size, used = a.aligned(src.nbytes), a.aligned(n.nbytes)
-    if size > used:
-        a.free(src.offset + used, size - used)
 
 
 def _free(a: Allocator, n: Node) -> None:
@@ -193,7 +171,7 @@ def run_allocator(g: Graph, align: int) -> int:
     freeing a parent (and a view's source) when its last consumer has run."""
     a = Allocator(align)
     for leaf in g.leafs:
-        _allocate(g, a, leaf)
+        _allocate(a, leaf)
     for n in g.nodes:
         if n.view_of is not None:
             n.view_of.views += 1
@@ -201,8 +179,8 @@ def run_allocator(g: Graph, align: int) -> int:
             s.children += 1
     for n in g.nodes:
         for p in n.srcs:
-            _allocate(g, a, p)
-        _allocate(g, a, n)
+            _allocate(a, p)
+        _allocate(a, n)
         for p in n.srcs:
             p.children -= 1
             if p.children == 0 and p.views == 0:

@@ -12,9 +12,6 @@ Written down (docs/llamacpp.md has the table, each with its source file): deepse
 KV attention), lfm2 (the short convolution), qwen3next (the fused gated delta net and gated attention), rwkv6
 and rwkv7 (token shift, time mix, channel mix). Each builder takes the ubatch llama-context.cpp
 ``graph_reserve`` builds (:func:`build`) and the layers on one device.
-
-The vendored ggml-alloc.c never runs an op in place on a view (a view is never "own"), so these graphs are
-built with ``reuse_views=False`` (:class:`.ggml_graph.Graph`).
 """
 
 from __future__ import annotations
@@ -130,7 +127,7 @@ def deepseek2_mla(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs
                   with_output: bool) -> Graph:
     """src/models/deepseek2.cpp, MLA with the absorption (``attn_k_b`` / ``attn_v_b``), q through ``q_lora`` (or
     one ``wq``: the lite models)."""
-    g = Graph(lazy=True, reuse_views=False)
+    g = Graph(lazy=True)
     T, E, fa = n_tokens, h.n_embd, c.flash_attn
     H = h.n_head[0]
     hk = _int(m, ".attention.key_length_mla")  # nope + rope per head
@@ -271,7 +268,7 @@ def _mamba2_layer(m: GgufModel, g: Graph, x: Node, s_copy: tuple[Node, Node], n_
 def mamba(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
           with_output: bool) -> Graph:
     """src/models/mamba.cpp (mamba and mamba2): per layer an RMS norm, the mixer, the residual."""
-    g = Graph(lazy=True, reuse_views=False)
+    g = Graph(lazy=True)
     T, E, S = n_tokens, h.n_embd, c.n_seq_max
     cur = _inputs(g, E, T)
     s_copy = _s_copy(g, S)
@@ -351,7 +348,7 @@ def granitehybrid(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs
                   with_output: bool) -> Graph:
     """src/models/granite-hybrid.cpp: a Mamba-2 mixer or attention per layer, then a dense feed-forward (or MoE),
     the residual multiplier as a scale where the GGUF gives one."""
-    g = Graph(lazy=True, reuse_views=False)
+    g = Graph(lazy=True)
     T, E, S = n_tokens, h.n_embd, c.n_seq_max
     recr = h.memory.recr_layers
     res_scale = float(m.get(".residual_scale", 0.0) or 0.0)
@@ -393,7 +390,7 @@ def nemotron_h(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: i
     """src/models/nemotron-h.cpp: per layer one of a Mamba-2 mixer, attention (no rope) or an MLP (relu
     squared), each after its own RMS norm, then the residual; the outputs' rows are taken after the final norm
     (``embeddings_nextn_masked`` is off by default, llama-context.cpp)."""
-    g = Graph(lazy=True, reuse_views=False)
+    g = Graph(lazy=True)
     T, E, S = n_tokens, h.n_embd, c.n_seq_max
     mem = h.memory
     cur = _inputs(g, E, T)
@@ -417,7 +414,7 @@ def jamba(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, l
           with_output: bool) -> Graph:
     """src/models/jamba.cpp: a Mamba (1) mixer where a layer has no KV heads, attention without rope elsewhere;
     then a dense feed-forward or MoE (softmax gating, weights not normalized)."""
-    g = Graph(lazy=True, reuse_views=False)
+    g = Graph(lazy=True)
     T, E, S = n_tokens, h.n_embd, c.n_seq_max
     cur = _inputs(g, E, T)
     s_copy = _s_copy(g, S)
@@ -448,7 +445,7 @@ def falcon_h1(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: in
               with_output: bool) -> Graph:
     """src/models/falcon-h1.cpp: every layer runs roped attention and a Mamba-2 mixer on the same input (normed
     twice: two nodes), adds them and the residual, then a dense feed-forward."""
-    g = Graph(lazy=True, reuse_views=False)
+    g = Graph(lazy=True)
     T, E, S = n_tokens, h.n_embd, c.n_seq_max
     cur = _inputs(g, E, T)
     pos = g.new_input((T,), I32)
@@ -486,7 +483,7 @@ def lfm2(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, la
     """src/models/lfm2.cpp (without a sliding window): a short-convolution block or attention with q / k norms
     and rope per layer, then a dense feed-forward (MoE past ``leading_dense_block_count`` where the model has
     experts)."""
-    g = Graph(lazy=True, reuse_views=False)
+    g = Graph(lazy=True)
     T, E, S = n_tokens, h.n_embd, c.n_seq_max
     n_dense = _int(m, ".leading_dense_block_count", h.n_layer) if h.n_expert else h.n_layer
     cur = _inputs(g, E, T)
@@ -579,7 +576,7 @@ def qwen3next(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: in
     """src/models/qwen3next.cpp: gated delta-net layers and gated full attention, each after an RMS norm, the
     residual, a post-attention norm, MoE with a sigmoid-gated shared expert; the outputs' rows are taken after
     the final norm (``embeddings_nextn_masked`` off by default)."""
-    g = Graph(lazy=True, reuse_views=False)
+    g = Graph(lazy=True)
     T, E, S = n_tokens, h.n_embd, c.n_seq_max
     mem = h.memory
     cur = _inputs(g, E, T)
@@ -666,7 +663,7 @@ def rwkv6(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, l
     key, sigmoid receptance), each fed the previous token through the stored token shift, which is written back;
     the last layer keeps the outputs' rows before its channel mix; a scale by 1/2 every
     ``rescale_every_n_layers``."""
-    g = Graph(lazy=True, reuse_views=False)
+    g = Graph(lazy=True)
     T, E, S = n_tokens, h.n_embd, c.n_seq_max
     ts, mem = T // S, h.memory
     rescale = _int(m, ".rescale_every_n_layers")
@@ -769,7 +766,7 @@ def rwkv7(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, l
           with_output: bool) -> Graph:
     """src/models/rwkv7.cpp: as rwkv6 (:func:`rwkv6`), with RWKV-7's time mix and a channel mix of a
     relu-squared key alone."""
-    g = Graph(lazy=True, reuse_views=False)
+    g = Graph(lazy=True)
     T, E, S = n_tokens, h.n_embd, c.n_seq_max
     ts, mem = T // S, h.memory
     cur = _layer_norm(g, _inputs(g, E, T))
