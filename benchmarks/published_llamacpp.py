@@ -445,11 +445,12 @@ MISSES = [
     "lc17's full-size sliding "
     "window (both of its KQ masks 8192 cells wide: host -35 %); a shared cache (lc04 -52 %: that build kept one "
     "cache of 8192 cells for its 4 sequences, so each ubatch's KQ spans 8192 cells, where vramcal prices "
-    "today's 4 streams of 2048); pipeline parallelism (lc15, `n_copies=4`, not modelled: -50 % / -33 % / "
-    "-72 %); and op offload: with a GPU present, llama.cpp runs the matrix products of the layers left on the "
+    "today's 4 streams of 2048); pipeline parallelism (lc15, `n_copies=4`, not modelled: -52 % / -31 % / "
+    "-72 %, where vramcal also prices the q8_0 cache's Hadamard rotations, which that build predates); and "
+    "op offload: with a GPU present, llama.cpp runs the matrix products of the layers left on the "
     "CPU on the GPU for a ubatch of 32 tokens or more, copying their weights into the GPU's compute buffer, so "
     "its CPU split is small and its GPU buffer bigger, where vramcal replays the CPU layers' graph on the host "
-    "(lc03: GPU +7.5 %, host +208 %; lc20, whose output matrix stayed on the CPU: GPU -65 %, host +707 %; "
+    "(lc03: GPU +7.5 %, host +208 %; lc20, whose output matrix stayed on the CPU: GPU -65 %, host +669 %; "
     "lc19, no layer offloaded: 24 MiB on the GPU that vramcal prices as none, host -44 %). These are "
     "left as misses.",
 ]

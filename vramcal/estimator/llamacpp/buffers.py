@@ -254,6 +254,27 @@ def hparams_of(m: GgufModel) -> Hparams:
                    memory=memory_of(m, n_layer, n_head_kv, n_ff))
 
 
+def quantized(cache_type: str) -> bool:
+    """``ggml_is_quantized`` for a cache type (-ctk / -ctv)."""
+    return cache_type.lower() not in ("f32", "f16", "bf16")
+
+
+def attn_rotation(h: Hparams, a: LlamaArgs) -> tuple[int, int]:
+    """The Hadamard rotations llama.cpp applies around a quantized cache (llama-kv-cache.cpp ``attn_rot_k``,
+    ``attn_rot_v``; llama-graph.cpp ``build_attn``, ``llama_mul_mat_hadamard``): with a quantized K cache and a
+    head size that is a multiple of 64, Q and K are multiplied by an ``n x n`` f32 matrix (a graph input) before
+    the cache -- ``n`` the largest power of two from 64 up that divides the head size --, and with a quantized V
+    cache V before it and the attention's output after it by a 64 x 64 one. (K, V) sizes, 0 where none;
+    ``LLAMA_ATTN_ROT_DISABLE=1`` in llama.cpp's environment turns both off, which is not modelled."""
+    k = 0
+    if quantized(a.cache_type_k) and h.n_embd_head_k > 0 and h.n_embd_head_k % 64 == 0:
+        k = 64
+        while h.n_embd_head_k % (2 * k) == 0:
+            k *= 2
+    v = 64 if quantized(a.cache_type_v) and h.n_embd_head_v > 0 and h.n_embd_head_v % 64 == 0 else 0
+    return k, v
+
+
 @dataclass(frozen=True)
 class Context:
     n_ctx: int
@@ -286,8 +307,7 @@ def context_of(h: Hparams, a: LlamaArgs) -> Context:
     fa = a.flash_attn != "off"
     if a.flash_attn == "auto":
         notes.append("-fa auto: on (the CPU and CUDA backends both run FLASH_ATTN_EXT for these head sizes)")
-    quantized_v = a.cache_type_v.lower() not in ("f32", "f16", "bf16")
-    if quantized_v and not fa:
+    if quantized(a.cache_type_v) and not fa:
         raise UserError(f"-ctv {a.cache_type_v} without flash attention: llama.cpp refuses it (\"quantized V cache "
                         "was requested, but this requires Flash Attention\"); add -fa on, or keep -ctv f16")
     return Context(n_ctx=n_ctx, n_ctx_seq=n_ctx_seq, n_seq_max=n_seq, n_stream=1 if a.kv_unified else n_seq,

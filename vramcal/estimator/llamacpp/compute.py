@@ -11,9 +11,10 @@ consumer and the parent is not a view (:func:`.ggml_graph._allocate`).
 
 Here the same graph is written down node by node for the llama family of decoders (src/models/llama.cpp
 and the gemma2/gemma3 variants with their extra norms, scaling and soft-capping; dense or MoE feed
-forward; flash attention or KQ + soft_max), with each tensor's ggml shape and type, and the same
-allocator is run over it (:mod:`.ggml_graph`). Inputs (tokens, positions, the KQ mask -- f16 with flash
-attention, f32 without --, the KV row indices) are allocated first, as ggml allocates graph inputs.
+forward; flash attention or KQ + soft_max; a quantized cache's Hadamard rotations), with each tensor's
+ggml shape and type, and the same allocator is run over it (:mod:`.ggml_graph`). Inputs (tokens,
+positions, the KQ mask -- f16 with flash attention, f32 without --, the KV row indices) are allocated
+first, as ggml allocates graph inputs.
 
 The recurrent, hybrid and MLA architectures (deepseek2 with MLA, mamba, mamba2, granitehybrid, nemotron_h,
 jamba, falcon-h1, lfm2, qwen3next, rwkv6, rwkv7) have graphs of their own, written down in :mod:`.graphs`
@@ -27,13 +28,14 @@ splits per backend and copies tensors between them; that is priced as each devic
 graph, plus the graph inputs the scheduler keeps on the GPU host (``CUDA_Host``, :func:`host_inputs`).
 Against published CUDA, Vulkan and Metal logs (docs/validation.md, the llama.cpp section) a full offload's
 GPU buffer is within 3 % wherever the build lays the cache and the ubatch out as today's (2024 builds and a
-shared multi-sequence cache differ, and gpt-oss, whose own nodes are not replayed, is 4 % under); a partial offload's, and the scheduler's copies between devices (and
-pipeline parallelism's), remain approximate and the notes say so.
+shared multi-sequence cache differ, and gpt-oss, whose own nodes are not replayed, is 4 % under); a partial
+offload's, and the scheduler's copies between devices (and pipeline parallelism's), remain approximate and the
+notes say so.
 """
 
 from __future__ import annotations
 
-from .buffers import CPU_ALIGN, CUDA_ALIGN, Context, Hparams, LlamaArgs, Placement, row_size, swa_cells
+from .buffers import CPU_ALIGN, CUDA_ALIGN, Context, Hparams, LlamaArgs, Placement, attn_rotation, row_size, swa_cells
 from . import graphs
 from .ggml_graph import F16, F32, I32, I64, Graph, Node, input_bytes, run_allocator
 from .gguf_file import GgufModel
@@ -66,12 +68,18 @@ def build_graph(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, n_tokens: in
     def mask(n_kv: int) -> Node:
         return g.input(n_kv * per_stream * streams * (F16 if fa else F32))
 
-    # graph inputs in the order ggml's graph walk meets them (its leafs): tokens, positions, the KV row
-    # indices at the first set_rows, the masks at the first attention, out_ids at the last layer
+    # graph inputs in the order ggml's graph walk meets them (its leafs): tokens, positions, then for each cache
+    # in the order of its first layer (a sliding-window model's first layer is a window layer) the rotation
+    # matrices of a quantized cache at its first Q, its KV row indices at its first set_rows and its mask at
+    # its first attention; out_ids at the last layer
     v_max = max((h.n_embd_v_gqa(il) for il in range(h.n_layer)), default=0)
-    keys = ["base", "swa"] if swa else ["base"]
-    idx = {key: (g.input(T * I64), g.input(T * (1 if fa else v_max) * I64)) for key in keys}
-    masks = {key: mask(n_kv_swa if key == "swa" else n_kv_base) for key in keys}
+    keys = ["swa", "base"] if swa and h.is_swa[0] else ["base", "swa"] if swa else ["base"]
+    rot_k, rot_v = attn_rotation(h, a)
+    rots, idx, masks = {}, {}, {}
+    for key in keys:
+        rots[key] = (g.input(rot_k * rot_k * F32) if rot_k else None, g.input(rot_v * rot_v * F32) if rot_v else None)
+        idx[key] = (g.input(T * I64), g.input(T * (1 if fa else v_max) * I64))
+        masks[key] = mask(n_kv_swa if key == "swa" else n_kv_base)
     inp = g.op("get_rows", E * T * F32, tokens)
     if gemma:
         inp = g.op("scale", E * T * F32, inp)
@@ -79,15 +87,23 @@ def build_graph(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, n_tokens: in
     cur = inp
     n_layers = range(h.n_layer) if layers is None else layers
     last = h.n_layer - 1
+
+    def rotated(x: Node, rot: Node | None) -> Node:
+        """llama_mul_mat_hadamard: the rotation times a 2-d reshape of ``x``, reshaped back."""
+        return x if rot is None else g.view(g.op("mul_mat", x.nbytes, rot, g.view(x)))
+
     for il in n_layers:
         key = "swa" if h.is_swa[il] else "base"
         n_kv = n_kv_swa if key == "swa" else n_kv_base
         hq, hkv = h.n_head[il], h.n_head_kv[il]
         hd_k, hd_v = h.n_embd_head_k, h.n_embd_head_v
+        k_rot, v_rot = rots[key]
         inp_sa = cur
         x = g.op("rms_norm", E * T * F32, cur)
         x = g.op("mul", E * T * F32, x)
-        # the order ggml_build_forward_expand leaves them in (GGML_SCHED_DEBUG=2): Q, its norm and rope, V, K
+        # the order ggml_build_forward_expand leaves them in (GGML_SCHED_DEBUG=2): Q with its norm, rope and
+        # rotation; then V and K (build_attn expands q, v, k), or K and V with a sliding-window cache (the
+        # iswa build_attn expands q, k, v)
         q = g.op("mul_mat", hq * hd_k * T * F32, x)
         qv = g.view(q)
         if h.arch == "gemma3":
@@ -96,14 +112,24 @@ def build_graph(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, n_tokens: in
         qr = g.op("rope", qv.nbytes, qv, pos)
         if gemma:
             qr = g.op("scale", qr.nbytes, qr)
-        v = g.op("mul_mat", hkv * hd_v * T * F32, x)
-        vv = g.view(v)
-        k = g.op("mul_mat", hkv * hd_k * T * F32, x)
-        kv = g.view(k)
-        if h.arch == "gemma3":
-            kv = g.op("rms_norm", kv.nbytes, kv)
-            kv = g.op("mul", kv.nbytes, kv)
-        kr = g.op("rope", kv.nbytes, kv, pos)
+        qr = rotated(qr, k_rot)
+
+        def v_proj() -> Node:
+            return rotated(g.view(g.op("mul_mat", hkv * hd_v * T * F32, x)), v_rot)
+
+        def k_proj() -> Node:
+            kv = g.view(g.op("mul_mat", hkv * hd_k * T * F32, x))
+            if h.arch == "gemma3":
+                kv = g.op("rms_norm", kv.nbytes, kv)
+                kv = g.op("mul", kv.nbytes, kv)
+            return rotated(g.op("rope", kv.nbytes, kv, pos), k_rot)
+
+        if swa:
+            kr = k_proj()
+            vv = v_proj()
+        else:
+            vv = v_proj()
+            kr = k_proj()
         k_idx, v_idx = idx[key]
         g.op("set_rows", 0, kr, k_idx)  # into the cache: a view of it, nothing allocated
         g.op("set_rows", 0, g.view(vv), v_idx)
@@ -121,14 +147,17 @@ def build_graph(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, n_tokens: in
             kqv = g.op("mul_mat", hd_v * T * hq * F32, kq)
             kqv = g.view(kqv)
             att = g.op("cont", hd_v * hq * T * F32, kqv)
+        att = rotated(att, v_rot)
         o = g.op("mul_mat", E * T * F32, att)
-        if gemma:
-            o = g.op("rms_norm", o.nbytes, o)
-            o = g.op("mul", o.nbytes, o)
-        if il == last:
-            o = g.op("get_rows", E * n_outputs * F32, o, out_ids)
-            inp_sa = g.op("get_rows", E * n_outputs * F32, inp_sa, out_ids)
+        if il == last:  # the output rows: of the attention's output before gemma's post-attention norm
+            # (gemma2.cpp, gemma3.cpp), then of the residual, as the walk meets them from the add
             T = n_outputs
+            o = g.op("get_rows", E * T * F32, o, out_ids)
+        if gemma:
+            o = g.op("rms_norm", E * T * F32, o)
+            o = g.op("mul", E * T * F32, o)
+        if il == last:
+            inp_sa = g.op("get_rows", E * T * F32, inp_sa, out_ids)
         ffn_inp = g.op("add", E * T * F32, o, inp_sa)
         x = g.op("rms_norm", E * T * F32, ffn_inp)
         x = g.op("mul", E * T * F32, x)
@@ -180,7 +209,8 @@ def host_inputs(h: Hparams, a: LlamaArgs, c: Context, n_tokens: int, n_outputs: 
     and copies it to the GPU from there; the token embeddings' ``get_rows`` runs beside ``token_embd``, which
     stays on the CPU. So the host holds: the token ids and positions, the embeddings ``[n_embd, n_tokens]``
     f32, the KV row indices, each KQ mask as llama-graph.cpp creates it -- f32 ``[n_kv, n_tokens]`` (flash
-    attention casts it to f16 on the device) --, and the output ids. Inputs are never freed, so the buffer
+    attention casts it to f16 on the device) --, the rotation matrices of a quantized cache
+    (:func:`.buffers.attn_rotation`), and the output ids. Inputs are never freed, so the buffer
     is their sum, each aligned to 32 bytes. Checked against published CUDA, Vulkan and Metal logs
     (docs/validation.md, the llama.cpp section): equal to the log's 0.01 MiB on builds from late 2025; older
     builds (before ``set_rows``, mid-2025) had no index inputs, which is up to ``n_tokens x n_embd_v_gqa``
@@ -191,9 +221,11 @@ def host_inputs(h: Hparams, a: LlamaArgs, c: Context, n_tokens: int, n_outputs: 
     v_max = max((h.n_embd_v_gqa(il) for il in range(h.n_layer)), default=0)
     cells = [n for n in (c.n_ctx_seq, swa_cells(h, a, c)) if n is not None]
     per_stream = T // c.n_stream if T % c.n_stream == 0 else T
+    rot_k, rot_v = attn_rotation(h, a)
     for n_kv in cells:
         total += pad(n_kv * per_stream * c.n_stream * F32)
         total += pad(T * I64) + pad(T * (1 if c.flash_attn else v_max) * I64)
+        total += pad(rot_k * rot_k * F32) + pad(rot_v * rot_v * F32)  # 0 where none
     return total
 
 
@@ -205,6 +237,10 @@ def compute_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, c: Context, p: Place
     replayed = graphs.replays(m, h)
     if replayed:
         notes += graphs.caveats(m, h)
+        if any(attn_rotation(h, a)):
+            notes.append(f"{h.arch}: the quantized cache's Hadamard rotations (four more matrix products per "
+                         "attention layer) are replayed in the llama family's graph only, not in this one -- its "
+                         "compute buffer may be low by those tensors")
     if not replayed and mem is not None and (mem.kind != "kv" or mem.mla):
         what = "MLA" if mem.kind == "kv" else "recurrent-state (SSM / WKV / short-convolution)"
         notes.append(f"{h.arch}: its {what} nodes are not replayed -- the compute buffer is the llama family's graph "
