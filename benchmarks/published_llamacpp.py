@@ -173,7 +173,8 @@ def _layer_tensors(arch: str, h, il: int, n_ff_exp: int) -> list[tuple[str, tupl
 def rebuilt_tensors(arch: str, meta: dict, logged) -> tuple[tuple, str]:
     """Every tensor of a single-type file (all matrices one ggml type, the rest F32), rebuilt from the
     hyper-parameters and checked against the loader's "type X: N tensors" lines; else () and why not."""
-    from vramcal.estimator.llamacpp.buffers import hparams_of, row_size
+    from vramcal.estimator.llamacpp.buffers import hparams_of
+    from vramcal.estimator.llamacpp.ggml_buffers import row_size
     from vramcal.estimator.llamacpp.gguf_file import GgufModel, GgufTensor
 
     types = {t.upper(): n for t, n in logged.tensor_types.items()}

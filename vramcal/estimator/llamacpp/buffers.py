@@ -32,14 +32,12 @@ from functools import lru_cache
 
 from ...errors import UserError
 from ...units import MIB
+from .ggml_buffers import CPU_ALIGN, CUDA_ALIGN, cuda_alloc, pad, row_size
 from .gguf_file import GgufModel, GgufTensor
 from .memory import Memory, memory_of
 from .mmproj import MmprojArgs, MmprojEstimate
 
 MODEL_ID = "llamacpp-buffers/1"  # the arithmetic's id: runs record it, corrections are fitted per id
-CPU_ALIGN = 32  # ggml-impl.h TENSOR_ALIGNMENT: the CPU buffer type's alignment
-CUDA_ALIGN = 128  # ggml-cuda.cu: the CUDA buffer type's alignment
-MATRIX_ROW_PADDING = 512  # ggml-cuda/common.cuh: quantized rows padded to this many values on CUDA
 INPUT_TENSORS = ("token_embd.", "position_embd.", "token_types.", "per_layer_token_embd.")
 EXPS = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps")  # common.h LLM_FFN_EXPS_REGEX
 
@@ -58,27 +56,6 @@ def device_of(buffer: str) -> str:
     """The device a buffer llama.cpp logs lives on: a GPU's own (``CUDA0``, ``Vulkan1`` ...) or the host
     (``CPU``, ``CPU_Mapped``, ``CPU_REPACK``, ``CUDA_Host`` ...)."""
     return buffer if re.fullmatch(r"[A-Za-z]+\d+", buffer) and not buffer.startswith("CPU") else "CPU"
-
-
-def type_info(name: str) -> tuple[int, int]:
-    """(values per block, bytes per block) of a ggml type by its name (F16, Q4_K, q8_0 ...)."""
-    from .gguf_file import ggml_types
-
-    t = ggml_types()
-    try:
-        return t.GGML_QUANT_SIZES[t.GGMLQuantizationType[name.upper()]]
-    except KeyError:
-        raise UserError(f"unknown ggml type {name!r}: one of {', '.join(CACHE_TYPES)}") from None
-
-
-def row_size(type_name: str, n: int) -> int:
-    """``ggml_row_size``: bytes of ``n`` values of a type (n a multiple of its block)."""
-    block, size = type_info(type_name)
-    return n // block * size
-
-
-def pad(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
 
 
 @dataclass(frozen=True)
@@ -454,15 +431,6 @@ def _overrides(a: LlamaArgs, h: Hparams) -> list[tuple[re.Pattern, str]]:
     return rules
 
 
-def _cuda_alloc(t: GgufTensor) -> int:
-    """ggml-cuda ``get_alloc_size``: a quantized row padded to 512 values, then the 128-byte alignment."""
-    size = t.nbytes
-    block, _ = type_info(t.type_name)
-    if block > 1 and t.shape[0] % MATRIX_ROW_PADDING:
-        size += row_size(t.type_name, MATRIX_ROW_PADDING - t.shape[0] % MATRIX_ROW_PADDING)
-    return pad(size, CUDA_ALIGN)
-
-
 def _repacked(t: GgufTensor, a: LlamaArgs) -> bool:
     """The CPU's extra buffer type takes a weight of a MUL_MAT (2-D) or MUL_MAT_ID (3-D experts) whose type
     it repacks and whose rows come in eights (ggml-cpu/repack.cpp ``ggml_repack_get_optimal_repack_type``)."""
@@ -534,7 +502,7 @@ def model_buffers(m: GgufModel, h: Hparams, a: LlamaArgs, p: Placement) -> tuple
                 continue
             out[host] = out.get(host, 0) + pad(t.nbytes, CPU_ALIGN)
         else:
-            out[buf] = out.get(buf, 0) + _cuda_alloc(t)
+            out[buf] = out.get(buf, 0) + cuda_alloc(t)
     if mapped:
         total = 0
         for idx, ts in sorted(mapped.items()):

@@ -35,7 +35,8 @@ notes say so.
 
 from __future__ import annotations
 
-from .buffers import CPU_ALIGN, CUDA_ALIGN, Context, Hparams, LlamaArgs, Placement, attn_rotation, row_size, swa_cells
+from .buffers import Context, Hparams, LlamaArgs, Placement, attn_rotation, swa_cells
+from .ggml_buffers import CPU_ALIGN, CUDA_ALIGN
 from . import graphs
 from .ggml_graph import F16, F32, I32, I64, Graph, Node, input_bytes, run_allocator
 from .gguf_file import GgufModel

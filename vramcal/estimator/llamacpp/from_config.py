@@ -276,7 +276,7 @@ def allows_quantization(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def _block(type_name: str) -> int:
-    from .buffers import type_info
+    from .ggml_buffers import type_info
 
     return type_info(type_name)[0]
 
@@ -510,7 +510,7 @@ def header_for(config: dict, type_name: str, *, name: str | None = None, imatrix
     file type (``Q4_K_M``, ``Q8_0``, ``IQ4_XS``, ``F16`` ...: :data:`FILE_TYPES`). ``imatrix``: quantized
     with an importance matrix. Bad input (an unknown type, an architecture whose conversion is not
     modelled, a type llama-quantize refuses without an imatrix) is one line (:class:`UserError`)."""
-    from .buffers import row_size
+    from .ggml_buffers import row_size
 
     ftype = file_type(type_name)
     if not isinstance(config, dict):

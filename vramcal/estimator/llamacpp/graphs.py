@@ -17,10 +17,13 @@ and rwkv7 (token shift, time mix, channel mix). Each builder takes the ubatch ll
 from __future__ import annotations
 
 from math import prod
+from typing import TYPE_CHECKING
 
-from .buffers import Context, Hparams
 from .ggml_graph import F16, F32, I32, I64, Graph, Node
 from .gguf_file import GgufModel
+
+if TYPE_CHECKING:  # annotations only: compute.py hands these in
+    from .buffers import Context, Hparams
 
 
 def _int(m: GgufModel, key: str, default: int = 0) -> int:
@@ -133,7 +136,6 @@ def deepseek2_mla(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs
     hk = _int(m, ".attention.key_length_mla")  # nope + rope per head
     v_head = _int(m, ".attention.value_length_mla")
     rope = _int(m, ".rope.dimension_count")
-    nope = hk - rope
     q_lora, kv_lora = _int(m, ".attention.q_lora_rank"), _int(m, ".attention.kv_lora_rank")
     n_dense = _int(m, ".leading_dense_block_count")
     n_ff_exp = h.n_ff_exp

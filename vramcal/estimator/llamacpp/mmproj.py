@@ -230,7 +230,7 @@ def _warmup_graph(m: GgufModel, flash_attn: bool):
 def _compute(m: GgufModel, modality: str, proj: str, on_gpu: bool, gpu_backend: str, flash_attn: bool) \
         -> tuple[dict[str, int] | None, str | None]:
     """(buffer type -> compute bytes, None) where the warm-up graph is replayed, else (None, why)."""
-    from .buffers import CPU_ALIGN, CUDA_ALIGN, pad
+    from .ggml_buffers import CPU_ALIGN, CUDA_ALIGN, pad
     from .ggml_graph import run_allocator
 
     if modality != "vision" or proj not in REPLAYED:
@@ -248,7 +248,7 @@ def _compute(m: GgufModel, modality: str, proj: str, on_gpu: bool, gpu_backend: 
 def estimate_mmproj(mm: MmprojArgs, n_gpus: int, gpu_backend: str = "CUDA", flash_attn: bool = True) \
         -> MmprojEstimate:
     """The projector's buffers for ``--mmproj`` beside a llama.cpp build with ``n_gpus`` GPUs."""
-    from .buffers import CPU_ALIGN, _cuda_alloc, pad
+    from .ggml_buffers import CPU_ALIGN, cuda_alloc, pad
 
     m = read_mmproj(mm.path)
     on_gpu = mm.offload and n_gpus > 0
@@ -257,7 +257,7 @@ def estimate_mmproj(mm: MmprojArgs, n_gpus: int, gpu_backend: str = "CUDA", flas
     compute: dict[str, int] | None = {}
     modalities, whys = [], []
     for modality, proj, tensors in _modalities(m):
-        size = sum(_cuda_alloc(t) if on_gpu else pad(t.nbytes, CPU_ALIGN) for t in tensors)
+        size = sum(cuda_alloc(t) if on_gpu else pad(t.nbytes, CPU_ALIGN) for t in tensors)
         buffers[buft] = buffers.get(buft, 0) + size
         c, why = _compute(m, modality, proj, on_gpu, gpu_backend, flash_attn)
         if c is None:
