@@ -514,3 +514,14 @@ def test_synthetic_refuses_a_pre_quantized_config(tmp_path, capsys, qc, label, v
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert f"not this checkpoint's {label} layout" in err and "download its weights" in err
     assert not db.exists()
+
+
+@pytest.mark.parametrize("quant", ["auto", "bf16"])
+def test_a_placement_of_a_pre_quantized_checkpoint_is_refused_for_what_it_is(fp8_block, quant):
+    """--max-memory with fp8, kept or dequantized: one line that says placement is what is not modelled, and
+    what to do (the quantizer is transformers' own, installed; it used to say its library was missing)."""
+    r = _cli("estimate", str(fp8_block), "--gpu", "H200", "--ctx", "128", "--quant", quant,
+             "--max-memory", "cuda:0=1GiB,cpu=8GiB")
+    err = r.stderr.strip()
+    assert r.returncode == 2 and "\n" not in err, err
+    assert "placement" in err and "not modelled yet for fp8" in err and "drop --max-memory" in err, err

@@ -225,8 +225,8 @@ def plan_placement(source: ModelSource, quant: QuantSpec, max_memory: dict | str
     if not any(d.startswith("cuda") for d in mm):
         raise UserError("--max-memory names no GPU: give at least one cuda:N=SIZE (the CPU path runs unplaced)")
     if quant.method not in ("none", "bnb4", "bnb8"):
-        raise UserError(f"placement of {quant.implementation} checkpoints is not modelled: its quantizer library is "
-                        "not part of the installed stack; use bf16/fp16/fp32 or a bitsandbytes quant")
+        raise UserError(f"placement (--max-memory / --device-map) is not modelled yet for {quant.implementation}: "
+                        "vramcal places 16/32-bit and bitsandbytes models; drop --max-memory to price it on one GPU")
     key = replace(quant, name=f"{quant.name}|placement|{device_map}|"
                               + ",".join(f"{k}={v}" for k, v in mm.items()))
     if use_cache:
