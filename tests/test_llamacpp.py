@@ -152,6 +152,7 @@ def test_a_gguf_in_the_hugging_face_cache(tmp_path, dense):
 
 @pytest.mark.parametrize("make,extra,needle", [
     ("truncated", [], "truncated"),
+    ("header-cut", [], "truncated"),  # a download stopped inside the header itself (the reader's struct.error)
     ("text", [], "not a GGUF file"),
     ("dir", [], "no .gguf file"),
     ("dense", ["-ctk", "q3_k"], "is not a cache type llama.cpp accepts"),
@@ -166,6 +167,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, dense, make, extra, needle):
         data = Path(dense).read_bytes()
         path = tmp_path / "cut.gguf"
         path.write_bytes(data[: len(data) // 2])
+    elif make == "header-cut":
+        path = tmp_path / "cut.gguf"
+        path.write_bytes(Path(dense).read_bytes()[:100])
     elif make == "text":
         path = tmp_path / "config.gguf"
         path.write_text('{"model_type": "llama"}')

@@ -140,8 +140,13 @@ def test_estimate_fit_and_plan_carry_the_projector(files, capsys):
 def test_misuse_is_one_line(files, capsys, tmp_path):
     text, mm = files["text"], files["tiny"]
     (tmp_path / "notes.gguf").write_text("not a projector")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "cut.gguf").write_bytes(Path(mm).read_bytes()[:100])  # stopped inside the header
     for extra, needle in ((["-mm", mm, "--mmproj", mm], "given 2 times"),
                           (["-mm", str(tmp_path / "notes.gguf")], "is not a GGUF file"),
+                          (["-mm", str(tmp_path / "empty.gguf")], "is not a GGUF file"),
+                          (["-mm", str(tmp_path / "cut.gguf")], "truncated or damaged"),
+                          (["-mm", str(tmp_path)], "is a directory"),
                           (["-mm", text], "not a multimodal projector"),
                           (["-mm", str(tmp_path / "absent.gguf")], "no such file"),
                           (["--no-mmproj-offload"], "give it with --mmproj")):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import struct
 import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -326,7 +327,7 @@ def read_gguf(spec: str, file: str | None = None, hub=None) -> GgufModel:
                             "file (a safetensors checkpoint goes without --engine llama.cpp)")
         try:
             meta, infos = read_header(path)
-        except (ValueError, OverflowError, MemoryError, IndexError) as exc:  # struct.error is a ValueError
+        except (struct.error, ValueError, OverflowError, MemoryError, IndexError) as exc:  # cut inside the header
             raise UserError(f"{path} is truncated or damaged: its GGUF header does not read ({type(exc).__name__}: "
                             f"{str(exc)[:160]}); download it again, or wait for the download to end") from None
         for name, value in meta.items():

@@ -81,7 +81,8 @@ def read_mmproj(path: str) -> GgufModel:
     """The projector file's header; one line when it is not a GGUF, or a GGUF but not a projector."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise UserError(f"--mmproj {path}: no such file; give the projector GGUF (mmproj-*.gguf)")
+        what = "is a directory" if p.is_dir() else "is not a file" if p.exists() else "no such file"
+        raise UserError(f"--mmproj {path}: {what}; give the projector GGUF (mmproj-*.gguf)")
     st = p.stat()
     return _read_once(str(p.resolve()), st.st_mtime_ns, st.st_size)
 
