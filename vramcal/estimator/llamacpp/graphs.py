@@ -665,10 +665,21 @@ def rwkv6(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, l
     key, sigmoid receptance), each fed the previous token through the stored token shift, which is written back;
     the last layer keeps the outputs' rows before its channel mix; a scale by 1/2 every
     ``rescale_every_n_layers``."""
+    def time_mix(g, x, x_prev, s_copy, n_embd_s, T, S, il):
+        return _rwkv6_time_mix(m, g, x, x_prev, s_copy, n_embd_s, T, S)
+
+    return _rwkv_layers(h, c, n_tokens, n_outputs, layers, with_output, time_mix, _rwkv6_channel_mix,
+                        _int(m, ".rescale_every_n_layers"))
+
+
+def _rwkv_layers(h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range, with_output: bool,
+                 time_mix, channel_mix, rescale: int = 0) -> Graph:
+    """The layer skeleton rwkv6 and rwkv7 share (src/models/rwkv6-base.cpp, rwkv7-base.cpp): the token shift
+    read, the time mix and the channel mix each on the previous token, the shift written back, the outputs'
+    rows taken before the last channel mix."""
     g = Graph(lazy=True)
     T, E, S = n_tokens, h.n_embd, c.n_seq_max
     ts, mem = T // S, h.memory
-    rescale = _int(m, ".rescale_every_n_layers")
     cur = _layer_norm(g, _inputs(g, E, T))
     s_copy = _s_copy(g, S)
     out_ids = g.new_input((n_outputs,), I32)
@@ -676,7 +687,7 @@ def rwkv6(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, l
         inp = g.reshape(cur, (E, ts, S))
         shift = _token_shift(g, s_copy, E, mem.n_embd_r, S)
         att_norm = _layer_norm(g, inp)
-        att = _rwkv6_time_mix(m, g, att_norm, _shifted(g, shift, att_norm, E, ts, S), s_copy, mem.n_embd_s, T, S)
+        att = time_mix(g, att_norm, _shifted(g, shift, att_norm, E, ts, S), s_copy, mem.n_embd_s, T, S, il)
         ffn_inp = g.t("add", (E, ts, S), att, inp)
         ffn_norm = _layer_norm(g, ffn_inp)
         x_prev = _shifted(g, shift, ffn_norm, E, ts, S)
@@ -687,7 +698,7 @@ def rwkv6(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, l
             ffn_inp, ffn_norm, x_prev = (g.t("get_rows", (E, n_outputs), t, out_ids)
                                          for t in (ffn_inp, ffn_norm, x_prev))
             T = n_outputs
-        cur = g.t("add", (E, T), _rwkv6_channel_mix(g, ffn_norm, x_prev, h.n_ff[il], T), ffn_inp)
+        cur = g.t("add", (E, T), channel_mix(g, ffn_norm, x_prev, h.n_ff[il], T), ffn_inp)
         if rescale and (il + 1) % rescale == 0:
             cur = g.t("scale", (E, T), cur)
     _finish_layer_norm(g, cur, h.n_vocab, T, with_output)
@@ -766,36 +777,23 @@ def _rwkv7_time_mix(m: GgufModel, g: Graph, x: Node, x_prev: Node, v_first: Node
 
 def rwkv7(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
           with_output: bool) -> Graph:
-    """src/models/rwkv7.cpp: as rwkv6 (:func:`rwkv6`), with RWKV-7's time mix and a channel mix of a
-    relu-squared key alone."""
-    g = Graph(lazy=True)
-    T, E, S = n_tokens, h.n_embd, c.n_seq_max
-    ts, mem = T // S, h.memory
-    cur = _layer_norm(g, _inputs(g, E, T))
-    s_copy = _s_copy(g, S)
-    out_ids = g.new_input((n_outputs,), I32)
-    v_first = None
-    for il in layers:
-        inp = g.reshape(cur, (E, ts, S))
-        shift = _token_shift(g, s_copy, E, mem.n_embd_r, S)
-        att_norm = _layer_norm(g, inp)
-        att, v_first = _rwkv7_time_mix(m, g, att_norm, _shifted(g, shift, att_norm, E, ts, S), v_first, s_copy,
-                                       mem.n_embd_s, T, S, il)
-        ffn_inp = g.t("add", (E, ts, S), att, inp)
-        ffn_norm = _layer_norm(g, ffn_inp)
-        x_prev = _shifted(g, shift, ffn_norm, E, ts, S)
-        shift_out = g.t("concat", (E, 2, S), g.strided(att_norm), g.strided(ffn_norm))
-        g.expand(g.write("cpy", g.strided(shift_out)))
-        ffn_inp, ffn_norm, x_prev = (g.reshape(t, (E, T)) for t in (ffn_inp, ffn_norm, x_prev))
-        if il == h.n_layer - 1:
-            ffn_inp, ffn_norm, x_prev = (g.t("get_rows", (E, n_outputs), t, out_ids)
-                                         for t in (ffn_inp, ffn_norm, x_prev))
-            T = n_outputs
-        xk = g.t("add", (E, T), g.t("mul", (E, T), g.t("sub", (E, T), x_prev, ffn_norm)), ffn_norm)
-        k = g.t("sqr", (h.n_ff[il], T), g.t("unary", (h.n_ff[il], T), g.t("mul_mat", (h.n_ff[il], T), xk)))
-        cur = g.t("add", (E, T), g.t("mul_mat", (E, T), k), ffn_inp)
-    _finish_layer_norm(g, cur, h.n_vocab, T, with_output)
-    return g
+    """src/models/rwkv7.cpp: as rwkv6 (:func:`rwkv6`), with RWKV-7's time mix (its first layer's values carried
+    to every later one) and a channel mix of a relu-squared key alone."""
+    v_first: list = [None]
+
+    def time_mix(g, x, x_prev, s_copy, n_embd_s, T, S, il):
+        att, v_first[0] = _rwkv7_time_mix(m, g, x, x_prev, v_first[0], s_copy, n_embd_s, T, S, il)
+        return att
+
+    return _rwkv_layers(h, c, n_tokens, n_outputs, layers, with_output, time_mix, _rwkv7_channel_mix)
+
+
+def _rwkv7_channel_mix(g: Graph, x: Node, x_prev: Node, n_ff: int, T: int) -> Node:
+    """rwkv7-base.cpp build_rwkv7_channel_mix: a lerp to the previous token, then a relu-squared key."""
+    E = x.layout[1]
+    xk = g.t("add", (E, T), g.t("mul", (E, T), g.t("sub", (E, T), x_prev, x)), x)
+    k = g.t("sqr", (n_ff, T), g.t("unary", (n_ff, T), g.t("mul_mat", (n_ff, T), xk)))  # relu, squared
+    return g.t("mul_mat", (E, T), k)
 
 
 def build(m: GgufModel, h: Hparams, c: Context, n_tokens: int, n_outputs: int, layers: range,
