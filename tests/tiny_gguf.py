@@ -327,23 +327,32 @@ def write_mamba2(path, *, n_layer: int = 2, E: int = 128, d_state: int = 16, d_c
     return write_gguf(path, "mamba2", kv, t, n_vocab=V)
 
 
+def _mamba2_or_attn(b: str, kind: str, E: int, n_head: int, n_head_kv: int, d_state: int, d_conv: int,
+                    n_group: int, head_dim: int) -> list[tuple[str, tuple[int, ...]]]:
+    """A hybrid layer's norm and mixer: M a Mamba-2 mixer (expansion 2, ``head_dim`` per SSM head), A
+    attention; any other letter the norm alone (an MLP layer's feed-forward is the caller's)."""
+    d_inner = 2 * E
+    n_ssm_head = d_inner // head_dim
+    t = [(b + "attn_norm.weight", (E,))]
+    if kind == "M":
+        t += _mamba2_mixer(b, E, d_inner, d_state, n_group, n_ssm_head, d_conv,
+                           2 * d_inner + 2 * n_group * d_state + n_ssm_head)
+    elif kind == "A":
+        t += _attn(b, E, n_head, n_head_kv, E // n_head)
+    return t
+
+
 def write_granitehybrid(path, *, kinds: str = "MAMA", E: int = 128, n_head: int = 4, n_head_kv: int = 2,
                         F: int = 256, d_state: int = 16, d_conv: int = 4, n_group: int = 1, head_dim: int = 32,
                         V: int = 512, n_ctx_train: int = 2048) -> str:
     """src/models/granite-hybrid.cpp: ``kinds`` one letter per layer, M a Mamba2 mixer (head_count_kv 0), A
     attention; every layer a dense feed-forward."""
-    d_inner = 2 * E
+    d_inner, hd = 2 * E, E // n_head
     n_ssm_head = d_inner // head_dim
-    hd = E // n_head
     t = _common(E, V)
     for i, k in enumerate(kinds):
         b = f"blk.{i}."
-        t.append((b + "attn_norm.weight", (E,)))
-        if k == "M":
-            t += _mamba2_mixer(b, E, d_inner, d_state, n_group, n_ssm_head, d_conv,
-                               2 * d_inner + 2 * n_group * d_state + n_ssm_head)
-        else:
-            t += _attn(b, E, n_head, n_head_kv, hd)
+        t += _mamba2_or_attn(b, "M" if k == "M" else "A", E, n_head, n_head_kv, d_state, d_conv, n_group, head_dim)
         t += _ffn(b, E, F)
     kv = {"context_length": n_ctx_train, "embedding_length": E, "block_count": len(kinds),
           "feed_forward_length": F, "attention.head_count": n_head,
@@ -523,19 +532,13 @@ def write_nemotron_h(path, *, kinds: str = "MFAF", E: int = 128, n_head: int = 4
                      n_ctx_train: int = 2048) -> str:
     """src/models/nemotron-h.cpp: M a Mamba2 mixer (no KV heads, no feed-forward), A attention (KV heads, no
     feed-forward), F an MLP (a feed-forward, no KV heads): per-layer head_count_kv and feed_forward_length."""
-    d_inner = 2 * E
+    d_inner, hd = 2 * E, E // n_head
     n_ssm_head = d_inner // head_dim
-    hd = E // n_head
     t = _common(E, V)
     for i, k in enumerate(kinds):
         b = f"blk.{i}."
-        t.append((b + "attn_norm.weight", (E,)))
-        if k == "M":
-            t += _mamba2_mixer(b, E, d_inner, d_state, n_group, n_ssm_head, d_conv,
-                               2 * d_inner + 2 * n_group * d_state + n_ssm_head)
-        elif k == "A":
-            t += _attn(b, E, n_head, n_head_kv, hd)
-        else:
+        t += _mamba2_or_attn(b, k, E, n_head, n_head_kv, d_state, d_conv, n_group, head_dim)
+        if k == "F":
             t += [(b + "ffn_down.weight", (F, E)), (b + "ffn_up.weight", (E, F))]
     kv = {"context_length": n_ctx_train, "embedding_length": E, "block_count": len(kinds),
           "feed_forward_length": [F if k == "F" else 0 for k in kinds], "attention.head_count": n_head,
