@@ -32,6 +32,15 @@ def _hparams(w, *, n_layer: int, n_ctx_train: int, n_embd: int, n_ff: int, n_hea
     w.add_layer_norm_rms_eps(norm_eps)
 
 
+def _written(w, path) -> str:
+    """Write a GGUFWriter's header, key-values and tensors to ``path`` and close it; return the path."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
 def write_tiny(path, *, arch: str = "llama", n_layer: int = 2, n_embd: int = 256, n_head: int = 4,
                n_head_kv: int = 2, n_ff: int = 512, n_vocab: int = 1024, n_ctx_train: int = 4096,
                weight_type: str = "F16", embd_type: str | None = None, tied: bool = False, n_expert: int = 0,
@@ -100,11 +109,7 @@ def write_tiny(path, *, arch: str = "llama", n_layer: int = 2, n_embd: int = 256
     put("output_norm.weight", (n_embd,))
     if not tied:
         put("output.weight", (n_vocab, n_embd), weight_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
+    return _written(w, path)
 
 
 def write_sparse_header(path, *, n_layer: int = 80, n_embd: int = 8192, n_ff: int = 28672, n_head: int = 64,
@@ -196,11 +201,7 @@ def write_gguf(path, arch: str, kv: dict, tensors: list[tuple[str, tuple[int, ..
     for name, ne in tensors:
         data = (rng.standard_normal(tuple(reversed(ne))) * 0.02).astype(np.float32)
         w.add_tensor(name, data if len(ne) == 1 or weight_type == "F32" else data.astype(np.float16))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
+    return _written(w, path)
 
 
 def write_tiny_mmproj(path, *, n_embd: int = 64, n_ff: int = 128, n_layer: int = 2, n_head: int = 4,
@@ -260,11 +261,7 @@ def write_tiny_mmproj(path, *, n_embd: int = 64, n_ff: int = 128, n_layer: int =
     put("v.post_ln.bias", (n_embd,))
     put("mm.soft_emb_norm.weight", (n_embd,))
     put("mm.input_projection.weight", (n_embd, n_embd_text), "F16")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
+    return _written(w, path)
 
 
 def _common(E: int, V: int, tied: bool = False) -> list[tuple[str, tuple[int, ...]]]:
