@@ -401,19 +401,92 @@ def test_a_check_whose_synthetic_weights_cannot_be_written_records_nothing(tmp_p
 # ------------------------------------------------------------------ interrupted commands say so
 
 def test_an_interrupted_estimate_says_interrupted(tmp_path):
+    """Ctrl-C while the meta model is built (torch and transformers being imported): exit 130 and one
+    line. The estimate takes about 4 s here; a test worker that is not scheduled for that long sends its
+    signal to a process that has already answered, which is no interrupt at all: that attempt is made
+    again (three at most), and the test fails if none could be interrupted."""
     import signal
     import time
 
-    proc = subprocess.Popen(VRAMCAL + ["estimate", "llama-3.1-70b", "--no-disk-cache", "--ctx", "131072"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "VRAMCAL_CACHE": str(tmp_path), "VRAMCAL_PROGRESS": "1"},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    first = proc.stderr.readline()  # the first slow step has started (building the meta model)
-    assert "building the model" in first, first
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and err.strip() == "vramcal: interrupted", (first, err)
+    interrupted = 0
+    for _ in range(3):
+        proc = subprocess.Popen(VRAMCAL + ["estimate", "llama-3.1-70b", "--no-disk-cache", "--ctx", "131072"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "VRAMCAL_CACHE": str(tmp_path), "VRAMCAL_PROGRESS": "1"},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        first = proc.stderr.readline()  # the first slow step has started (building the meta model)
+        assert "building the model" in first, first
+        time.sleep(0.2)
+        if proc.poll() is not None:  # it answered before the signal could be sent
+            proc.communicate(timeout=60)
+            continue
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and err.strip() == "vramcal: interrupted", (first, err)
+        interrupted += 1
+        break
+    assert interrupted == 1, "the estimate always ended before the signal was sent"
+
+
+def test_a_ctrl_c_something_swallowed_still_ends_the_command(monkeypatch, capsys):
+    """A KeyboardInterrupt can be lost where the main thread was (a C extension clearing the error of an
+    import it tried, a finalizer): seen once in CI, an estimate interrupted as torch was imported printed
+    its answer and exited 0. The command notes each SIGINT and ends with 130 all the same."""
+    import signal
+
+    from vramcal import cli
+
+    def swallows(args):
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:  # lost, as the library did with it
+            pass
+        print("an answer")
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_estimate", swallows)
+    assert cli.main(["estimate", "qwen2.5-0.5b"]) == 130
+    out, err = capsys.readouterr()
+    assert err.strip() == "vramcal: interrupted"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as it was
+
+    def plain(args):
+        print("an answer")
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_estimate", plain)  # without a signal nothing changes
+    assert cli.main(["estimate", "qwen2.5-0.5b"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_model_built_through_a_swallowed_ctrl_c_is_not_kept(monkeypatch):
+    """The build notes a SIGINT even where the import that received it swallowed it and the build
+    then succeeded: the interrupt ends it, and the half-imported model is not cached for the next call."""
+    import signal
+
+    from vramcal.estimator import meta
+    from vramcal.estimator.quant import resolve_quant
+    from vramcal.estimator.resolve import resolve_model
+
+    def swallowed(*args, **kwargs):
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            pass
+        return ("model", None, "bfloat16")
+
+    monkeypatch.setattr(meta, "_build_meta_model", swallowed)
+    source = resolve_model("qwen2.5-0.5b")
+    quant = resolve_quant("bf16", source.config)
+    with pytest.raises(KeyboardInterrupt):
+        meta.build_meta_model(source, quant)
+    assert (source.config_hash, quant.key(), None) not in meta._META_MODELS
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # an ignored SIGINT stays ignored: nothing is noted
+    try:
+        assert meta.build_meta_model(source, quant) == ("model", None, "bfloat16")
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        meta._META_MODELS.pop((source.config_hash, quant.key(), None), None)
 
 
 def test_an_interrupted_push_says_how_far_it_got(tmp_path, monkeypatch):

@@ -826,7 +826,10 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "func", None):
             parser.print_help()
             return 2
-        return args.func(args)
+        from .interrupts import sigint_noted
+
+        with sigint_noted():  # a Ctrl-C that something swallowed still ends the command (vramcal/interrupts.py)
+            return args.func(args)
     except BrokenPipeError:  # `vramcal ... | head`: the reader left; end quietly
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)

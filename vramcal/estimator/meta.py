@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 
 from ..errors import UserError
+from ..interrupts import sigint_noted
 from .formats import REPLACED_ON_META, format_for
 from .quant import QuantSpec
 from .resolve import ModelSource
@@ -70,7 +71,7 @@ def build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None = N
     key = (source.config_hash, quant.key(), attn)
     if plain and key in _META_MODELS:
         return _META_MODELS[key]
-    with _sigint_noted() as interrupted:
+    with sigint_noted() as interrupted:
         try:
             out = _build_meta_model(source, quant, attn, device, device_map, bnb_extra)
         except Exception:
@@ -82,36 +83,6 @@ def build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None = N
             _META_MODELS.pop(next(iter(_META_MODELS)))
         _META_MODELS[key] = out
     return out
-
-
-@contextlib.contextmanager
-def _sigint_noted():
-    """While the model is built (torch and transformers imported, often for the first time), note each
-    SIGINT before it raises as usual. A Ctrl-C that lands inside an import can leave a module half made,
-    and transformers' lazy module then reports "Could not import module 'LlamaConfig'" (a RecursionError
-    beneath): that failure is the interrupt, not a missing library, so it must not become a formula answer
-    or a rejected config. Main thread only (elsewhere Python installs no handlers)."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: False
-        return
-    seen: list[int] = []
-    old = signal.getsignal(signal.SIGINT)
-
-    def note(signum, frame):
-        seen.append(signum)
-        if callable(old):
-            old(signum, frame)
-        elif old != signal.SIG_IGN:
-            raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, note)
-    try:
-        yield lambda: bool(seen)
-    finally:
-        signal.signal(signal.SIGINT, old)
 
 
 def _first_line(exc: BaseException) -> str:
