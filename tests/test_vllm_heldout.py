@@ -83,7 +83,9 @@ def test_the_sort_is_the_only_difference_in_the_sampler_term():
 
 def test_a100_at_quarter_utilization_with_flashinfer_matches_its_log():
     """The 0.10.1.1 A100 80GB run at utilization 0.25 logged "Using FlashInfer for top-p & top-k
-    sampling": priced with the sort its KV tokens came out 17 % short; without it, within 1 %."""
+    sampling": priced with the sort its KV tokens came out 17 % short; without it, within 2 % (-1.4 %: since the
+    weights count the allocator's blocks, layout.py, the row's 0.06 GiB of Qwen2 weights no longer hide the
+    0.07 GiB by which the 0.10 activation and non-torch defaults exceed what this A100 run left; it was -0.3 %)."""
     row = _rows()["dl22_qwen2-7b_a100-80gb_tp1_u0.25"]
     base = dict(gpu_memory_bytes=int(79.25 * GIB), gpu_name=row["gpu"], gpu_memory_utilization=0.25,
                 max_model_len=16384, vllm_version=row["vllm_version"])
@@ -91,7 +93,7 @@ def test_a100_at_quarter_utilization_with_flashinfer_matches_its_log():
     logged = int(row["kv_cache_tokens"])
     sorted_ = estimate_vllm(cfg, VllmArgs(**base)).kv_cache_tokens
     fi = estimate_vllm(cfg, VllmArgs(**base, flashinfer_sampler=True)).kv_cache_tokens
-    assert abs(fi - logged) / logged < 0.01, (fi, logged)
+    assert abs(fi - logged) / logged < 0.02, (fi, logged)
     assert sorted_ < 0.9 * logged  # the sort priced for a run that did not sort
 
 
@@ -310,7 +312,8 @@ def test_peak_activation_of_0_27_is_activation_plus_graph_estimate():
 def test_held_out_figures_are_the_reported_ones():
     """The held-out split (34 rows: 12 in corpus.csv, 12 in heldout-2026-12-02.csv, 10 in
     heldout-2026-12-03.csv; nothing fitted to them): KV tokens median 1.52 %, p90 7.64 % (9.40 % before the
-    L4 pair's tp 2 was priced over PCIe, --interconnect); weights median 0.19 % (docs/validation.md). Pinned
+    L4 pair's tp 2 was priced over PCIe, --interconnect); weights median 0.01 % (0.19 % before the weights
+    counted the caching allocator's blocks, layout.allocated_bytes) (docs/validation.md). Pinned
     so that a change to a rule that moves them fails here and is reported, better or worse. The issue's
     medians (KV tokens <= 2 %, weights <= 1 %) are met and asserted; its KV-token p90 (<= 5 %) is missed since
     the L40S / L4 rows of 2026-12-03 (4.04 % over the first 24), and is not asserted: docs/vllm.md "Held out"
@@ -324,7 +327,7 @@ def test_held_out_figures_are_the_reported_ones():
     w_med = statistics.median(w)
     assert (len(kv), len(w)) == (34, 28)
     assert kv_med == pytest.approx(1.52, abs=0.02) and kv_p90 == pytest.approx(7.64, abs=0.05), (kv_med, kv_p90)
-    assert w_med == pytest.approx(0.19, abs=0.02), w_med
+    assert w_med == pytest.approx(0.01, abs=0.01), w_med
     assert kv_med <= 2.0 and w_med <= 1.0
 
 

@@ -106,3 +106,56 @@ def test_examined_column_says_which_held_out_rows_are_not_blind():
         assert kinds[rid] == "diagnosed", rid
     assert kinds["l40s_qwen3-14b_v0.29.0"] == "rule" and kinds["rtx5090_qwen3-8b_v0.24.0"] == "rule"
     assert examined_kind({"examined": ""}) == "blind"
+
+
+# ------------------------------------------------------------------- weights as the caching allocator counts them
+
+MIB = 1024**2
+
+
+def test_a_tensor_just_short_of_2_mib_holds_the_whole_segment():
+    """torch's c10/cuda/CUDACachingAllocator.cpp: a large request (over 1 MiB) of 10 MiB or more gets a new
+    segment of the request rounded up to 2 MiB (get_allocation_size, kRoundLarge), and the rest is split off
+    only when more than 1 MiB (kSmallSize) remains (should_split); the allocated figure counts the block.
+    Qwen2.5-7B's tensors on one rank (bf16): qkv 4608 x 3584 = 31.5 MiB holds 32; o_proj 3584 x 3584 = 24.5 MiB
+    keeps 24.5 (1.5 MiB split off); gate_up 37888 x 3584 = 259 MiB holds 260 (exactly 1 MiB left: not split);
+    down 3584 x 18944 = 129.5 MiB holds 130; a 8 MiB tensor takes 8 of a 20 MiB segment (kLargeBuffer)."""
+    from vramcal.estimator.vllm.layout import allocated_bytes
+
+    assert allocated_bytes([4608 * 3584 * 2]) == 32 * MIB
+    assert allocated_bytes([3584 * 3584 * 2]) == 3584 * 3584 * 2
+    assert allocated_bytes([37888 * 3584 * 2]) == 260 * MIB
+    assert allocated_bytes([3584 * 18944 * 2]) == 130 * MIB
+    assert allocated_bytes([8 * MIB]) == 8 * MIB
+    assert allocated_bytes([1000]) == 1024  # 512-byte blocks (kMinBlockSize)
+
+
+def test_vllm_fuses_qkv_and_gate_up_into_one_tensor_each():
+    """model_executor/layers/linear.py: QKVParallelLinear and MergedColumnParallelLinear hold q/k/v and gate/up
+    as one parameter (one allocation) each; the biases are tensors of their own."""
+    from vramcal.estimator.vllm.layout import fused_name
+
+    assert fused_name("model.layers.3.self_attn.k_proj.weight") == "model.layers.3.self_attn.qkv_proj.weight"
+    assert fused_name("model.layers.3.self_attn.v_proj.bias") == "model.layers.3.self_attn.qkv_proj.bias"
+    assert fused_name("model.layers.3.mlp.up_proj.weight") == "model.layers.3.mlp.gate_up_proj.weight"
+    assert fused_name("model.layers.3.self_attn.o_proj.weight") == "model.layers.3.self_attn.o_proj.weight"
+    assert fused_name("model.layers.3.mlp.experts.gate_up_proj") == "model.layers.3.mlp.experts.gate_up_proj"
+
+
+@pytest.mark.parametrize("tp, logged", [(1, 14.25), (2, 7.12), (4, 3.55)])
+def test_qwen2_weights_are_the_logged_figure_at_every_tp(tp, logged):
+    """"Model loading took X GiB" is torch.cuda.max_memory_allocated after a reset (vLLM platforms/cuda.py
+    get_current_memory_usage under DeviceMemoryProfiler, 0.10-0.29): block sizes. Qwen2.5-7B's projections sit
+    0.5-1 MiB short of 2 MiB multiples, so it holds 57 MiB more than its tensors at tp 1, 21 at tp 2, under 1 at
+    tp 4; every tp of the corpus's logs (0.10.1.1-0.19, A100 / H100 / RTX 3090 / V100) prints 14.25 / 7.12 /
+    3.55 GiB, which the tensors alone (14.19 / 7.10 / 3.55) missed. Llama-3.1-8B's tensors are 2 MiB multiples:
+    no change (14.99)."""
+    from vramcal.estimator.vllm.engine import VllmArgs, estimate_vllm
+
+    def w(model, tp):
+        e = estimate_vllm(model, VllmArgs(gpu_memory_bytes=int(79.19 * GIB), tensor_parallel_size=tp,
+                                          max_model_len=8192, vllm_version="0.19.0"))
+        return e.weights_bytes / GIB
+
+    assert round(w("qwen2.5-7b", tp), 2) == logged
+    assert round(w("llama-3.1-8b", 1), 2) == 14.99
