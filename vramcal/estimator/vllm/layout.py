@@ -12,6 +12,17 @@
 - Quantized linear layers and experts take the scheme's bytes (:mod:`.quant`).
 - Each rank holds the rotary caches its layers use: ``cos_sin_cache`` of max_position x rotary_dim in
   the model dtype (``rotary_embedding/base.py``), one per distinct rope (``get_rope`` caches them).
+- What the figure counts is the caching allocator's blocks, not the tensors' bytes: vLLM reads it as
+  ``torch.cuda.max_memory_allocated`` after a reset (``platforms/cuda.py`` ``get_current_memory_usage``,
+  through ``DeviceMemoryProfiler``), i.e. the sizes of the live blocks, and every parameter is its own
+  allocation, made on the device as the model is built (q/k/v and gate/up fused into one tensor each,
+  ``QKVParallelLinear`` / ``MergedColumnParallelLinear``). A tensor over 10 MiB gets a segment rounded up
+  to 2 MiB, and torch splits the rest off only when more than 1 MiB remains (``should_split``,
+  ``c10/cuda/CUDACachingAllocator.cpp``), so a tensor 0-1 MiB short of a 2 MiB multiple holds the whole
+  segment: Qwen2.5-7B's 31.5 / 259 / 129.5 MiB projections hold 32 / 260 / 130 MiB, 56 MiB over 28
+  layers. :func:`allocated_bytes` replays the build through :class:`vramcal.estimator.allocator.CachingAllocator`
+  (torch's defaults: vLLM sets no ``PYTORCH_CUDA_ALLOC_CONF``); quantized linear layers and experts,
+  whose tensors the scheme's arithmetic does not list one by one, are counted as their bytes.
 
 Pure arithmetic over the parameter list.
 """
@@ -20,11 +31,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import re
+
+from ..allocator import DEFAULT_CONF, AllocConf, CachingAllocator
 from .arch import Arch
 from .quant import VllmQuant
 from .shapes import Param
 
 VOCAB_PADDING = 64
+ALLOCATOR_GROUP = "allocator_blocks"  # the blocks' bytes above the tensors' (the module's doc)
+UNLISTED = ("quantized", "experts")  # groups whose bytes are a scheme's sum, not one tensor each
+_FUSED = ((re.compile(r"\.self_attn\.[qkv]_proj\."), ".self_attn.qkv_proj."),
+          (re.compile(r"\.mlp\.(?:gate|up)_proj\."), ".mlp.gate_up_proj."))
 
 
 def pad_vocab(n: int, to: int = VOCAB_PADDING) -> int:
@@ -128,6 +146,24 @@ def _mxfp4_expert(role: str, arch: Arch, tp: int, quant: VllmQuant) -> tuple[int
     return (2 * inter, hidden) if role == "expert_col" else (hidden, inter)
 
 
+def fused_name(name: str) -> str:
+    """The vLLM tensor a transformers parameter lands in: q/k/v projections in ``qkv_proj``, gate/up in
+    ``gate_up_proj`` (weights and biases apart); any other parameter is a tensor of its own."""
+    for pattern, into in _FUSED:
+        name = pattern.sub(into, name)
+    return name
+
+
+def allocated_bytes(tensors: list[int], conf: AllocConf = DEFAULT_CONF) -> int:
+    """The caching allocator's allocated bytes after allocating ``tensors`` (bytes each) in order on a fresh
+    device: what ``torch.cuda.memory_allocated`` counts (the module's doc)."""
+    alloc = CachingAllocator(conf)
+    for i, n in enumerate(tensors):
+        if n > 0:
+            alloc.malloc(i, n)
+    return alloc.allocated
+
+
 def rank_weights(params: list[Param], arch: Arch, tp: int, pp: int, el: int, quant: VllmQuant) -> list[RankWeights]:
     """The weights of every rank, ordered pp-major (rank = pp_rank x tp + tp_rank). All tp ranks of a
     stage hold the same bytes (the splits are even), so one figure per stage is repeated."""
@@ -136,6 +172,7 @@ def rank_weights(params: list[Param], arch: Arch, tp: int, pp: int, el: int, qua
     for s, (lo, hi) in enumerate(stages):
         first, last = s == 0, s == pp - 1
         rw = RankWeights(0, s, (lo, hi))
+        tensors: dict[str, int] = {}  # vLLM's tensors of this rank in the order the model builds them
         for p in params:
             if p.layer is not None:
                 if not lo <= p.layer < hi:
@@ -150,8 +187,14 @@ def rank_weights(params: list[Param], arch: Arch, tp: int, pp: int, el: int, qua
                 continue
             group, b = param_bytes(p, arch, tp, el, quant)
             rw.add(group, b)
-        for positions, rot in arch.ropes:
+            if group not in UNLISTED:
+                key = fused_name(p.name)
+                tensors[key] = tensors.get(key, 0) + b
+        for i, (positions, rot) in enumerate(arch.ropes):
             rw.add("rotary_cache", positions * rot * el)
+            tensors[f"rotary_cache.{i}"] = positions * rot * el
+        listed = sum(tensors.values())
+        rw.add(ALLOCATOR_GROUP, allocated_bytes(list(tensors.values())) - listed)
         for t in range(tp):
             out.append(RankWeights(t, s, (lo, hi), rw.bytes, dict(rw.groups)))
     return out
