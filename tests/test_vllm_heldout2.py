@@ -26,6 +26,8 @@ def _read(path: Path) -> list[dict]:
 
 
 ROWS = _read(BLIND)
+# the rows whose miss prompted a rule since the blind run (issue 27, round 5: non-torch at tp > 1 by version)
+RULE_ROWS = {"h100x2_llama-3.3-70b-fp8-dynamic_tp2_v0.11.0": 0.42, "h100x2_qwen3-32b_tp2_v0.11.0": 0.37}
 
 
 @functools.lru_cache(maxsize=1)
@@ -37,15 +39,17 @@ def _results() -> dict[str, dict]:
 
 
 def test_the_blind_collection_is_eight_or_more_held_out_startups_with_sources_and_configs():
-    """Each row: held out, not examined, a source, a fixture quoting what the source prints, and a model
-    vramcal resolves (the catalog, or a config.json in configs/)."""
+    """Each row: held out, a source, a fixture quoting what the source prints, and a model vramcal resolves (the
+    catalog, or a config.json in configs/); blind, except the two tp 2 rows whose miss prompted round 5's
+    non-torch rule (marked ``rule: ...``)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from published_vllm import model_ref
     from vramcal.estimator.resolve import resolve_model
 
     assert len(ROWS) >= 8
     for r in ROWS:
-        assert r["split"] == "held-out" and not r["examined"], r["id"]
+        assert r["split"] == "held-out", r["id"]
+        assert not r["examined"] or (r["id"] in RULE_ROWS and r["examined"].startswith("rule: ")), r["id"]
         assert r["source_url"] and (CORPUS_DIR / r["fixture"]).is_file(), r["id"]
         assert resolve_model(model_ref(r, CORPUS_DIR)).config, r["id"]
 
@@ -77,15 +81,19 @@ def test_the_0_27_accounting_line_closes_with_the_printed_peak():
 
 
 def test_blind_figures_are_the_reported_ones():
-    """The blind collection's figures as docs/validation.md reports them, run once before any change: KV memory
-    (9 of the 10 rows print no token count) median 1.48 %, p90 11.25 %; the one row with tokens +0.16 %.
-    Pinned so that any rule change that moves them fails here and is reported -- and so that these rows stop
-    being blind in the record if one is tuned to them."""
+    """The blind collection's figures as docs/validation.md reports them. Run once before any change: KV memory
+    (9 of the 10 rows print no token count) median 1.48 %, p90 11.25 %; the one row with tokens +0.16 %. Round 5's
+    non-torch rule moved the two vLLM 0.11 tp 2 rows (-4.83 / -4.50 % then, the rows that prompted it, now marked
+    ``rule``) and nothing else: the eight rows still blind keep their first-run figures (median 0.76 %, p90
+    22.19 % of eight). Pinned so that any rule change that moves them fails here and is reported -- and so that
+    these rows stop being blind in the record if one is tuned to them."""
     res = _results()
     assert not any(r["error"] for r in res.values())
-    mem = [abs(r["KV memory_err_pct"]) for r in res.values() if r["KV memory_err_pct"] is not None]
-    med, p90 = statistics.median(mem), statistics.quantiles(sorted(mem), n=10, method="inclusive")[8]
-    assert len(mem) == 10 and med == pytest.approx(1.48, abs=0.02) and p90 == pytest.approx(11.25, abs=0.05), (med, p90)
+    blind = [abs(r["KV memory_err_pct"]) for rid, r in res.items() if rid not in RULE_ROWS]
+    med, p90 = statistics.median(blind), statistics.quantiles(sorted(blind), n=10, method="inclusive")[8]
+    assert len(blind) == 8 and med == pytest.approx(0.76, abs=0.02) and p90 == pytest.approx(22.19, abs=0.05), (med, p90)
+    for rid, now in RULE_ROWS.items():
+        assert res[rid]["KV memory_err_pct"] == pytest.approx(now, abs=0.02), rid
     tokens = [r["KV tokens_err_pct"] for r in res.values() if r["KV tokens_err_pct"] is not None]
     assert len(tokens) == 1 and tokens[0] == pytest.approx(0.16, abs=0.02)
 

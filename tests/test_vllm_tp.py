@@ -199,3 +199,73 @@ def test_interconnect_belongs_to_the_vllm_engine(capsys):
     assert _cli("plan", "qwen2.5-7b", "--hardware", "cuda:0=80GiB", "--interconnect", "pcie") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all("--interconnect belongs to --engine vllm" in e for e in err)
+
+
+# ------------------------------------------------------------------ FlashInfer's all-reduce + RMSNorm fusion workspace
+
+def test_the_fusion_workspace_is_flashinfers_three_buffers_at_the_multicast_granularity(monkeypatch):
+    """flashinfer 0.6.6 comm/trtllm_ar.py (trtllm_create_ipc_workspace_for_all_reduce_fusion): tp x T x hidden x 2,
+    tp x 256 x 4 flags, 3 x tp x T x hidden x 2 Lamport bytes, each 2 MiB-aligned; comm/mnnvl.py SymmDeviceMemory:
+    + 2 KiB signal pad, to the allocation then the multicast granularity. vLLM 0.19.1 allreduce_rms_fusion.py:
+    T = min(max_size // (hidden x itemsize), max_num_batched_tokens), SM 9.0 max_size 64 / 2 / 0.5 MiB at tp 2 / 4 / 8."""
+    from vramcal.estimator.vllm import fusion as F
+
+    # Llama-3.1-8B at tp 2 on H100, 8192 batched tokens: T = 64 MiB / 8 KiB = 8192; 128 MiB, 2 KiB and 384 MiB
+    assert F.workspace_bytes(2, 64 * MIB, 4096, 2, 8192) == 3 * 512 * MIB
+    # at the 2 MiB minimum granularity the same buffers would be 130 + 4 + 386 MiB
+    monkeypatch.setattr(F, "MULTICAST_GRANULARITY", 2 * MIB)
+    assert F.workspace_bytes(2, 64 * MIB, 4096, 2, 8192) == (130 + 4 + 386) * MIB
+    # T is capped by max_num_batched_tokens: Qwen2.5-7B (hidden 3584) -> 8192, not 9362
+    assert F.workspace_bytes(2, 64 * MIB, 3584, 2, 8192) == (112 + 2 + 336 + 3 * 2) * MIB
+    # float32 Lamport buffers take 4 bytes a value; the data buffer stays 2
+    assert F.workspace_bytes(2, 64 * MIB, 4096, 4, 8192) == (64 + 2 + 2 + 2 + 384 + 2) * MIB
+    monkeypatch.undo()
+    # SM 10.3 at tp 4 (64 MiB, hidden 8192: T = 4096): 256 MiB, 2 KiB and 768 MiB -> 512 + 512 + 1024 MiB
+    assert F.workspace_bytes(4, 64 * MIB, 8192, 2, 8192) == 2048 * MIB
+
+
+@pytest.mark.parametrize("v, tp, pp, ic, gpu, eager, on, why", [
+    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA H100 80GB HBM3", False, True, "SM 9.0, tp 2"),
+    ((0, 17, 1), 4, 1, "nvlink", "NVIDIA H200", False, True, "SM 9.0, tp 4"),
+    ((0, 15, 1), 2, 1, "nvlink", "NVIDIA H100 80GB HBM3", False, False, "before 0.17"),
+    ((0, 11, 0), 2, 1, "nvlink", "NVIDIA H100 80GB HBM3", False, False, "before 0.17"),
+    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA H100 80GB HBM3", True, False, "--enforce-eager"),
+    ((0, 19, 1), 2, 2, "nvlink", "NVIDIA H100 80GB HBM3", False, False, "pp > 1"),
+    ((0, 19, 1), 2, 1, "pcie", "NVIDIA H100 PCIe", False, False, "over PCIe"),
+    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA A100-SXM4-80GB", False, False, "not compute capability 9.0"),
+    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA H100 NVL", False, False, "no NVSwitch multicast"),
+    ((0, 18, 0), 2, 1, "nvlink", "NVIDIA B300", False, False, "10.3 is not one"),  # 0.18: is_device_capability(100)
+    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA B300", False, True, "SM 10.3"),  # 0.19: the 10.x family
+    ((0, 19, 1), 16, 1, "nvlink", "NVIDIA H100 80GB HBM3", False, False, "world size 16"),
+    ((0, 19, 1), 1, 1, "nvlink", "NVIDIA H100 80GB HBM3", False, False, "one GPU"),
+    ((0, 19, 1), 2, 1, "nvlink", None, False, True, "SM 9.0 GPU on NVSwitch assumed"),
+])
+def test_when_vllm_makes_the_fusion_workspace(v, tp, pp, ic, gpu, eager, on, why):
+    """vLLM config/vllm.py enable_allreduce_rms_fusion (0.17.1, 0.18.0, 0.19.1; 0.15.1 sets it False at every
+    level), enforce_eager -> compilation mode NONE (0.19.1), FI_ALLREDUCE_FUSION_MAX_SIZE_MB's world sizes, and
+    flashinfer's SymmDeviceMemory refusing a GPU without multicast."""
+    from vramcal.estimator.vllm import fusion as F
+
+    got = F.fusion_workspace(v, tp, pp, ic, gpu, 4096, 2, 8192, eager)
+    assert got.on is on and why in got.why, got.why
+    assert (got.device_bytes > 0) is on
+
+
+def test_non_torch_over_nvlink_by_version():
+    """versions.non_torch_default over NVLink from 0.11: the version's one-GPU figure + NCCL's 0.35 GiB + the fusion
+    workspace. 0.19 on H100: 0.25 + 0.35 + 1.5 = 2.10 GiB, the in-sample figure; 0.11 (no fusion before 0.17, graph
+    profiling outside the window before 0.18): 0.07 + 0.35 = 0.42, where the blind llm-d-benchmark 0.11.0 H100 tp 2
+    rows log 0.55 / 0.54 (they prompted the rule and are marked ``rule`` since); 0.15: 0.13 + 0.35."""
+    h100 = "NVIDIA H100 80GB HBM3"
+    e19 = _est(gpu_name=h100, interconnect=NVLINK)
+    e11 = _est(gpu_name=h100, interconnect=NVLINK, vllm_version="0.11.0")
+    e15 = _est(gpu_name=h100, interconnect=NVLINK, vllm_version="0.15.1")
+    eager = _est(gpu_name=h100, interconnect=NVLINK, enforce_eager=True)
+    assert e19.non_torch_bytes == int(0.25 * GIB) + V.NCCL_NVLINK + 1536 * MIB
+    assert abs(e19.non_torch_bytes - 2.10 * GIB) < 0.005 * GIB
+    assert e11.non_torch_bytes == int(0.07 * GIB) + V.NCCL_NVLINK
+    assert e15.non_torch_bytes == int(0.13 * GIB) + V.NCCL_NVLINK
+    assert eager.non_torch_bytes == int(0.25 * GIB) + V.NCCL_NVLINK
+    assert "fusion on: FlashInfer" in e19.methods["interconnect"] and "1536 MiB" in e19.methods["interconnect"]
+    assert "fusion off: before 0.17" in e11.methods["interconnect"]
+    assert "no all-reduce fusion workspace" in e11.methods["non_torch"]

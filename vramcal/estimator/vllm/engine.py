@@ -23,6 +23,7 @@ from ...workload import count
 from ..quant import DTYPE_BYTES
 from ..resolve import ModelSource, resolve_model, text_config
 from . import allreduce as A
+from . import fusion as F
 from . import kv as K
 from . import messages as M
 from . import versions as V
@@ -180,8 +181,11 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     requested = int(total * util)
     ic = A.resolve(args.interconnect, args.gpu_name) if tp > 1 else None
     car = A.custom_all_reduce(v, tp, ic, args.disable_custom_all_reduce) if ic else None
+    fusion = F.fusion_workspace(v, tp, pp, ic.kind, args.gpu_name, arch.hidden, el, mnbt,
+                                args.enforce_eager) if ic else None
     non_torch, non_torch_why = V.non_torch_default(v, tp, pp, ic.kind if ic else "nvlink",
-                                                   car.non_torch_bytes(v) if car else 0)
+                                                   car.non_torch_bytes(v) if car else 0,
+                                                   fusion.device_bytes if fusion else 0)
     non_torch = max(non_torch + offsets.get("non_torch_bytes", 0), 0)
     subtract_graphs = V.graphs_off_budget(v, source.config.get("architectures"), bool(arch.experts),
                                           hybrid is not None, args.enforce_eager)
@@ -268,7 +272,8 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     if hybrid is not None:
         methods["kv_cache"] = f"hybrid pages (docs/vllm.md): {hybrid_why}"
     if ic is not None:
-        methods["interconnect"] = f"{ic.kind} ({ic.source}); custom all-reduce {car.why}"
+        methods["interconnect"] = (f"{ic.kind} ({ic.source}); custom all-reduce {car.why}; all-reduce + RMSNorm "
+                                   f"fusion {'on: ' if fusion.on else 'off: '}{fusion.why}")
     if quant.mxfp4 is not None:
         methods["mxfp4"] = f"MXFP4 experts on the {quant.mxfp4.name} backend: {quant.mxfp4.why}"
     return VllmEstimate(

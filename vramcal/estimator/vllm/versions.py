@@ -256,13 +256,23 @@ def comms_before_snapshot(v: Version) -> bool:
     return v >= (0, 11, 0)
 
 
+NCCL_NVLINK = int(0.35 * 1024**3)  # NCCL over NVLink from 0.11, per rank: fitted (non_torch_default's doc)
+
+
 def non_torch_default(v: Version, tp: int, pp: int, interconnect: str = "nvlink",
-                      custom_ar_bytes: int = 0) -> tuple[int, str]:
+                      custom_ar_bytes: int = 0, fusion_bytes: int = 0) -> tuple[int, str]:
     """Non-torch memory the profile adds (cuBLAS / attention workspaces, and with tp > 1 NCCL's buffers
     connected at the first collectives): a default per setup, taken from the logs in
     benchmarks/published/vllm/ (calibration replaces it with what a machine measured). With tp > 1 it
     depends on the ``interconnect`` (:mod:`.allreduce`); ``custom_ar_bytes`` is what custom all-reduce
-    allocates inside the figure (before 0.11 only: :meth:`.allreduce.CustomAllReduce.non_torch_bytes`)."""
+    allocates inside the figure (before 0.11 only: :meth:`.allreduce.CustomAllReduce.non_torch_bytes`);
+    ``fusion_bytes`` FlashInfer's all-reduce + RMSNorm fusion workspace, made inside it (0.17 on, SM 9.0 / 10.x
+    over NVSwitch: :func:`.fusion.fusion_workspace`).
+
+    Over NVLink from 0.11 it is the one-GPU figure of the version, plus NCCL's buffers connected during the
+    profile (:data:`NCCL_NVLINK`, 0.35 GiB: vLLM's source gives no formula for them; fitted as the median
+    of the 11 in-sample 0.19 H100 SXM tp 2 / tp 4 logs, 2.10 GiB, less their one-GPU 0.25 GiB and their
+    1.5 GiB fusion workspace), plus the fusion workspace."""
     gib = 1024**3
     if tp > 1:
         if not comms_before_snapshot(v):
@@ -271,9 +281,13 @@ def non_torch_default(v: Version, tp: int, pp: int, interconnect: str = "nvlink"
                     f"TP > 1 before 0.11, 0.10 logs: 0.17-0.21 GiB per rank (PCIe, custom all-reduce off){ar}; NCCL's "
                     "communicators are made after vLLM's snapshot and counted in it (an NVLink figure is not fitted)")
         if interconnect == "nvlink":
-            return (int(2.10 * gib), "TP > 1 over NVLink, 0.19 H100 SXM logs: 2.06-2.21 GiB per rank, fitted: NCCL's "
-                                     "buffers connected during the profile, for which vLLM's source has no formula "
-                                     "(custom all-reduce's are made before vLLM's snapshot, outside it)")
+            one, _ = non_torch_default(v, 1, pp)
+            fused = (f" + FlashInfer's all-reduce fusion workspace {fusion_bytes / gib:.2f} GiB" if fusion_bytes
+                     else " (no all-reduce fusion workspace)")
+            return (one + NCCL_NVLINK + fusion_bytes,
+                    f"TP > 1 over NVLink: the one-GPU {one / gib:.2f} GiB + NCCL's buffers connected during the "
+                    f"profile {NCCL_NVLINK / gib:.2f} GiB (fitted to the 0.19 H100 SXM logs){fused}; custom "
+                    "all-reduce's buffers are made before vLLM's snapshot, outside it")
         one, why = non_torch_default(v, 1, pp)
         return one, (f"TP > 1 over PCIe: as without TP ({why}); custom all-reduce's buffers and NCCL's communicators "
                      "are made before vLLM's snapshot (0.11 on), and NCCL's PCIe channel buffers are not counted "
