@@ -91,7 +91,8 @@ def test_blind_figures_are_the_reported_ones():
     assert not any(r["error"] for r in res.values())
     blind = [abs(r["KV memory_err_pct"]) for rid, r in res.items() if rid not in RULE_ROWS]
     med, p90 = statistics.median(blind), statistics.quantiles(sorted(blind), n=10, method="inclusive")[8]
-    assert len(blind) == 8 and med == pytest.approx(0.76, abs=0.02) and p90 == pytest.approx(22.19, abs=0.05), (med, p90)
+    assert len(blind) == 8, len(blind)
+    assert med == pytest.approx(0.76, abs=0.02) and p90 == pytest.approx(22.19, abs=0.05), (med, p90)
     for rid, now in RULE_ROWS.items():
         assert res[rid]["KV memory_err_pct"] == pytest.approx(now, abs=0.02), rid
     tokens = [r["KV tokens_err_pct"] for r in res.values() if r["KV tokens_err_pct"] is not None]

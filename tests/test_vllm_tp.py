@@ -207,7 +207,8 @@ def test_the_fusion_workspace_is_flashinfers_three_buffers_at_the_multicast_gran
     """flashinfer 0.6.6 comm/trtllm_ar.py (trtllm_create_ipc_workspace_for_all_reduce_fusion): tp x T x hidden x 2,
     tp x 256 x 4 flags, 3 x tp x T x hidden x 2 Lamport bytes, each 2 MiB-aligned; comm/mnnvl.py SymmDeviceMemory:
     + 2 KiB signal pad, to the allocation then the multicast granularity. vLLM 0.19.1 allreduce_rms_fusion.py:
-    T = min(max_size // (hidden x itemsize), max_num_batched_tokens), SM 9.0 max_size 64 / 2 / 0.5 MiB at tp 2 / 4 / 8."""
+    T = min(max_size // (hidden x itemsize), max_num_batched_tokens), SM 9.0 max_size 64 / 2 / 0.5 MiB at tp
+    2 / 4 / 8."""
     from vramcal.estimator.vllm import fusion as F
 
     # Llama-3.1-8B at tp 2 on H100, 8192 batched tokens: T = 64 MiB / 8 KiB = 8192; 128 MiB, 2 KiB and 384 MiB
