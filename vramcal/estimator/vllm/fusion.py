@@ -97,8 +97,8 @@ def workspace_bytes(tp: int, max_size: int, hidden: int, itemsize: int, max_num_
 def fusion_workspace(v: V.Version, tp: int, pp: int, interconnect: str, gpu_name: str | None, hidden: int,
                      itemsize: int, max_num_batched_tokens: int, enforce_eager: bool) -> FusionWorkspace:
     """Whether vLLM makes the all-reduce + RMSNorm fusion workspace on this rank, and its bytes (the module's doc).
-    A GPU whose name does not say its capability is priced with it on over NVLink (the larger non-torch term,
-    so the smaller, safe KV figure)."""
+    With no GPU named it is priced on over NVLink, as on an H100 (the larger non-torch term, so the smaller, safe
+    KV figure); a named GPU outside the 9.0 / 10.x parts listed here is priced without it."""
     if tp <= 1:
         return FusionWorkspace(False, "one GPU: no all-reduce")
     if v < (0, 17, 0):
