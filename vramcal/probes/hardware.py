@@ -140,9 +140,11 @@ def machine_gpu_target(device: str) -> GpuTarget | None:
     name = nvml.device_info(index)["name"]
     if isinstance(cc, nvml.NA):
         return None
+    from .machine import reserve_here
+
     row = find_gpu(name) if isinstance(name, str) else None
     return GpuTarget(name if isinstance(name, str) else None, cc, row.architecture if row else None,
-                     "this machine (NVML)")
+                     "this machine (NVML)", driver_reserve=reserve_here(f"cuda:{index}"))
 
 
 def _words(name: str) -> list[str]:
