@@ -102,3 +102,108 @@ def test_the_probe_reads_each_sampled_gpus_reserve(fake):
     fake({0: [R]}, gpu_name="NVIDIA L4")  # no v2, not in the table
     assert driver_reserves("gpu0", None, notes) == {}
     assert len(notes) == 1 and "not known" in notes[0] and "as read" in notes[0]
+
+
+# ------------------------------------------------------------------ plan and fit: total - reserve
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """8 layers of 6 MB each and a long position limit: memory, not the model, bounds the context."""
+    from conftest import TINY, save_tiny
+
+    return save_tiny("wide", {**TINY["dense-gqa"], "num_hidden_layers": 8, "vocab_size": 256, "hidden_size": 512,
+                              "intermediate_size": 1536, "max_position_embeddings": 131072},
+                     tmp_path_factory.mktemp("reserve"))
+
+
+def _json(capsys, argv) -> dict:
+    import json
+
+    from vramcal import cli
+
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert rc in (0, 1), err
+    return json.loads(out)
+
+
+def test_a_described_gpu_has_the_tables_reserve_an_unnamed_one_says_not_known():
+    from vramcal.probes.hardware import described
+
+    h200 = described({"cuda:0": 141 * GIB}, ["H200"]).gpus[0]
+    assert h200.total_bytes == 141 * GIB and h200.memory_bytes == 141 * GIB - 648_347_648
+    assert h200.reserve.kind == "table" and h200.capacity_bytes == h200.memory_bytes
+    hw = described({"cuda:0": 24 * GIB}, ["RTX 4090"])  # in the table of GPUs, not of reserves
+    assert hw.gpus[0].memory_bytes == 24 * GIB and hw.gpus[0].reserve.bytes is None
+    assert any("not known" in n and "counted as nothing" in n for n in hw.notes)
+    bare = described({"cuda:0": 24 * GIB})
+    assert bare.gpus[0].memory_bytes == 24 * GIB and bare.reserves()["cuda:0"]["bytes"] is None
+
+
+def test_plan_answers_a_described_h200_against_its_total_less_the_reserve(wide, capsys):
+    size = 3 * GIB
+    named = _json(capsys, ["plan", wide, "--hardware", f"cuda:0={size}", "--gpu", "H200", "--buffer", "1GiB", "--json"])
+    assert named["hardware"]["cuda:0"] == size - 648_347_648
+    assert named["driver_reserve"]["cuda:0"]["bytes"] == 648_347_648
+    assert named["driver_reserve"]["cuda:0"]["source"].startswith("table")
+    assert named["gpus"][0]["total_bytes"] == size
+    assert any("driver's reserve" in n and "618 MiB" in n for n in named["notes"])
+    less = _json(capsys, ["plan", wide, "--hardware", f"cuda:0={size - 648_347_648}", "--buffer", "1GiB", "--json"])
+    assert less["driver_reserve"]["cuda:0"]["bytes"] is None and "not known" in less["driver_reserve"]["cuda:0"]["source"]
+    ctx = lambda doc: [(p["quant"], p["ctx"]) for p in doc["plans"]]  # noqa: E731
+    assert ctx(named) == ctx(less) and ctx(named)
+    whole = _json(capsys, ["plan", wide, "--hardware", f"cuda:0={size}", "--buffer", "1GiB", "--json"])
+    assert max(c for _, c in ctx(whole)) > max(c for _, c in ctx(named))  # the reserve moved the answer
+
+
+def test_plan_of_this_machine_takes_nothing_more_off_free_memory(fake):
+    from vramcal.probes.hardware import this_machine
+
+    fake({0: [R + GIB]}, total=24 * GIB, reserved=R, gpu_name="NVIDIA GeForce RTX 4090")
+    hw = this_machine()
+    g = hw.gpus[0]
+    assert g.memory_bytes == 24 * GIB - R - GIB  # NVML's free: the reserve and the others' GiB already out
+    assert g.reserve.kind == "measured" and g.capacity_bytes == 24 * GIB - R
+    assert any("already leaves the driver's reserve out" in n for n in hw.notes)
+
+
+def test_fit_on_this_machine_answers_against_total_less_the_reserve(wide, fake, capsys):
+    fake({0: [R]}, total=3 * GIB, reserved=R, gpu_name="NVIDIA GeForce RTX 4090", compute_capability=(8, 9))
+    auto = _json(capsys, ["fit", wide, "--budget", "auto", "--buffer", "1GiB", "--json"])
+    assert auto["budget_bytes"] == 3 * GIB - R
+    r = auto["driver_reserve"]["cuda:0"]
+    assert (r["bytes"], r["kind"], r["taken_off"]) == (R, "measured", False) and "free memory" in r["why"]
+    given = _json(capsys, ["fit", wide, "--budget", str(3 * GIB - R), "--buffer", "1GiB", "--json"])
+    rows = lambda doc: [(x["quant"], x["batch"], x["max_ctx"]) for x in doc["rows"]]  # noqa: E731
+    assert rows(auto) == rows(given) and any(x[2] for x in rows(auto))
+    assert "--budget is the run's own use" in given["driver_reserve"]["cuda:0"]["why"]
+
+
+def test_fit_for_a_named_gpu_reports_the_tables_reserve_and_an_unknown_one(wide, capsys):
+    doc = _json(capsys, ["fit", wide, "--budget", "3GiB", "--buffer", "1GiB", "--gpu", "H200", "--json"])
+    assert doc["driver_reserve"]["cuda:0"]["bytes"] == 648_347_648
+    assert any("outside it" in n for n in doc["notes"])
+    doc = _json(capsys, ["fit", wide, "--budget", "3GiB", "--buffer", "1GiB", "--gpu", "RTX 4090", "--json"])
+    assert doc["driver_reserve"]["cuda:0"]["bytes"] is None and doc["driver_reserve"]["cuda:0"]["kind"] == "unknown"
+
+
+def test_vllm_reads_cudas_total_here(fake):
+    from vramcal.cli_vllm import this_gpu
+
+    fake({0: [R]}, total=80 * GIB, reserved=R, gpu_name="NVIDIA H100 80GB HBM3")
+    assert this_gpu() == (80 * GIB - R, "NVIDIA H100 80GB HBM3")
+    fake({0: [R]}, total=80 * GIB, gpu_name="NVIDIA H100 80GB HBM3")  # no v2, not tabled: NVML's total, as before
+    assert this_gpu() == (80 * GIB, "NVIDIA H100 80GB HBM3")
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "{m}", "--hardware", "cuda:0=500MiB", "--gpu", "H200"],  # not above the H200's reserve
+    ["plan", "{m}", "--hardware", "cuda:0=618MiB", "--gpu", "H200"],
+])
+def test_a_size_within_the_reserve_is_one_line_exit_2(wide, argv, capsys):
+    from vramcal import cli
+
+    rc = cli.main([a.replace("{m}", wide) for a in argv])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "reserve" not in out, err
+    assert "driver" in err

@@ -63,6 +63,13 @@ def reserve_for(name: str | None, measured: int | None = None, why_unmeasured: s
                          f"{name or 'this GPU'} (read it with NVML v2 on the machine)")
 
 
+def reserve_of_target(gpu) -> DriverReserve:
+    """The reserve of an estimate's GPU (a :class:`~vramcal.estimator.formats.GpuTarget`, or None): as read
+    on this machine where the target is this machine's, else its name's table row, else not known."""
+    here = getattr(gpu, "driver_reserve", None)
+    return here if isinstance(here, DriverReserve) else reserve_for(getattr(gpu, "name", None))
+
+
 def capacity(total_bytes: int, reserve: DriverReserve) -> int:
     """What a run can have of a device whose total is ``total_bytes``: the total less the driver's reserve;
     the total itself where the reserve is not known (the output says so: :meth:`DriverReserve.line`)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..units import MIB
-from .capacity import H200_SESSION, DriverReserve, reserve_for
+from .capacity import H200_SESSION, DriverReserve, reserve_for, reserve_of_target
 
 
 @dataclass(frozen=True)
@@ -106,9 +106,8 @@ def cuda_terms(gpu=None, driver_reserve: DriverReserve | int | None = None) -> R
     terms["cublas_workspace"] = {"bytes": ws if ws is not None else CUDA_DEFAULT.workspace_bytes,
                                  "source": f"table: {CUBLAS_SOURCE}" if ws is not None else
                                  "default: 32 MiB (compute capability not known)", "inside_reserved": True}
-    if driver_reserve is None:
-        driver_reserve = getattr(gpu, "driver_reserve", None)
-    reserve = driver_reserve if isinstance(driver_reserve, DriverReserve) else reserve_for(name, driver_reserve)
+    reserve = driver_reserve if isinstance(driver_reserve, DriverReserve) else \
+        reserve_of_target(gpu) if driver_reserve is None else reserve_for(name, driver_reserve)
     terms["driver_reserve"] = reserve.to_dict()
     where = "; ".join(f"{k}: {v['source'].split(':')[0]}" for k, v in terms.items())
     return RuntimeProfile("cuda", context_bytes=context, workspace_bytes=terms["cublas_workspace"]["bytes"],
