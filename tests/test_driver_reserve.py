@@ -149,7 +149,8 @@ def test_plan_answers_a_described_h200_against_its_total_less_the_reserve(wide, 
     assert named["gpus"][0]["total_bytes"] == size
     assert any("driver's reserve" in n and "618 MiB" in n for n in named["notes"])
     less = _json(capsys, ["plan", wide, "--hardware", f"cuda:0={size - 648_347_648}", "--buffer", "1GiB", "--json"])
-    assert less["driver_reserve"]["cuda:0"]["bytes"] is None and "not known" in less["driver_reserve"]["cuda:0"]["source"]
+    unknown = less["driver_reserve"]["cuda:0"]
+    assert unknown["bytes"] is None and "not known" in unknown["source"]
     ctx = lambda doc: [(p["quant"], p["ctx"]) for p in doc["plans"]]  # noqa: E731
     assert ctx(named) == ctx(less) and ctx(named)
     whole = _json(capsys, ["plan", wide, "--hardware", f"cuda:0={size}", "--buffer", "1GiB", "--json"])

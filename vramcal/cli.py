@@ -520,15 +520,16 @@ def fit_transformers(args, io) -> int:
     reserves = _fit_reserves(args.budget == "auto", budget if isinstance(budget, dict) else {device: budget}, gpu)
     fit.notes += [line for line in (_reserve_line(d, r, args.budget == "auto") for d, r in reserves.items()) if line]
     _out(json.dumps({"budget_bytes": budget, "buffer_bytes": buffer, "new_tokens": new_tokens, "free": others,
-                     "driver_reserve": {d: {**r.to_dict(), "taken_off": False,
-                                            "why": _RESERVE_OUTSIDE[args.budget == "auto"]} for d, r in reserves.items()},
+                     "driver_reserve": {d: {**r.to_dict(), "taken_off": False, "why": _RESERVE_OUTSIDE[args.budget == "auto"]}
+                                        for d, r in reserves.items()},
                      "rows": [r.to_dict() for r in fit.rows], "notes": fit.notes})
          if args.json else present.fit_table(args.model, budget, buffer, fit.rows, others, fit.notes))
     return 0
 
 
 _RESERVE_OUTSIDE = {True: "free memory (NVML's free, either version) has already left the driver's reserve out",
-                    False: "--budget is the run's own use, in nvidia-smi's memory.used sense: the reserve is outside it"}
+                    False: "--budget is the run's own use, in nvidia-smi's memory.used sense: the reserve is "
+                           "outside it"}
 
 
 def _fit_reserves(auto: bool, budgets: dict, gpu) -> dict:
@@ -545,8 +546,7 @@ def _reserve_line(device: str, reserve, auto: bool) -> str | None:
     """One short line where the reserve is known: why nothing comes off the budget for it."""
     if reserve.bytes is None:
         return None
-    where = "measured here" if reserve.kind == "measured" else "vramcal's table"
-    mib = f"{reserve.bytes / 1024**2:,.0f} MiB, {where}"
+    mib = reserve.short()
     return (f"{device}: free memory already leaves the driver's reserve ({mib}) out" if auto else
             f"{device}: --budget is the run's own use; the driver's reserve ({mib}) is outside it")
 

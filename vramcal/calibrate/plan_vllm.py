@@ -62,7 +62,8 @@ class VllmPlanResult:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"engine": "vllm", "model": self.model, "hardware": self.hardware.sizes(), "driver_reserve": self.hardware.reserves(), "vllm_version": self.version,
+        return {"engine": "vllm", "model": self.model, "hardware": self.hardware.sizes(),
+                "driver_reserve": self.hardware.reserves(), "vllm_version": self.version,
                 "gpu_memory_utilization": self.utilization, "max_model_len": self.target_len,
                 "max_model_len_asked": self.asked, "goal": self.goal, "plans": [p.to_dict() for p in self.plans],
                 "why_not": self.why_not, "notes": self.notes}
@@ -194,6 +195,5 @@ def _total_note(gpus: list) -> str:
         if r is None or r.bytes is None:
             said.append(f"{g.device} the total as given (its reserve is not known)")
         else:
-            said.append(f"{g.device} less {r.bytes / 1024**2:,.0f} MiB "
-                        f"({'measured here' if r.kind == 'measured' else 'table'})")
+            said.append(f"{g.device} less {r.short()}")
     return "vLLM's total is CUDA's, the device's less the driver's reserve: " + ", ".join(said)

@@ -40,12 +40,18 @@ class DriverReserve:
     def to_dict(self) -> dict:
         return {"bytes": self.bytes, "kind": self.kind, "source": self.source, "counted": COUNTED}
 
+    def short(self) -> str:
+        """The figure and where it came from, for a line of human output: ``618 MiB, vramcal's table``."""
+        if self.bytes is None:
+            return "not known"
+        where = "measured here" if self.kind == "measured" else "vramcal's table"
+        return f"{self.bytes / 1024**2:,.0f} MiB, {where}"
+
     def line(self, device: str = "the GPU") -> str:
         """One short line for human output."""
         if self.bytes is None:
             return f"{device}: the driver's reserve is not known ({self.source}): counted as nothing"
-        where = "measured here" if self.kind == "measured" else "vramcal's table"
-        return f"{device}: the driver's reserve, {self.bytes / 1024**2:,.0f} MiB ({where}), is not the run's to have"
+        return f"{device}: the driver's reserve ({self.short()}) is not the run's to have"
 
 
 def reserve_for(name: str | None, measured: int | None = None, why_unmeasured: str | None = None) -> DriverReserve:

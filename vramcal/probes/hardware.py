@@ -308,7 +308,7 @@ def reserve_notes(gpus: list[GPU], from_free: bool = False) -> list[str]:
         lead = "free memory already leaves the driver's reserve out: " if from_free else \
             "the driver's reserve is not the run's: "
         out.append(lead + ", ".join(
-            f"{g.device} {g.reserve.bytes / 1024**2:,.0f} MiB ({'measured here' if g.reserve.kind == 'measured' else 'table'})"
+            f"{g.device} ({g.reserve.short()})"
             for g in known))
     if unknown and not from_free:
         out.append(f"the driver's reserve of {', '.join(g.device for g in unknown)} is not known (name the GPU with "
