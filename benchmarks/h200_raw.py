@@ -25,7 +25,9 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-DRIVER_RESERVE = 648_347_648  # NVML used with no process on that H200 (docs/validation/gpu-h200/README.md)
+from vramcal.estimator.capacity import DRIVER_RESERVE as _TABLE  # noqa: E402
+
+DRIVER_RESERVE = _TABLE["NVIDIA H200"][0]  # NVML used with no process on that H200: vramcal's table, one home
 FIELDS = ["source", "model", "quant", "ctx", "batch", "stage", "estimated_bytes", "nvidia_smi_bytes", "error_pct",
           "calibrated_bytes", "calibrated_error_pct", "estimated_reserved_bytes", "measured_reserved_bytes",
           "reserved_error_pct", "estimated_slack_bytes", "measured_slack_bytes"]

@@ -513,13 +513,42 @@ def fit_transformers(args, io) -> int:
     smallest = min(budget.values()) if isinstance(budget, dict) else budget
     if buffer >= smallest:
         raise UserError(f"--buffer ({buffer:,} B) must be below --budget ({smallest:,} B)")
+    gpu = _gpu(args)
     fit = fit_contexts(args.model, budget, device=device, db=args.db, buffer=buffer, new_tokens=new_tokens,
                        max_memory=max_memory, device_map=device_map, images=images, image_size=image_size,
-                       gpu=_gpu(args), progress=_progress(args))
+                       gpu=gpu, progress=_progress(args))
+    reserves = _fit_reserves(args.budget == "auto", budget if isinstance(budget, dict) else {device: budget}, gpu)
+    fit.notes += [line for line in (_reserve_line(d, r, args.budget == "auto") for d, r in reserves.items()) if line]
     _out(json.dumps({"budget_bytes": budget, "buffer_bytes": buffer, "new_tokens": new_tokens, "free": others,
+                     "driver_reserve": {d: {**r.to_dict(), "taken_off": False, "why": _RESERVE_OUTSIDE[args.budget == "auto"]}
+                                        for d, r in reserves.items()},
                      "rows": [r.to_dict() for r in fit.rows], "notes": fit.notes})
          if args.json else present.fit_table(args.model, budget, buffer, fit.rows, others, fit.notes))
     return 0
+
+
+_RESERVE_OUTSIDE = {True: "free memory (NVML's free, either version) has already left the driver's reserve out",
+                    False: "--budget is the run's own use, in nvidia-smi's memory.used sense: the reserve is "
+                           "outside it"}
+
+
+def _fit_reserves(auto: bool, budgets: dict, gpu) -> dict:
+    """fit's GPUs' driver's reserve (vramcal.estimator.capacity): read here where the budget was free memory,
+    else the estimate's GPU's (this machine's, or --gpu's table row). Nothing for the CPU."""
+    from .estimator.capacity import reserve_of_target
+    from .probes.machine import reserve_here
+
+    gpus = [d for d in budgets if str(d).startswith("cuda")]
+    return {d: reserve_here(d) if auto else reserve_of_target(gpu) for d in gpus}
+
+
+def _reserve_line(device: str, reserve, auto: bool) -> str | None:
+    """One short line where the reserve is known: why nothing comes off the budget for it."""
+    if reserve.bytes is None:
+        return None
+    mib = reserve.short()
+    return (f"{device}: free memory already leaves the driver's reserve ({mib}) out" if auto else
+            f"{device}: --budget is the run's own use; the driver's reserve ({mib}) is outside it")
 
 
 def cmd_plan(args) -> int:

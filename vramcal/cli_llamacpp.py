@@ -320,7 +320,10 @@ def cmd_plan(args, io) -> int:
                         "its parallel sequences -np, and its GPUs those of --hardware (or this machine's)")
     hardware = machine(args, cpu_bandwidth=True)
     buffer = DEFAULT_BUFFER if args.buffer is None else size_option(args.buffer, "--buffer")
-    a, _ = llama_args(args, n_gpus=len(hardware.gpus), gpu_total_bytes=sum(g.memory_bytes for g in hardware.gpus))
+    # Ollama's default num_ctx tier: a described GPU's whole size (less its reserve is the run's, not the tier's)
+    tier = sum((g.total_bytes or g.memory_bytes) if args.hardware is not None else g.memory_bytes
+               for g in hardware.gpus)
+    a, _ = llama_args(args, n_gpus=len(hardware.gpus), gpu_total_bytes=tier)
     pinned = frozenset(k for k, on in (("ctx", args.ctx_size is not None),
                                        ("ngl", args.n_gpu_layers not in (None, "auto")),  # auto: llama.cpp's --fit
                                        ("moe", args.n_cpu_moe is not None or bool(args.cpu_moe)),

@@ -138,8 +138,12 @@ def refuse_transformers_flags(args, command: str, engine: str = "vllm", allowed:
 
 
 def this_gpu() -> tuple[int | None, str | None]:
-    """GPU 0's total memory and name through the one NVML door, or (None, None) without one."""
+    """GPU 0's total memory as CUDA reports it (vLLM's "total": NVML's total less the driver's reserve, where
+    the reserve is known: :mod:`vramcal.estimator.capacity`) and its name, through the one NVML door; (None,
+    None) without one."""
+    from .estimator.capacity import capacity
     from .probes import nvml
+    from .probes.machine import reserve_here
 
     ok, _ = nvml.available()
     if not ok:
@@ -147,6 +151,8 @@ def this_gpu() -> tuple[int | None, str | None]:
     info = nvml.device_info(0)
     total = None if isinstance(info["total_bytes"], nvml.NA) else int(info["total_bytes"])
     name = None if isinstance(info["name"], nvml.NA) else str(info["name"])
+    if total is not None:
+        total = capacity(total, reserve_here("cuda:0"))
     return total, name
 
 

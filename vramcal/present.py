@@ -79,6 +79,10 @@ def estimate_table(e) -> str:
         lines.append(_row("total", f.total_bytes))
         lines += ["", "why vramcal differs"] + ["  " + d for d in e.differences]
     lines += ["", "how"] + [f"  {k}: {v}" for k, v in e.methods.items()] + [f"  runtime: {e.runtime_source}"]
+    reserve = (getattr(e, "runtime_terms", None) or {}).get("driver_reserve")
+    if reserve and reserve.get("bytes") is not None:
+        lines.append(f"  driver's reserve: {reserve['bytes'] / 1024**2:,.0f} MiB ({reserve['kind']}), counted "
+                     "against the device's total, not in the stages")
     if e.notes:
         lines += ["", "notes"] + ["  " + n for n in e.notes]
     if e.correction:

@@ -79,10 +79,12 @@ class CheckResult:
 
 def verdict_for(result: ProbeResult, total: int, buffer: int, held: int = 0) -> Verdict:
     """Fits when the measured peak, less what other processes ``held`` when the budget was read from
-    free memory (NVML's memory.used counts them), stays ``buffer`` below the budget ``total``."""
+    free memory (NVML's memory.used counts them), stays ``buffer`` below the budget ``total``. ``held`` is
+    total - free, the driver's reserve in it: the part of it the measured figures already left out
+    (:meth:`ProbeResult.reserve_of`) is not taken off twice."""
     peak, stage = measured_peak(result)
     if peak is not None and held:
-        peak -= held
+        peak -= others_held(held, result.reserve_of(result.series))
     if result.status == "oom":
         return Verdict(False, result.status, total, buffer, peak, stage, None, result.oom.stage,
                        f"out of memory at {result.oom.stage}")
@@ -98,14 +100,17 @@ def verdict_for(result: ProbeResult, total: int, buffer: int, held: int = 0) -> 
 
 def placed_verdict(result: ProbeResult, budgets: dict[str, int], buffer: int, held: dict[str, int]) -> Verdict:
     """A split run fits when every GPU of the map, on its own, fits its budget minus the buffer."""
+    from ..probes.result import device_series
+
     per: dict[str, DeviceVerdict] = {}
+    measured = result.measured_devices() or {}
     for dev, total in budgets.items():
-        stages = (result.devices or {}).get(dev, {})
+        stages = measured.get(dev, {})
         peaks = [(r.peak_bytes, name) for name, r in stages.items()
                  if name not in ("baseline", "context") and r.peak_bytes is not None]
         peak, stage = max(peaks) if peaks else (None, None)
-        if peak is not None:
-            peak -= held.get(dev, 0)
+        if peak is not None and held.get(dev):
+            peak -= others_held(held[dev], result.reserve_of(device_series(dev)))
         per[dev] = DeviceVerdict(total, peak, stage, peak is not None and peak <= total - buffer)
     main = verdict_for(result, budgets[result.device], buffer, held.get(result.device, 0))
     worst = max(per, key=lambda d: (per[d].peak_bytes or 0) - per[d].budget_bytes)
@@ -120,6 +125,12 @@ def placed_verdict(result: ProbeResult, budgets: dict[str, int], buffer: int, he
                             f"less the {fmt_gib_gb(buffer)} buffer")
     main.devices = per
     return main
+
+
+def others_held(held: int, reserve: int | None) -> int:
+    """What other processes held of a device whose total - free was ``held``: less the driver's reserve
+    where the probe's figures left it out (None: they include it, and so does this)."""
+    return held - (reserve or 0)
 
 
 def budgets_for(devices: list[str], budget: int | None, buffer: int) -> tuple[dict[str, int], dict, list]:

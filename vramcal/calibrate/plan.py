@@ -108,7 +108,8 @@ class PlanResult:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "hardware": self.hardware.sizes(), "hardware_source": self.hardware.source,
+        return {"model": self.model, "hardware": self.hardware.sizes(),
+                "driver_reserve": self.hardware.reserves(), "hardware_source": self.hardware.source,
                 "buffer_bytes": self.buffer, "goal": self.goal, "ctx": self.target_ctx, "ctx_asked": self.asked,
                 "plans": [p.to_dict() for p in self.plans], "why_nothing_better": self.why,
                 "shortfall": self.shortfall, "notes": self.notes}

@@ -128,7 +128,8 @@ class LlamaPlanResult:
 
     def to_dict(self) -> dict:
         hw = self.hardware
-        return {"engine": "llama.cpp", "model": self.model, "hardware": hw.sizes(), "hardware_source": hw.source,
+        return {"engine": "llama.cpp", "model": self.model, "hardware": hw.sizes(),
+                "driver_reserve": hw.reserves(), "hardware_source": hw.source,
                 "cpu_bandwidth_bytes_per_s": hw.cpu_bandwidth.bytes_per_s,
                 "cpu_bandwidth_source": hw.cpu_bandwidth.source,
                 "buffer_bytes": self.buffer, "goal": self.goal, "ctx": self.target_ctx, "ctx_asked": self.asked,

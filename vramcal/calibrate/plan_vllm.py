@@ -62,7 +62,8 @@ class VllmPlanResult:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"engine": "vllm", "model": self.model, "hardware": self.hardware.sizes(), "vllm_version": self.version,
+        return {"engine": "vllm", "model": self.model, "hardware": self.hardware.sizes(),
+                "driver_reserve": self.hardware.reserves(), "vllm_version": self.version,
                 "gpu_memory_utilization": self.utilization, "max_model_len": self.target_len,
                 "max_model_len_asked": self.asked, "goal": self.goal, "plans": [p.to_dict() for p in self.plans],
                 "why_not": self.why_not, "notes": self.notes}
@@ -80,7 +81,7 @@ def _tp_sizes(gpus: int, heads: int) -> list[int]:
 def _group(gpus: list, tp: int) -> list:
     """The ``tp`` GPUs a tensor-parallel group runs on: the largest (vLLM takes the same share of each, so
     the smallest of the group limits it), in device order. One GPU: the largest there is."""
-    ranked = sorted(range(len(gpus)), key=lambda i: (-(gpus[i].total_bytes or gpus[i].memory_bytes), i))
+    ranked = sorted(range(len(gpus)), key=lambda i: (-gpus[i].capacity_bytes, i))
     return [gpus[i] for i in sorted(ranked[:tp])]
 
 
@@ -110,7 +111,8 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
     source = resolve_model(model)
     util = V.default_utilization(V.resolve_version(vllm_version)[0]) if utilization is None else utilization
     gpus = hardware.gpus
-    size = lambda g: g.total_bytes or g.memory_bytes  # noqa: E731 -- vLLM's "total"
+    # vLLM's "total" is CUDA's (cudaMemGetInfo): the device's total less the driver's reserve, where known
+    size = lambda g: g.capacity_bytes  # noqa: E731
     base = VllmArgs(gpu_memory_utilization=util, gpu_memory_bytes=max(size(g) for g in gpus),
                     vllm_version=vllm_version).validated()
     # the model's limit and heads as vLLM derives them: the config with transformers' defaults filled in
@@ -181,4 +183,17 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
     plans.sort(key=rank)
     if not all(g.memory_bandwidth.bytes_per_s for g in gpus):
         notes.append("no memory bandwidth for these GPUs (give --gpu or --bandwidth): the decode bound is unknown")
+    notes.append(_total_note(gpus))
     return VllmPlanResult(source.name, hardware, version, util, target, ctx is not None, goal, plans, why_not, notes)
+
+
+def _total_note(gpus: list) -> str:
+    """One line: vLLM's total per GPU is CUDA's, the device's total less the driver's reserve (or not known)."""
+    said = []
+    for g in gpus:
+        r = g.reserve
+        if r is None or r.bytes is None:
+            said.append(f"{g.device} the total as given (its reserve is not known)")
+        else:
+            said.append(f"{g.device} less {r.short()}")
+    return "vLLM's total is CUDA's, the device's less the driver's reserve: " + ", ".join(said)

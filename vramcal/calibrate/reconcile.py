@@ -32,10 +32,11 @@ def stage_rows(result) -> list[StageRow]:
 
 def device_stage_rows(result) -> list[DeviceStageRow]:
     """Rows for the ``device_stages`` table of a split run: per device and stage, the estimate beside
-    the measurement (GPUs: NVML; ``cpu``: the child's resident set above its baseline)."""
+    the measurement (GPUs: NVML less the driver's reserve where known; ``cpu``: the child's resident set
+    above its baseline)."""
     est = (result.estimate.devices if result.estimate is not None else None) or {}
     rows = []
-    for dev, stages in (result.devices or {}).items():
+    for dev, stages in (result.measured_devices() or {}).items():
         e = est[dev].stages if dev in est else {}
         for name, r in stages.items():
             rows.append(DeviceStageRow(dev, name, e.get(name), r.peak_bytes, r.used_bytes))

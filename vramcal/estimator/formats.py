@@ -35,6 +35,9 @@ class GpuTarget:
     architecture: str | None
     source: str  # vramcal's table of GPUs | this machine (NVML) | none named | the CPU
     is_cpu: bool = False  # the model runs on the CPU (--device cpu): no GPU kernels at all
+    # this machine's GPU: its driver's reserve as read here (a capacity.DriverReserve); None: by the name's
+    # table row (vramcal.estimator.capacity.reserve_for)
+    driver_reserve: object | None = None
 
     def describe(self) -> str:
         if self.is_cpu:

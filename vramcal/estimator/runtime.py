@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..units import MIB
+from .capacity import H200_SESSION, DriverReserve, reserve_for, reserve_of_target
 
 
 @dataclass(frozen=True)
@@ -59,16 +60,11 @@ def default_profile(device: str) -> RuntimeProfile:
 
 # ------------------------------------------------------------------ the non-torch terms, each by what it is
 
-H200_SESSION = "measured on an NVIDIA H200, CUDA 13.0, driver 580.159.04, torch 2.11 (docs/validation/gpu-h200/)"
 # Memory outside torch's allocator, by architecture: NVML used - the driver's reserve - torch's reserved,
 # after loading (the context, the kernels loading needed) and what the first forward added (kernels loaded
 # lazily, cuBLAS's own state). Only Hopper has been measured; every other architecture takes the default.
 MEASURED_CONTEXT = {
     "hopper": {"context": 645_464_064, "kernels": 79_691_776, "source": H200_SESSION},
-}
-# NVML v2 ``reserved`` (or NVML used with no process on the GPU) of described GPUs, by NVML name
-DRIVER_RESERVE = {
-    "NVIDIA H200": (648_347_648, "NVML used with no process, " + H200_SESSION),
 }
 CUBLAS_SOURCE = ("torch aten/src/ATen/cuda/CublasHandlePool.cpp parseChosenWorkspaceSize: 32 MiB on compute "
                  "capability 9.x-12.x, else 4096 KiB x 2 + 16 KiB x 8; one per handle and stream, allocated through "
@@ -83,10 +79,11 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int] | None) -> int | 
     return 32 * MIB if compute_capability[0] in (9, 10, 11, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
-def cuda_terms(gpu=None, driver_reserve: int | None = None) -> RuntimeProfile:
+def cuda_terms(gpu=None, driver_reserve: DriverReserve | int | None = None) -> RuntimeProfile:
     """The CUDA runtime profile of ``gpu`` (a :class:`~vramcal.estimator.formats.GpuTarget`, or None),
     each term with where it came from: measured here (``driver_reserve``, read through NVML on this
-    machine), vramcal's table of measured GPUs, or the default.
+    machine), vramcal's table of measured GPUs, or the default (the reserve's rule:
+    :mod:`vramcal.estimator.capacity`).
 
     The driver's reserve is counted against the device's total (what a run can have), never in the
     stages: nvidia-smi's memory.used and the stages both leave it out."""
@@ -109,25 +106,10 @@ def cuda_terms(gpu=None, driver_reserve: int | None = None) -> RuntimeProfile:
     terms["cublas_workspace"] = {"bytes": ws if ws is not None else CUDA_DEFAULT.workspace_bytes,
                                  "source": f"table: {CUBLAS_SOURCE}" if ws is not None else
                                  "default: 32 MiB (compute capability not known)", "inside_reserved": True}
-    if driver_reserve is not None:
-        terms["driver_reserve"] = {"bytes": driver_reserve, "source": "measured here: NVML v2 reserved",
-                                   "counted": "against the device's total, not in the stages"}
-    elif name in DRIVER_RESERVE:
-        b, where = DRIVER_RESERVE[name]
-        terms["driver_reserve"] = {"bytes": b, "source": f"table: {where}",
-                                   "counted": "against the device's total, not in the stages"}
-    else:
-        terms["driver_reserve"] = {"bytes": None, "source": "not known for this GPU (read it with NVML v2 on the "
-                                   "machine)", "counted": "against the device's total, not in the stages"}
+    reserve = driver_reserve if isinstance(driver_reserve, DriverReserve) else \
+        reserve_of_target(gpu) if driver_reserve is None else reserve_for(name, driver_reserve)
+    terms["driver_reserve"] = reserve.to_dict()
     where = "; ".join(f"{k}: {v['source'].split(':')[0]}" for k, v in terms.items())
     return RuntimeProfile("cuda", context_bytes=context, workspace_bytes=terms["cublas_workspace"]["bytes"],
                           segment_bytes=2 * MIB, source=where, kernels_bytes=kernels, terms=terms)
 
-
-def driver_reserve(gpu=None, measured: int | None = None) -> int | None:
-    """The driver's reserve of ``gpu``: ``measured`` (NVML v2 on this machine) where given, else the
-    table's; None where neither is known."""
-    if measured is not None:
-        return measured
-    hit = DRIVER_RESERVE.get(getattr(gpu, "name", None) or "")
-    return hit[0] if hit else None

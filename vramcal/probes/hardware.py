@@ -23,6 +23,7 @@ from functools import lru_cache
 from importlib import resources
 
 from ..errors import UserError
+from ..estimator.capacity import DriverReserve, capacity, reserve_for
 from ..estimator.formats import GpuTarget
 from ..units import GB, parse_size
 from ..workload import parse_device
@@ -51,6 +52,16 @@ class GPU:
     memory_bandwidth: Bandwidth = field(default_factory=lambda: Bandwidth(None, "unknown"))
     link_bandwidth: Bandwidth = field(default_factory=lambda: Bandwidth(None, "unknown"))
     held_by: str | None = None  # this machine: who holds the memory that is not free
+    reserve: DriverReserve | None = None  # the driver's reserve (vramcal.estimator.capacity); None: not asked
+
+    @property
+    def capacity_bytes(self) -> int:
+        """What a run can have of the whole device: its total less the driver's reserve (the total where the
+        reserve is not known) -- CUDA's total, which vLLM takes its share of; ``memory_bytes`` where no
+        total is known."""
+        if self.total_bytes is None:
+            return self.memory_bytes
+        return capacity(self.total_bytes, self.reserve or reserve_for(None))
 
 
 @dataclass
@@ -71,6 +82,10 @@ class Hardware:
         if self.disk_bytes:
             out["disk"] = self.disk_bytes
         return out
+
+    def reserves(self) -> dict[str, dict | None]:
+        """Each GPU's driver's reserve for --json: bytes, measured here / table / not known, and how it counts."""
+        return {g.device: None if g.reserve is None else g.reserve.to_dict() for g in self.gpus}
 
     def gpu(self, device: str) -> GPU:
         return next(g for g in self.gpus if g.device == device)
@@ -140,9 +155,11 @@ def machine_gpu_target(device: str) -> GpuTarget | None:
     name = nvml.device_info(index)["name"]
     if isinstance(cc, nvml.NA):
         return None
+    from .machine import reserve_here
+
     row = find_gpu(name) if isinstance(name, str) else None
     return GpuTarget(name if isinstance(name, str) else None, cc, row.architecture if row else None,
-                     "this machine (NVML)")
+                     "this machine (NVML)", driver_reserve=reserve_here(f"cuda:{index}"))
 
 
 def _words(name: str) -> list[str]:
@@ -248,8 +265,10 @@ def parse_bandwidth(text: str | None) -> dict[str, int]:
 
 def described(sizes: dict[str, int], gpu_names: list[str] | None = None,
               bandwidths: dict[str, int] | None = None) -> Hardware:
-    """A machine the user describes: sizes per device, a GPU model per GPU (one name for all, or one per
-    GPU in order) for the table's bandwidths, explicit bandwidths over both."""
+    """A machine the user describes: sizes per device (a GPU's is its total), a GPU model per GPU (one name
+    for all, or one per GPU in order) for the table's bandwidths and driver's reserve, explicit bandwidths
+    over both. What a run may have of each GPU is its size less the reserve (the size where the model, and so
+    the reserve, is not known: a note says so)."""
     gpus = [GPU(d, n, total_bytes=n) for d, n in sizes.items() if d.startswith("cuda")]
     names = gpu_names or []
     notes: list[str] = []
@@ -263,12 +282,38 @@ def described(sizes: dict[str, int], gpu_names: list[str] | None = None,
                                 "name as nvidia-smi shows it, or give --bandwidth")
             from_table(g, name)
             row = find_gpu(name, g.total_bytes)
+            g.reserve = reserve_for(row.name)
             if abs(row.memory_gb * GB - g.memory_bytes) > 0.15 * row.memory_gb * GB:
                 notes.append(f"--gpu {name!r} is the {row.name} with {row.memory_gb:g} GB, but {g.device} was given "
                              f"{g.memory_bytes / GB:,.1f} GB: its bandwidths are that model's")
+    for g in gpus:
+        g.reserve = g.reserve or reserve_for(None)
+        if g.reserve.bytes is not None and g.reserve.bytes >= g.total_bytes:
+            raise UserError(f"--hardware {g.device}={g.total_bytes:,} B is not above the {g.reserve.bytes:,} B the "
+                            f"driver of a {g.name} keeps: give the GPU's whole size, e.g. {g.device}=141GiB")
+        g.memory_bytes = g.capacity_bytes
+    notes += reserve_notes(gpus)
     _override(gpus, bandwidths or {})
     return Hardware(gpus, sizes.get("cpu", 0), sizes.get("disk"), source="as described (--hardware)", notes=notes,
                     cpu_bandwidth=cpu_bandwidth(bandwidths or {}))
+
+
+def reserve_notes(gpus: list[GPU], from_free: bool = False) -> list[str]:
+    """One short line for the GPUs' driver's reserve: how much is taken off each (``from_free``: free memory
+    has left it out already), or that it is not known."""
+    known = [g for g in gpus if g.reserve is not None and g.reserve.bytes is not None]
+    unknown = [g for g in gpus if g.reserve is None or g.reserve.bytes is None]
+    out = []
+    if known:
+        lead = "free memory already leaves the driver's reserve out: " if from_free else \
+            "the driver's reserve is not the run's: "
+        out.append(lead + ", ".join(
+            f"{g.device} ({g.reserve.short()})"
+            for g in known))
+    if unknown and not from_free:
+        out.append(f"the driver's reserve of {', '.join(g.device for g in unknown)} is not known (name the GPU with "
+                   "--gpu, or read it with NVML v2 on the machine): counted as nothing")
+    return out
 
 
 def cpu_bandwidth(bandwidths: dict[str, int]) -> Bandwidth:
@@ -297,7 +342,7 @@ def this_machine(bandwidths: dict[str, int] | None = None) -> Hardware:
     import psutil
 
     from . import nvml
-    from .machine import free_memory
+    from .machine import free_memory, reserve_here
 
     count = nvml.query("nvmlDeviceGetCount")
     if isinstance(count, nvml.NA) or count < 1:
@@ -312,7 +357,9 @@ def this_machine(bandwidths: dict[str, int] | None = None) -> Hardware:
         h = nvml.device_handle(i)
         info = nvml.device_info(i)
         name = None if isinstance(info["name"], nvml.NA) else str(info["name"])
-        g = GPU(f"cuda:{i}", fm.free_bytes, name=name, total_bytes=fm.total_bytes, held_by=fm.describe())
+        # free memory has already left the driver's reserve out (NVML's free, either version): nothing comes off
+        g = GPU(f"cuda:{i}", fm.free_bytes, name=name, total_bytes=fm.total_bytes, held_by=fm.describe(),
+                reserve=reserve_here(f"cuda:{i}"))
         bw = nvml.memory_bandwidth(h)
         if not isinstance(bw, nvml.NA):
             g.memory_bandwidth = Bandwidth(bw, "NVML: 2 x max memory clock x bus width")
@@ -324,7 +371,7 @@ def this_machine(bandwidths: dict[str, int] | None = None) -> Hardware:
         gpus.append(g)
     _override(gpus, bandwidths or {})
     return Hardware(gpus, int(psutil.virtual_memory().available), None, source="this machine, now (NVML, psutil)",
-                    cpu_bandwidth=cpu_bandwidth(bandwidths or {}))
+                    cpu_bandwidth=cpu_bandwidth(bandwidths or {}), notes=reserve_notes(gpus, from_free=True))
 
 
 def interconnect_here(gpus: list[int]):

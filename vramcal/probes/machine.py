@@ -129,6 +129,22 @@ def free_memory(device: str, exclude_pid: int | None = None) -> FreeMemory:
     return FreeMemory(f"cuda:{index}", total, free, others)
 
 
+def reserve_here(device: str):
+    """The driver's reserve of this machine's GPU ``device`` (cuda:N), through the one NVML door: NVML v2
+    ``reserved`` where the driver and the binding give it, else the table's for the GPU's NVML name, else not
+    known with the reason (:func:`vramcal.estimator.capacity.reserve_for`, the rule's one home)."""
+    from ..estimator.capacity import reserve_for
+
+    index = parse_device(device).index or 0
+    h = nvml.device_handle(index)
+    got = nvml.memory_reserved(h)
+    name = None if isinstance(h, nvml.NA) else nvml.query("nvmlDeviceGetName", h)
+    name = name.decode() if isinstance(name, bytes) else name if isinstance(name, str) else None
+    if isinstance(got, nvml.NA):
+        return reserve_for(name, why_unmeasured=got.reason)
+    return reserve_for(name, got)
+
+
 def budget_from_free(device: str, buffer: int) -> tuple[int, FreeMemory]:
     """The memory a run on ``device`` may use: free now (see :func:`free_memory`); UserError when it
     cannot be read or leaves nothing above ``buffer``."""

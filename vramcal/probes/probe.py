@@ -85,6 +85,26 @@ def _check_device(device: str) -> tuple[str | None, list[str]]:
     return None, [f"NVML unavailable ({why}): no sampling; stages read from torch.cuda.mem_get_info in the child"]
 
 
+def driver_reserves(series: str | None, gpus: list[int] | None, notes: list[str]) -> dict[str, int] | None:
+    """The driver's reserve of each GPU series the probe samples (NVML v1 used counts it, the stages do
+    not), read through the one NVML door before the child starts; a GPU whose reserve is not known is left
+    out, said in ``notes`` (its readings are compared as read). None when no NVML series is sampled."""
+    from .machine import reserve_here
+
+    if series is None or series == "rss":
+        return None
+    indices = gpus if gpus else [int(series[3:])]
+    out: dict[str, int] = {}
+    for i in indices:
+        r = reserve_here(f"cuda:{i}")
+        if r.bytes is None:
+            notes.append(f"cuda:{i}: the driver's reserve is {r.source}: its readings are compared as read, "
+                         "the reserve in them")
+        else:
+            out[f"gpu{i}"] = r.bytes
+    return out
+
+
 # ---------------------------------------------------------------------------------- the probe
 
 def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, batch: int = 1, *,
@@ -152,6 +172,7 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
                                                     device_map=device_map).command("probe"),
                 "estimate": estimate, "placement": placed["plan"] if placed else None}
     gpus = [_cuda_index(g) for g in placed["gpus"]] if placed else None
+    identity["driver_reserve"] = driver_reserves(series, gpus, notes)
     probe = _Probe(identity, interval_ms / 1000.0, timeout_s, on_event, journal, notes, gpus)
     with sigterm_raises():
         try:
@@ -461,7 +482,8 @@ class _Probe:
                 d["notes"].append(f"sampler stopped early: {self.sampler.error}")
         if self.vision is not None and self.start is not None:
             d["vision"] = vision_reading(self.vision, self.sampler.samples if self.sampler else [], self.series,
-                                         self.start, d["stages"].get("baseline"))
+                                         self.start, d["stages"].get("baseline"),
+                                         (self.identity.get("driver_reserve") or {}).get(self.series))
         if "end" in self.reported and self.reported["end"].get("image_tokens") is not None:
             d["image_tokens"] = self.reported["end"]["image_tokens"]
         if not keep_samples:

@@ -12,9 +12,12 @@ Which figure is compared with an estimate (:func:`comparable`):
   child reads its own resident set at ``baseline`` (imports done, nothing loaded), and every stage is
   compared as ``stage - baseline``: ``used_bytes`` and ``peak_bytes`` each minus the baseline's
   ``used_bytes``. The baseline stage itself becomes 0 used.
-- **GPU (series ``gpuN``, or ``None`` with mem_get_info)**: the figure is absolute, as read. NVML
-  ``memory.used`` is what decides an out-of-memory on that device, other processes' memory included,
-  and the estimator counts the CUDA context itself; subtracting the baseline would hide both.
+- **GPU (series ``gpuN``, or ``None`` with mem_get_info)**: the figure is absolute, less the driver's
+  reserve where it is known (``reserve``: NVML v1 ``used``, which the sampler reads, counts the reserve;
+  the stages are nvidia-smi's memory.used, which does not -- the rule: :mod:`vramcal.estimator.capacity`).
+  Other processes' memory stays in (NVML ``memory.used`` is what decides an out-of-memory on that
+  device), and the estimator counts the CUDA context itself; subtracting the baseline would hide both.
+  Without a known reserve the figures are as read (and include it).
 
 Worked example (CPU): baseline ``used_bytes`` 812 MiB; ``post_load`` used 1,020 MiB, peak 1,100 MiB
 -> compared as used 208 MiB, peak 288 MiB. On ``gpu0`` the same figures are compared as read.
@@ -76,21 +79,36 @@ class StageReading:
         return replace(self, used_bytes=less(self.used_bytes), peak_bytes=less(self.peak_bytes))
 
 
+    def less_reserve(self, reserve: int) -> StageReading:
+        """This GPU reading without the driver's reserve: ``used_bytes`` and ``peak_bytes`` each less
+        ``reserve`` (None stays None). The torch counters and NVML's per-process figure never held it."""
+        if self.series == CPU_SERIES:
+            raise ValueError("a resident set holds no driver's reserve")
+
+        def less(v: int | None) -> int | None:
+            return None if v is None else v - reserve
+
+        return replace(self, used_bytes=less(self.used_bytes), peak_bytes=less(self.peak_bytes))
+
+
 def subtracts_baseline(series: str | None) -> bool:
     """Whether readings of ``series`` are compared as ``stage - baseline`` (the module's rule)."""
     return series == CPU_SERIES
 
 
 def comparable(readings: dict[str, StageReading], series: str | None,
-               baseline: StageReading | None = None) -> dict[str, StageReading]:
+               baseline: StageReading | None = None, reserve: int | None = None) -> dict[str, StageReading]:
     """The readings an estimate is compared with, by the module's rule: on ``rss`` each minus the
-    baseline (``baseline``, or ``readings['baseline']``); otherwise as read. Without a baseline reading
-    on ``rss`` the used and peak figures are None: an absolute resident set is not comparable."""
+    baseline (``baseline``, or ``readings['baseline']``); on a GPU each less the driver's ``reserve``
+    where it is known, else as read. Without a baseline reading on ``rss`` the used and peak figures are
+    None: an absolute resident set is not comparable."""
     if not subtracts_baseline(series):
         for r in readings.values():
             if r.series != series:
                 raise ValueError(f"a {r.series!r} reading among {series!r} readings")
-        return dict(readings)
+        if reserve is None:
+            return dict(readings)
+        return {name: r.less_reserve(reserve) for name, r in readings.items()}
     base = baseline if baseline is not None else readings.get("baseline")
     if base is None:
         base = StageReading("baseline", series)  # nothing to subtract: every figure becomes None

@@ -57,7 +57,7 @@ class VisionReading:
 
 
 def vision_reading(ev: dict, samples: list[Sample], series: str | None, start: float,
-                   baseline: StageReading | None = None) -> VisionReading:
+                   baseline: StageReading | None = None, reserve: int | None = None) -> VisionReading:
     """A :class:`VisionReading` from the child's ``vision`` event and the samples taken during it; the
     resident set (``rss``) above the child's baseline, as every stage of a CPU run is compared."""
     t0, t1 = ev["t_start"] - start, ev["t_end"] - start
@@ -66,7 +66,7 @@ def vision_reading(ev: dict, samples: list[Sample], series: str | None, start: f
     peak = max(inside) if inside else None
     if peak is not None:  # the readings' one baseline rule, as for every stage
         reading = StageReading("vision", series, peak_bytes=peak)
-        peak = comparable({"vision": reading}, series, baseline)["vision"].peak_bytes
+        peak = comparable({"vision": reading}, series, baseline, reserve)["vision"].peak_bytes
     return VisionReading(round(t0, 6), round(t1, 6), peak, len(inside), ev.get("allocated_start"),
                          ev.get("max_allocated"))
 
@@ -110,6 +110,9 @@ class ProbeResult:
     image_size: tuple[int, int] | None = None
     image_tokens: int = 0
     vision: VisionReading | None = None
+    # the driver's reserve of each sampled GPU series ({"gpu0": bytes}), read when the probe started (NVML v2,
+    # else the table): NVML v1 used counts it, the stages do not; a series not in it is compared as read
+    driver_reserve: dict[str, int] | None = None
 
     @property
     def placed(self) -> bool:
@@ -130,14 +133,29 @@ class ProbeResult:
     def measured(self) -> dict[str, StageReading]:
         """Each stage as compared with an estimate: on the CPU (``rss``) minus the child's baseline,
         on a GPU as read (:func:`vramcal.probes.readings.comparable` states the rule)."""
-        return comparable(self.readings(), self.series)
+        return comparable(self.readings(), self.series, reserve=self.reserve_of(self.series))
+
+    def reserve_of(self, series: str | None) -> int | None:
+        """The driver's reserve taken off ``series``' readings: None for the CPU, for torch's mem_get_info
+        (CUDA's total already leaves it out) and where the probe could not tell it."""
+        return None if series is None or series == "rss" else (self.driver_reserve or {}).get(series)
+
+    def measured_devices(self) -> dict[str, dict[str, StageReading]] | None:
+        """A split run's stages per device as compared with its estimate: each GPU less its driver's
+        reserve where known (the readings' rule), the CPU's already above the child's baseline."""
+        if self.devices is None:
+            return None
+        return {dev: st if dev == "cpu" else comparable(st, device_series(dev),
+                                                        reserve=self.reserve_of(device_series(dev)))
+                for dev, st in self.devices.items()}
 
     def measured_unfinished(self) -> StageReading | None:
         """:meth:`unfinished_reading` by the same rule as :meth:`measured`."""
         u = self.unfinished_reading()
         if u is None:
             return None
-        return comparable({u.stage: u}, self.series, baseline=self.stages.get("baseline"))[u.stage]
+        return comparable({u.stage: u}, self.series, baseline=self.stages.get("baseline"),
+                          reserve=self.reserve_of(self.series))[u.stage]
 
     # ------------------------------------------------------------------ JSON, the one place
     def to_dict(self, samples: bool = True) -> dict:
@@ -263,7 +281,7 @@ def assemble(series: str | None, markers: list[tuple[str, float]], reported: dic
 
 
 IDENTITY = ("device", "model", "quant", "quant_implementation", "dtype", "ctx", "batch", "attn", "new_tokens",
-            "series", "interval_ms", "command", "kv_dtype", "cache", "images", "image_size")
+            "series", "interval_ms", "command", "kv_dtype", "cache", "images", "image_size", "driver_reserve")
 
 
 def identity_from(ev: dict) -> dict:
