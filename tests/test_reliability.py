@@ -489,6 +489,56 @@ def test_a_model_built_through_a_swallowed_ctrl_c_is_not_kept(monkeypatch):
         meta._META_MODELS.pop((source.config_hash, quant.key(), None), None)
 
 
+def test_an_ignored_sigint_stays_ignored_through_nested_notes_and_in_children():
+    """Under nohup, `cmd &` in a script or a supervisor, SIGINT is ignored. The command's note and the
+    meta build's inside it install nothing then: a SIGINT ends nothing, and a child started inside still
+    inherits it ignored (a Python handler would be reset to the default in the child)."""
+    import signal
+
+    from vramcal.interrupts import sigint_noted
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with sigint_noted() as outer, sigint_noted() as inner:
+            signal.raise_signal(signal.SIGINT)
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            child = subprocess.run([sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"],
+                                   capture_output=True, text=True)
+        assert not outer() and not inner()
+        assert child.stdout.strip() == "True", child
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.mark.parametrize("failure", ["import", "user"])
+def test_a_swallowed_ctrl_c_then_a_failure_is_the_interrupt(monkeypatch, capsys, failure):
+    """A Ctrl-C that tears an import apart is swallowed there, and the next import of that module fails
+    (or a check that reads it says the input is bad): the command exits 130, not 70 or 2."""
+    import signal
+
+    from vramcal import cli
+    from vramcal.errors import UserError
+
+    def torn(args):
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            pass
+        if failure == "import":
+            raise ImportError("Could not import module 'LlamaConfig'")
+        raise UserError("qwen2.5-0.5b: not a model")
+
+    monkeypatch.setattr(cli, "cmd_estimate", torn)
+    assert cli.main(["estimate", "qwen2.5-0.5b"]) == 130
+    assert capsys.readouterr().err.strip() == "vramcal: interrupted"
+
+    def fails(args):  # without a signal the failure is what it says
+        raise UserError("qwen2.5-0.5b: not a model")
+
+    monkeypatch.setattr(cli, "cmd_estimate", fails)
+    assert cli.main(["estimate", "qwen2.5-0.5b"]) == 2
+
+
 def test_an_interrupted_push_says_how_far_it_got(tmp_path, monkeypatch):
     from vramcal.records import sync
 

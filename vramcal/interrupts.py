@@ -25,17 +25,20 @@ from collections.abc import Callable, Iterator
 def sigint_noted() -> Iterator[Callable[[], bool]]:
     """Note each SIGINT while the body runs; yields ``interrupted()`` (whether one was noted). The
     handler that was installed still runs (so it raises ``KeyboardInterrupt`` as usual, or does what an
-    outer :func:`sigint_noted` or a probe installed); an ignored SIGINT stays ignored. If the body ends
-    without an exception after a SIGINT was noted, ``KeyboardInterrupt`` is raised here."""
-    if threading.current_thread() is not threading.main_thread():
+    outer :func:`sigint_noted` or a probe installed). After a noted SIGINT the body cannot end as if
+    nothing had happened: ending normally raises ``KeyboardInterrupt``, and so does an ordinary exception
+    (an import the Ctrl-C tore apart fails next; transformers reports "Could not import module ..." for
+    it); a ``KeyboardInterrupt`` of the body's own (a probe's ``ProbeInterrupted``) passes unchanged.
+
+    An ignored SIGINT (``nohup``, ``cmd &`` in a script, a supervisor) stays ignored: nothing is installed,
+    so children started in the body inherit it ignored too."""
+    old = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or old == signal.SIG_IGN:
         yield lambda: False
         return
     seen: list[int] = []
-    old = signal.getsignal(signal.SIGINT)
 
     def note(signum, frame):
-        if old == signal.SIG_IGN:
-            return
         seen.append(signum)
         if callable(old):
             old(signum, frame)
@@ -45,6 +48,10 @@ def sigint_noted() -> Iterator[Callable[[], bool]]:
     signal.signal(signal.SIGINT, note)
     try:
         yield lambda: bool(seen)
+    except Exception:
+        if seen:  # the failure came after the interrupt (and most likely of it): it is the interrupt
+            raise KeyboardInterrupt from None
+        raise
     finally:
         signal.signal(signal.SIGINT, old)
     if seen:  # the body went on although interrupted: something swallowed the KeyboardInterrupt

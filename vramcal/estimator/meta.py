@@ -71,13 +71,8 @@ def build_meta_model(source: ModelSource, quant: QuantSpec, attn: str | None = N
     key = (source.config_hash, quant.key(), attn)
     if plain and key in _META_MODELS:
         return _META_MODELS[key]
-    with sigint_noted() as interrupted:
-        try:
-            out = _build_meta_model(source, quant, attn, device, device_map, bnb_extra)
-        except Exception:
-            if interrupted():  # a Ctrl-C tore an import apart, and transformers reported what was left
-                raise KeyboardInterrupt from None
-            raise
+    with sigint_noted():  # a Ctrl-C that tore an import apart ends the build as the interrupt it was
+        out = _build_meta_model(source, quant, attn, device, device_map, bnb_extra)
     if plain:
         while len(_META_MODELS) >= 4:
             _META_MODELS.pop(next(iter(_META_MODELS)))
