@@ -28,6 +28,8 @@ sys.path.insert(0, str(HERE))
 from vramcal.estimator.capacity import DRIVER_RESERVE as _TABLE  # noqa: E402
 
 DRIVER_RESERVE = _TABLE["NVIDIA H200"][0]  # NVML used with no process on that H200: vramcal's table, one home
+# the first session's files (widths.csv, gpu-h200.csv) hold NVML v1 used, the reserve included: it comes off here;
+# a run recorded from gpu-stages/4 on was compared less its reserve already (ProbeResult.driver_reserve)
 FIELDS = ["source", "model", "quant", "ctx", "batch", "stage", "estimated_bytes", "nvidia_smi_bytes", "error_pct",
           "calibrated_bytes", "calibrated_error_pct", "estimated_reserved_bytes", "measured_reserved_bytes",
           "reserved_error_pct", "estimated_slack_bytes", "measured_slack_bytes"]

@@ -45,7 +45,9 @@ from .runtime import RuntimeProfile
 # slack) where the dry run's events are known; cpu: the resident-set model of docs/cpu-memory.md,
 # 2 = dtype conversions found by name (bf16 <-> fp16)
 # 3 = weights rewritten by the first forward (compressed-tensors' decompression) held from first_token on
-MODEL_IDS = {"cuda": "gpu-stages/3", "cpu": "cpu-rss/3"}
+# cuda 4 = the probe's GPU readings compared less the driver's reserve (estimator/capacity.py); runs of 3
+# were compared with it included, so their corrections would carry it (about 618 MiB on an H200)
+MODEL_IDS = {"cuda": "gpu-stages/4", "cpu": "cpu-rss/3"}
 
 
 def model_id(device_kind: str) -> str:
