@@ -167,8 +167,10 @@ def vllm_args(args):
         from .probes.hardware import find_gpu, gpu_target
 
         name = gpu_target(args.gpu).name
-        if total is None:
-            total = int(find_gpu(name).memory_gb * 1024**3)
+        if total is None:  # vLLM's total is CUDA's: the table's size less the driver's reserve (estimator/capacity.py)
+            from .estimator.capacity import capacity, reserve_for
+
+            total = capacity(int(find_gpu(name).memory_gb * 1024**3), reserve_for(name))
     elif total is None:
         total, name = this_gpu()
     dtype = "auto" if args.dtype is None else args.dtype

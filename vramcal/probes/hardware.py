@@ -290,7 +290,8 @@ def described(sizes: dict[str, int], gpu_names: list[str] | None = None,
         g.reserve = g.reserve or reserve_for(None)
         if g.reserve.bytes is not None and g.reserve.bytes >= g.total_bytes:
             raise UserError(f"--hardware {g.device}={g.total_bytes:,} B is not above the {g.reserve.bytes:,} B the "
-                            f"driver of a {g.name} keeps: give the GPU's whole size, e.g. {g.device}=141GiB")
+                            f"driver of a {g.name} keeps: give the GPU's whole size (NVML's total, as nvidia-smi "
+                            "shows it)")
         g.memory_bytes = g.capacity_bytes
     notes += reserve_notes(gpus)
     _override(gpus, bandwidths or {})
@@ -311,8 +312,10 @@ def reserve_notes(gpus: list[GPU], from_free: bool = False) -> list[str]:
             f"{g.device} ({g.reserve.short()})"
             for g in known))
     if unknown and not from_free:
-        out.append(f"the driver's reserve of {', '.join(g.device for g in unknown)} is not known (name the GPU with "
-                   "--gpu, or read it with NVML v2 on the machine): counted as nothing")
+        named = all(g.name for g in unknown)
+        why = "vramcal's table has no reserve for that GPU" if named else "name the GPU with --gpu"
+        out.append(f"the driver's reserve of {', '.join(g.device for g in unknown)} is not known ({why}, or read it "
+                   "with NVML v2 on the machine): counted as nothing")
     return out
 
 
