@@ -26,9 +26,10 @@ Read in the vLLM wheels 0.15.1, 0.17.1, 0.18.0, 0.19.1, 0.24.0, 0.27.1 and 0.33.
   the same one when its backend is the same (trtllm).
 
 The multicast granularity is the driver's, not in any source read: 512 MiB on H100 (the minimum is 2 MiB), as
-published by others who measured it, which makes every buffer 512 MiB and the workspace 1.5 GiB per rank at tp 2,
-4 and 8 alike. The in-sample 0.19 H100 logs agree: tp 4 logs 0.07-0.12 GiB *more* non-torch than tp 2, where a
-2 MiB granularity would put tp 2 0.47 GiB above tp 4.
+published by others who measured it, and assumed the same on Blackwell (not published). On SM 9.0 and 10.0 that
+makes every buffer 512 MiB and the workspace 1.5 GiB per rank at tp 2, 4 and 8 alike (SM 10.3's 64 MiB at tp 4 makes
+its Lamport buffer 1 GiB at hidden 8192). The in-sample 0.19 H100 logs agree: tp 4 logs 0.07-0.12 GiB *more*
+non-torch than tp 2, where a 2 MiB granularity would put tp 2 0.47 GiB above tp 4.
 """
 
 from __future__ import annotations
@@ -39,14 +40,15 @@ from dataclasses import dataclass
 from ...units import MIB
 from . import versions as V
 
-# FI_ALLREDUCE_FUSION_MAX_SIZE_MB by capability, MiB (0.17.1-0.33.0 read; 0.33.0 raises 10.3's tp 8 to 4)
+# FI_ALLREDUCE_FUSION_MAX_SIZE_MB by capability, MiB (0.17.1-0.33.0 read; 0.33.0 raises 10.3's tp 8 to 4, not
+# versioned here: at the 512 MiB granularity it makes no difference to the bytes)
 MAX_SIZE_MIB = {(9, 0): {2: 64, 4: 2, 8: 0.5}, (10, 0): {2: 64, 4: 32, 8: 1}, (10, 3): {2: 64, 4: 64, 8: 2}}
 BARRIER_FLAGS = 256  # flashinfer's BarrierFlagCount (int32 each)
 MAX_COMM_SIZE = 2147483647 & ~((1 << 21) - 1)  # flashinfer's MAX_COMM_SIZE: INT32_MAX down to 2 MiB
 SIGNAL_PAD = 2048  # SymmDeviceMemory's signal pad, allocated even when unused
 BUFFER_ALIGN = 2 * MIB  # trtllm_create_ipc_workspace_for_all_reduce_fusion rounds each buffer to 2 MiB
 ALLOC_GRANULARITY = 2 * MIB  # cuMemCreate's recommended granularity for device memory
-MULTICAST_GRANULARITY = 512 * MIB  # the driver's recommended multicast granularity on H100 (module's doc)
+MULTICAST_GRANULARITY = 512 * MIB  # the driver's recommended multicast granularity: H100 measured, Blackwell assumed
 
 # GPUs by name whose compute capability the fusion asks about (NVIDIA's table): 9.0 and 10.x
 _CAPABILITY_WORDS = {"h100": (9, 0), "h200": (9, 0), "h800": (9, 0), "h20": (9, 0), "gh200": (9, 0),
