@@ -197,6 +197,28 @@ def test_vllm_reads_cudas_total_here(fake):
     assert this_gpu() == (80 * GIB, "NVIDIA H100 80GB HBM3")
 
 
+def test_vllm_for_a_named_gpu_takes_its_size_less_the_reserve_as_plan_does():
+    """`estimate --engine vllm --gpu NAME` without --gpu-memory: vLLM's total is CUDA's, the table's size less
+    the driver's reserve (the same rule as plan's described GPU); a GPU the table has no reserve for keeps its
+    size."""
+    from types import SimpleNamespace
+
+    from vramcal.cli_vllm import vllm_args
+    from vramcal.probes.hardware import find_gpu
+
+    def total(gpu):
+        args = SimpleNamespace(gpu_memory=None, gpu=gpu, gpu_memory_utilization=None, max_model_len=None,
+                               max_num_seqs=None, max_num_batched_tokens=None, tensor_parallel_size=None,
+                               pipeline_parallel_size=None, dtype=None, kv_cache_dtype=None, quantization=None,
+                               block_size=None, enforce_eager=False, kv_cache_memory=None, vllm_version=None,
+                               allow_long_max_model_len=False, vllm_entrypoint=None, flashinfer_sampler=None)
+        return vllm_args(args).gpu_memory_bytes
+
+    h200 = int(find_gpu("NVIDIA H200").memory_gb * GIB)
+    assert total("H200") == h200 - DRIVER_RESERVE["NVIDIA H200"][0]
+    assert total("RTX 4090") == int(find_gpu("RTX 4090").memory_gb * GIB)
+
+
 @pytest.mark.parametrize("argv", [
     ["plan", "{m}", "--hardware", "cuda:0=500MiB", "--gpu", "H200"],  # not above the H200's reserve
     ["plan", "{m}", "--hardware", "cuda:0=618MiB", "--gpu", "H200"],
