@@ -146,11 +146,13 @@ def test_plan_answers_a_described_h200_against_its_total_less_the_reserve(wide, 
     assert named["hardware"]["cuda:0"] == size - 648_347_648
     assert named["driver_reserve"]["cuda:0"]["bytes"] == 648_347_648
     assert named["driver_reserve"]["cuda:0"]["source"].startswith("table")
+    assert named["driver_reserve"]["cuda:0"]["taken_off"] is True  # said as fit says it
+    assert named["gpus"][0]["driver_reserve"] == named["driver_reserve"]["cuda:0"]
     assert named["gpus"][0]["total_bytes"] == size
     assert any("driver's reserve" in n and "618 MiB" in n for n in named["notes"])
     less = _json(capsys, ["plan", wide, "--hardware", f"cuda:0={size - 648_347_648}", "--buffer", "1GiB", "--json"])
     unknown = less["driver_reserve"]["cuda:0"]
-    assert unknown["bytes"] is None and "not known" in unknown["source"]
+    assert unknown["bytes"] is None and "not known" in unknown["source"] and unknown["taken_off"] is False
     ctx = lambda doc: [(p["quant"], p["ctx"]) for p in doc["plans"]]  # noqa: E731
     assert ctx(named) == ctx(less) and ctx(named)
     whole = _json(capsys, ["plan", wide, "--hardware", f"cuda:0={size}", "--buffer", "1GiB", "--json"])
@@ -166,6 +168,7 @@ def test_plan_of_this_machine_takes_nothing_more_off_free_memory(fake):
     assert g.memory_bytes == 24 * GIB - R - GIB  # NVML's free: the reserve and the others' GiB already out
     assert g.reserve.kind == "measured" and g.capacity_bytes == 24 * GIB - R
     assert any("already leaves the driver's reserve out" in n for n in hw.notes)
+    assert hw.reserves()["cuda:0"]["taken_off"] is False and "already left" in hw.reserves()["cuda:0"]["why"]
 
 
 def test_fit_on_this_machine_answers_against_total_less_the_reserve(wide, fake, capsys):

@@ -160,7 +160,7 @@ def plan_transformers(args, io) -> int:
     if args.json:
         doc = result.to_dict()
         doc["gpus"] = [{"device": g.device, "name": g.name, "memory_bytes": g.memory_bytes, "total_bytes": g.total_bytes,
-                        "driver_reserve": None if g.reserve is None else g.reserve.to_dict(),
+                        "driver_reserve": g.reserve_json(),
                         "memory_bandwidth_bytes_per_s": g.memory_bandwidth.bytes_per_s,
                         "memory_bandwidth_source": g.memory_bandwidth.source,
                         "link_bandwidth_bytes_per_s": g.link_bandwidth.bytes_per_s,

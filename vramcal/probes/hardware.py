@@ -53,6 +53,17 @@ class GPU:
     link_bandwidth: Bandwidth = field(default_factory=lambda: Bandwidth(None, "unknown"))
     held_by: str | None = None  # this machine: who holds the memory that is not free
     reserve: DriverReserve | None = None  # the driver's reserve (vramcal.estimator.capacity); None: not asked
+    reserve_taken_off: bool = False  # memory_bytes is the size given less the reserve (a described GPU)
+
+    def reserve_json(self) -> dict | None:
+        """The reserve for --json, with whether it came off ``memory_bytes`` and why (as fit says it)."""
+        if self.reserve is None:
+            return None
+        why = ("the size given is the GPU's total: the reserve comes off it" if self.reserve_taken_off else
+               "not known: counted as nothing" if self.reserve.bytes is None else
+               "this machine's free memory (NVML's free, either version) has already left the reserve out, as "
+               "CUDA's total (vLLM's) has")
+        return {**self.reserve.to_dict(), "taken_off": self.reserve_taken_off, "why": why}
 
     @property
     def capacity_bytes(self) -> int:
@@ -85,7 +96,7 @@ class Hardware:
 
     def reserves(self) -> dict[str, dict | None]:
         """Each GPU's driver's reserve for --json: bytes, measured here / table / not known, and how it counts."""
-        return {g.device: None if g.reserve is None else g.reserve.to_dict() for g in self.gpus}
+        return {g.device: g.reserve_json() for g in self.gpus}
 
     def gpu(self, device: str) -> GPU:
         return next(g for g in self.gpus if g.device == device)
@@ -293,6 +304,7 @@ def described(sizes: dict[str, int], gpu_names: list[str] | None = None,
                             f"driver of a {g.name} keeps: give the GPU's whole size (NVML's total, as nvidia-smi "
                             "shows it)")
         g.memory_bytes = g.capacity_bytes
+        g.reserve_taken_off = g.reserve.bytes is not None
     notes += reserve_notes(gpus)
     _override(gpus, bandwidths or {})
     return Hardware(gpus, sizes.get("cpu", 0), sizes.get("disk"), source="as described (--hardware)", notes=notes,
