@@ -303,6 +303,7 @@ class Planner:
             try:
                 by_quant[q] = self._for_quant(q)
             except OutOfTime:
+                self._stop()  # first: the timer repeats until stopped (search.bounded)
                 by_quant[q] = list(self._found)
                 stopped = quants[quants.index(q):]
                 break

@@ -46,6 +46,7 @@ class OutOfTime(BaseException):
     Exception, so that no ``except Exception`` on the way (a dry run's fallback to formulas) takes it for a
     failure of the model."""
 MARGIN = 2 * MIB  # one allocator segment: what a budget is taken back by beyond the overshoot
+REPEAT_SECONDS = 0.5  # past the deadline the search's timer fires again this often until it is stopped
 
 
 @contextlib.contextmanager
@@ -65,6 +66,11 @@ def bounded(search: Search, seconds: float | None = None):
     before = None
     if timer:
         def expire(signum, frame):
+            if search.deadline is None:  # stopped: an alarm already on its way asks nothing now
+                return
+            # again shortly, should this one be lost: raised inside a finalizer ("Exception ignored in"),
+            # it never reaches the trace (seen in CI); the caller stops the timer when it catches one
+            signal.setitimer(signal.ITIMER_REAL, REPEAT_SECONDS)
             raise OutOfTime
 
         before = signal.signal(signal.SIGALRM, expire)
