@@ -71,22 +71,19 @@ class StageReading:
         set minus an NVML figure, or one GPU minus another, means nothing."""
         if baseline.series != self.series:
             raise ValueError(f"cannot subtract a {baseline.series!r} reading from a {self.series!r} reading")
-        base = baseline.used_bytes
-
-        def less(v: int | None) -> int | None:
-            return None if v is None or base is None else v - base
-
-        return replace(self, used_bytes=less(self.used_bytes), peak_bytes=less(self.peak_bytes))
-
+        return self._less(baseline.used_bytes)
 
     def less_reserve(self, reserve: int) -> StageReading:
         """This GPU reading without the driver's reserve: ``used_bytes`` and ``peak_bytes`` each less
         ``reserve`` (None stays None). The torch counters and NVML's per-process figure never held it."""
         if self.series == CPU_SERIES:
             raise ValueError("a resident set holds no driver's reserve")
+        return self._less(reserve)
 
+    def _less(self, amount: int | None) -> StageReading:
+        """``used_bytes`` and ``peak_bytes`` each less ``amount``; None (either side) gives None."""
         def less(v: int | None) -> int | None:
-            return None if v is None else v - reserve
+            return None if v is None or amount is None else v - amount
 
         return replace(self, used_bytes=less(self.used_bytes), peak_bytes=less(self.peak_bytes))
 
