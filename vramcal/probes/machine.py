@@ -136,10 +136,9 @@ def reserve_here(device: str):
     from ..estimator.capacity import reserve_for
 
     index = parse_device(device).index or 0
-    h = nvml.device_handle(index)
-    got = nvml.memory_reserved(h)
-    name = None if isinstance(h, nvml.NA) else nvml.query("nvmlDeviceGetName", h)
-    name = name.decode() if isinstance(name, bytes) else name if isinstance(name, str) else None
+    got = nvml.memory_reserved(nvml.device_handle(index))
+    name = nvml.device_info(index)["name"]
+    name = None if isinstance(name, nvml.NA) else str(name)
     if isinstance(got, nvml.NA):
         return reserve_for(name, why_unmeasured=got.reason)
     return reserve_for(name, got)
