@@ -18,6 +18,7 @@ import shlex
 import sys
 
 from .errors import UserError, printable
+from .estimator.capacity import FROM_FREE
 from .units import size_option
 from .workload import ATTNS, CACHES, KV_DTYPES, NEW_TOKENS, POLICIES, QUANTS, Configuration, parse_dtype, workload
 
@@ -527,7 +528,7 @@ def fit_transformers(args, io) -> int:
     return 0
 
 
-_RESERVE_OUTSIDE = {True: "free memory (NVML's free, either version) has already left the driver's reserve out",
+_RESERVE_OUTSIDE = {True: FROM_FREE,
                     False: "--budget is the run's own use, in nvidia-smi's memory.used sense: the reserve is "
                            "outside it"}
 

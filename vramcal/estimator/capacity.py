@@ -26,6 +26,8 @@ DRIVER_RESERVE = {
     "NVIDIA H200": (648_347_648, "NVML used with no process, " + H200_SESSION),
 }
 COUNTED = "against the device's total, not in the stages"
+# why nothing comes off a capacity read as free memory (--json's driver_reserve.why, fit and plan)
+FROM_FREE = "free memory (NVML's free, either version) has already left the driver's reserve out"
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from functools import lru_cache
 from importlib import resources
 
 from ..errors import UserError
-from ..estimator.capacity import DriverReserve, capacity, reserve_for
+from ..estimator.capacity import FROM_FREE, DriverReserve, capacity, reserve_for
 from ..estimator.formats import GpuTarget
 from ..units import GB, parse_size
 from ..workload import parse_device
@@ -61,8 +61,7 @@ class GPU:
             return None
         why = ("the size given is the GPU's total: the reserve comes off it" if self.reserve_taken_off else
                "not known: counted as nothing" if self.reserve.bytes is None else
-               "this machine's free memory (NVML's free, either version) has already left the reserve out, as "
-               "CUDA's total (vLLM's) has")
+               f"this machine's {FROM_FREE}, as CUDA's total (vLLM's) has")
         return {**self.reserve.to_dict(), "taken_off": self.reserve_taken_off, "why": why}
 
     @property
