@@ -29,9 +29,8 @@ Pure arithmetic over the parameter list.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import re
+from dataclasses import dataclass, field
 
 from ..allocator import DEFAULT_CONF, AllocConf, CachingAllocator
 from .arch import Arch
