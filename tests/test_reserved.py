@@ -89,6 +89,42 @@ def test_the_dry_runs_order_is_the_cpu_forwards_and_the_cpu_allocators(tiny_mode
     assert len(ours) > 100 and all(x in it for x in ours)
 
 
+def test_the_fused_attentions_output_is_laid_out_as_the_kernels_make_it(tiny_models):
+    """The fused SDPA kernels return their output laid out as the query is (the flash kernels'
+    ``empty_like``), and Llama's query is a transposed view: transformers' ``transpose(1, 2).contiguous()``
+    after the attention is then a view, no copy. The dry run's stand-in must not make one either: its
+    order of allocations matches the real CPU forward's, with torch's own SDPA kernel, as the CPU allocator
+    saw it (a stand-in with a contiguous output adds a copy of the attention's output to every layer)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from vramcal.estimator.dryrun import _like_query
+
+    q = torch.empty(2, 96, 4, 16).transpose(1, 2)
+    real_out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert _like_query(q, 16).stride() == real_out.stride() and _like_query(q, 8).shape == (2, 4, 96, 8)
+    path = tiny_models["dense-gqa"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    ids = torch.zeros(2, 96, dtype=torch.long)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, past_key_values=DynamicCache(config=model.config))
+        logits = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)  # as generate() and the dry run do
+        del out, logits
+    seen = [e.nbytes() for e in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+            if e.name() == "[memory]" and abs(e.nbytes()) >= 4096]
+    s = resolve_model(path)
+    r = DryRunner(s, resolve_quant("bf16", s.config), attn="sdpa", target="cpu")
+    meta = trace_model(r.model, "none", r.dtype, 2, 96, lambda: r._new_cache(112), target="cpu")
+    prefill = []
+    for op, key, size in meta.events:
+        if op == MARK and key == "prefill":
+            break
+        prefill.append((op, key, size))
+    ours = [x for x in signed(prefill + [(MARK, "decode", 0)], floor=4096) if x > 0]
+    it = iter(x for x in seen if x > 0)
+    assert len(ours) > 50 and all(x in it for x in ours)
+
+
 def test_the_estimate_replays_the_allocator(tiny_models):
     from vramcal.estimator.estimate import estimate
     from vramcal.estimator.stages import STAGES
