@@ -223,6 +223,37 @@ def test_sigterm_in_process_restores_the_handler(tmp_path, dense, monkeypatch):
         "baseline"].used_bytes
 
 
+def test_a_sigterm_something_swallowed_still_ends_the_probe_terminated(tmp_path, dense, monkeypatch):
+    """A Terminated can be lost where the main thread was (a finalizer, torch's import clearing an error),
+    as a Ctrl-C can: here the estimate before the child swallows it. The probe starts no child and ends
+    as terminated, with its record, as if the signal had not been lost."""
+    from vramcal.probes import probe as probe_module
+    from vramcal.probes.lifecycle import Terminated
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    before = signal.getsignal(signal.SIGTERM)
+    started = []
+
+    def swallows(*args, **kwargs):
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        except Terminated:  # lost, as a library did with it
+            pass
+        return None
+
+    monkeypatch.setattr(probe_module, "_estimate_or_note", swallows)
+    with pytest.raises(ProbeInterrupted) as info:
+        run_probe(dense, "auto", ctx=64, device="cpu", with_estimate=True,
+                  on_event=lambda event, pid: started.append(pid))
+    r = info.value.result
+    assert info.value.signal_name == "SIGTERM" and info.value.exit_code == 143
+    assert r.status == "interrupted" and started == []
+    assert signal.getsignal(signal.SIGTERM) is before and _probe_folders(tmp_path) == []
+
+
 def test_stale_folders_of_dead_owners_are_swept(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

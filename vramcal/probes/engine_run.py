@@ -84,7 +84,7 @@ def run_child(module: str, spec: dict, reader_for: Callable[[int], Callable], *,
     final: dict | None = None
     sampler = None
     interrupted = None
-    with sigterm_raises():
+    with sigterm_raises() as terminated:
         try:
             child = subprocess.Popen([sys.executable, "-m", module, json.dumps({**spec, "parent_pid": os.getpid()}),
                                       str(write_fd)], pass_fds=(write_fd,), stdout=log, stderr=log,
@@ -124,6 +124,8 @@ def run_child(module: str, spec: dict, reader_for: Callable[[int], Callable], *,
                 kill_group(child)
                 if sampler is not None:
                     sampler.stop()
+        if interrupted is None and terminated():  # a Terminated something swallowed
+            interrupted = "SIGTERM"
     log.seek(0)
     text = log.read()
     log.close()

@@ -115,17 +115,24 @@ def sweep_stale(root: str | None = None) -> list[str]:
 @contextmanager
 def sigterm_raises():
     """While a probe runs: SIGTERM raises :class:`Terminated` in the main thread (elsewhere Python
-    cannot install handlers: the caller's own handling stands). The old handler comes back after."""
+    cannot install handlers: the caller's own handling stands). The old handler comes back after.
+
+    Yields ``terminated()``: whether a SIGTERM came. A ``Terminated`` can be swallowed where the main
+    thread happens to be (a finalizer, a library's bare ``except:``, an import that clears the error it
+    met), as a Ctrl-C can (:mod:`vramcal.interrupts`); the probe asks after each step it cannot trust and
+    ends as terminated, with its record, all the same."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield lambda: False
         return
+    seen: list[int] = []
 
     def raise_terminated(signum, frame):
+        seen.append(signum)
         raise Terminated()
 
     old = signal.signal(signal.SIGTERM, raise_terminated)
     try:
-        yield
+        yield lambda: bool(seen)
     finally:
         signal.signal(signal.SIGTERM, old)
 

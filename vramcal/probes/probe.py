@@ -174,11 +174,13 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
     gpus = [_cuda_index(g) for g in placed["gpus"]] if placed else None
     identity["driver_reserve"] = driver_reserves(series, gpus, notes)
     probe = _Probe(identity, interval_ms / 1000.0, timeout_s, on_event, journal, notes, gpus)
-    with sigterm_raises():
+    with sigterm_raises() as terminated:
         try:
             if with_estimate and estimate is None:
                 identity["estimate"] = _estimate_or_note(source, quant, work, dtype, attn, device, kv_dtype,
                                                          cache, notes, max_memory, device_map, gpu)
+            if terminated():  # the estimate (torch's import, a finalizer) swallowed it: no child is started
+                raise Terminated()
             child_spec = {"device": device, "dtype": spec.dtype, "ctx": ctx, "batch": batch,
                           "bnb": quantization_kwargs(spec), "attn": attn,
                           "new_tokens": new_tokens, "kv_dtype": kv_dtype, "cache": cache}
@@ -187,6 +189,8 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
             if placed is not None:
                 child_spec.update(load=placed["load"], gpus=placed["gpus"])
             probe.run(source, synthetic, child_spec)
+            if terminated():
+                raise Terminated()
         except KeyboardInterrupt as exc:
             name = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
             with signals_held():
