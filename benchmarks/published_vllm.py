@@ -41,7 +41,8 @@ TERMS = (("weights", "weights_gib", "weights_bytes"), ("activation", "activation
          ("KV tokens", "kv_cache_tokens", "kv_cache_tokens"), ("concurrency", "max_concurrency", "max_concurrency"))
 RANK_TERMS = ("activation_bytes", "non_torch_bytes", "kv_cache_bytes", "weights_bytes")
 TARGETS = {"KV tokens": (2.0, 5.0), "weights": (1.0, None)}
-BLIND_COLLECTION = "heldout-2026-12-03b.csv"  # issue 27's blind collection: reported apart from the rows read
+# issue 27's blind collections, in the order they were collected: each reported apart from the rows read before
+BLIND_COLLECTIONS = ("heldout-2026-12-03b.csv", "heldout-2026-12-03c.csv")
 
 
 def _f(x: str) -> float | None:
@@ -212,16 +213,21 @@ def render(rows: list[dict], sources_md: str) -> str:
                 target = f"median ≤ {tm:g} %" + (f", p90 ≤ {tp:g} %" if tp else "") + (": met" if met else ": **missed**")
             lines.append(f"| {term} | {n} | {_pct(med)} | {_pct(p90)} | {_pct(worst)} | {target} |")
         lines.append("")
-        if split == "held-out" and any(r.get("collection") == BLIND_COLLECTION for r in g):
-            lines += [f"The earlier held-out collections against the blind one (`{BLIND_COLLECTION}`: run once "
-                      "before any change; its rows still blind apart from those whose miss has since prompted a rule "
-                      "(`examined` = rule); most of its rows print no token count, so KV memory is its figure):", "",
+        blind = [f for f in BLIND_COLLECTIONS if any(r.get("collection") == f for r in g)]
+        if split == "held-out" and blind:
+            names = " and ".join(f"`{f}`" for f in blind)
+            lines += [f"The earlier held-out collections against the blind ones ({names}: each run once before any "
+                      "change; their rows still blind apart from those whose miss has since prompted a rule "
+                      "(`examined` = rule); most rows of the first print no token count, so KV memory is its "
+                      "figure):", "",
                       "| rows | term | rows with it | median | p90 | worst |", "| --- | --- | ---: | ---: | ---: | ---: |"]
-            mine = [r for r in g if r.get("collection") == BLIND_COLLECTION]
-            for label, gs in (("earlier", [r for r in g if r.get("collection") != BLIND_COLLECTION]),
-                              ("blind file, all", mine),
-                              ("blind file, still blind", [r for r in mine if examined_kind(r) == "blind"]),
-                              ("blind file, rule since", [r for r in mine if examined_kind(r) == "rule"])):
+            groups = [("earlier", [r for r in g if r.get("collection") not in BLIND_COLLECTIONS])]
+            for f in blind:
+                mine = [r for r in g if r.get("collection") == f]
+                groups += [(f"{f}, all", mine),
+                           (f"{f}, still blind", [r for r in mine if examined_kind(r) == "blind"]),
+                           (f"{f}, rule since", [r for r in mine if examined_kind(r) == "rule"])]
+            for label, gs in groups:
                 for term in ("KV tokens", "KV memory", "weights"):
                     med, p90, n = _stats(r.get(f"{term}_err_pct") for r in gs)
                     if not n:

@@ -151,17 +151,13 @@ def test_tabled_rows_carry_the_figures_their_source_prints(row):
     the source prints it (tokens with thousands separators, GiB to two decimals, concurrency)."""
     text = (CORPUS_DIR / row["fixture"]).read_text()
     assert parse_log(text).kv_cache_tokens is None  # a table, not vLLM's lines
-    if row["kv_cache_tokens"]:  # the post's KV table: tokens, GiB and concurrency in its own format
-        assert f"{int(row['kv_cache_tokens']):,} tok" in text
-        assert f"{float(row['kv_cache_gib']):.2f} GiB" in text
-        assert f"{float(row['max_concurrency']):.2f}x" in text
-        if row["weights_gib"]:
-            assert f"{float(row['weights_gib']):.2f} GiB" in text
-        return
-    # a table of the terms without a token count (heldout-2026-12-03b.csv, llm-d-benchmark's 0.11 study): every
-    # figure of the row is one of the numbers of the quoted table lines, as printed there
+    # every figure of the row is one of the numbers of the quoted table lines, as printed there (the sources print
+    # GiB to one or two decimals: 9.10 GiB, 3.0 GiB); tokens with the thousands separators the tables use
     quoted = [ln for ln in text.splitlines() if not ln.startswith("#")]
     printed = {float(x) for ln in quoted for x in re.findall(r"-?\d+\.\d+", ln)}
+    if row["kv_cache_tokens"]:  # a KV table (heldout-2026-12-03.csv's post; the RTX 5090 notes of 2026-12-03c)
+        assert any(f"{int(row['kv_cache_tokens']):,}" in ln for ln in quoted), row["kv_cache_tokens"]
+        assert float(row["max_concurrency"]) in printed, row["max_concurrency"]
     for col in ("weights_gib", "activation_gib", "non_torch_gib", "kv_cache_gib", "cuda_graph_gib"):
         if row[col]:
             assert float(row[col]) in printed, (col, row[col])
@@ -195,8 +191,10 @@ def test_consumed_accounting_line_of_0_31():
 
 # Qwen3-14B-AWQ on vLLM 0.29.0 / 0.28.0: vLLM holds 9.44 GiB after loading a 9.29 GiB checkpoint (both logged);
 # vramcal prices the checkpoint (9.30 GiB). The 0.15 GiB are not found in the AWQ -> Marlin conversion
-# (auto_awq.py, MarlinLinearKernel: same-size repacks) -- docs/vllm.md "Held out". Strict: a fix shows here.
-AWQ_WEIGHT_GAP = pytest.mark.xfail(strict=True, reason="AWQ Marlin load 0.15 GiB above the checkpoint, not modelled")
+# (auto_awq.py, MarlinLinearKernel: same-size repacks) -- docs/vllm.md "Held out". The blind Qwen2.5-1.5B-Instruct-AWQ
+# start of heldout-2026-12-03c.csv (H200, 0.19.1, awq_marlin / Machete) shows the same: 1.13 GiB logged, 1.08 priced
+# (-4.6 %). Strict: a fix shows here.
+AWQ_WEIGHT_GAP = pytest.mark.xfail(strict=True, reason="AWQ Marlin load above the checkpoint, not modelled")
 
 
 # gpt-oss on vLLM 0.11.0's docker image (heldout-2026-12-03b.csv): 13.47 / 64.38 GiB logged, the Triton layout's
@@ -206,7 +204,7 @@ MXFP4_BACKEND_UNKNOWN = pytest.mark.xfail(strict=True, reason="0.11 image's MXFP
 
 
 def _weights_mark(r: dict):
-    if r["model"] == "qwen3-14b-awq":
+    if r["model"] in ("qwen3-14b-awq", "qwen2.5-1.5b-awq"):
         return pytest.param(r, marks=AWQ_WEIGHT_GAP)
     if r["model"].startswith("gpt-oss") and r["vllm_version"] == "0.11.0":
         return pytest.param(r, marks=MXFP4_BACKEND_UNKNOWN)
@@ -318,9 +316,10 @@ def test_held_out_figures_are_the_reported_ones():
     medians (KV tokens <= 2 %, weights <= 1 %) are met and asserted; its KV-token p90 (<= 5 %) is missed since
     the L40S / L4 rows of 2026-12-03 (4.04 % over the first 24), and is not asserted: docs/vllm.md "Held out"
     says why."""
-    earlier = [r for r in _held_out_results() if r["id"] not in _collection_ids("heldout-2026-12-03b.csv")]
+    blind = _collection_ids("heldout-2026-12-03b.csv") | _collection_ids("heldout-2026-12-03c.csv")
+    earlier = [r for r in _held_out_results() if r["id"] not in blind]
     res = [r for r in earlier if not r["error"]]
-    assert len(res) == len(earlier) == 34  # the blind rows of 2026-12-03b are pinned apart (test_vllm_heldout2.py)
+    assert len(res) == len(earlier) == 34  # the blind rows (2026-12-03b, 2026-12-03c) are pinned apart
     kv = sorted(abs(r["KV tokens_err_pct"]) for r in res if r["KV tokens_err_pct"] is not None)
     w = sorted(abs(r["weights_err_pct"]) for r in res if r["weights_err_pct"] is not None)
     kv_med, kv_p90 = statistics.median(kv), statistics.quantiles(kv, n=10, method="inclusive")[8]
