@@ -75,6 +75,8 @@ def args_of(row: dict):
                     vllm_version=row["vllm_version"], usage=row.get("usage") or "serve",
                     allow_long_max_model_len=True,
                     flashinfer_sampler={"True": True, "False": False}.get(row.get("flashinfer_sampler") or ""),
+                    # an optional column: cold | warm as the log shows the compile (blank: not known, cold)
+                    compile_cache=row.get("compile_cache") or None,
                     mxfp4_backend=row.get("mxfp4_backend") or None,
                     enable_prefix_caching={"True": True, "False": False}.get(row.get("enable_prefix_caching") or ""),
                     # an optional column: nvlink | pcie as the source says (blank: the GPU's name, else nvlink)

@@ -16,7 +16,7 @@ import pytest
 from vramcal.cli import main
 from vramcal.errors import UserError
 from vramcal.estimator.vllm.arch import arch_of
-from vramcal.estimator.vllm.budget import HIDDEN_KEPT, SAMPLER_BYTES, SORT_BYTES, activation
+from vramcal.estimator.vllm.budget import HIDDEN_KEPT, SAMPLER_BYTES, SORT_BYTES, activation, compile_bench_bytes
 from vramcal.estimator.vllm.engine import VllmArgs, estimate_vllm
 from vramcal.estimator.vllm.layout import pad_vocab
 from vramcal.estimator.vllm.logparse import parse_log
@@ -217,15 +217,13 @@ def test_held_out_weights_within_one_percent(row):
     assert not got["error"] and abs(got["weights_err_pct"]) < 1.0, got
 
 
-# Qwen3-14B(-AWQ) on vLLM 0.29.0's V2 model runner, L40S: the transient peak the logs give (printed peak minus
-# the printed graph estimate) is 1.48-1.60 GiB, about the vocabulary matrix (151,936 x 5,120 x 2 B = 1.45 GiB)
-# above what the V2 runner's profile_run visibly allocates; vramcal prices 0.56-1.16 GiB. The cause is not
-# found in vLLM's source (docs/vllm.md "Held out" lists what was read and ruled out). Strict: a fix shows here.
-V2_ACTIVATION_GAP = pytest.mark.xfail(strict=True, reason="V2 runner's profile peak ~ the vocabulary matrix, not modelled")
+# Qwen3-14B(-AWQ) on vLLM 0.29.0, L40S, each a cold start (the raw logs compile: "Compiling a graph for compile
+# range"): the transient peak the logs give (printed peak minus the printed graph estimate) is 1.48-1.60 GiB. It
+# was 0.9 GiB above what vramcal priced until the cold compile's kernel benchmark was read (budget.py: a random
+# copy of the embedding table and the kernel's outputs, 1.49 / 1.60 GiB here).
 V2_LOGGED = [r for r in HELD_OUT if r["vllm_version"] == "0.29.0"]
 
 
-@V2_ACTIVATION_GAP
 @pytest.mark.parametrize("row", V2_LOGGED, ids=lambda r: r["id"])
 def test_held_out_v2_transient_peak_within_0_15_gib(row):
     import sys
@@ -237,6 +235,73 @@ def test_held_out_v2_transient_peak_within_0_15_gib(row):
     assert logged is not None  # printed peak minus the printed estimate
     est = estimate_vllm(model_ref(row, CORPUS_DIR), args_of(row))
     assert abs(est.activation_bytes - logged) < 0.15 * GIB, (est.activation_bytes / GIB, logged / GIB)
+
+
+# ------------------------------------------------------------------- the cold compile's kernel benchmark
+
+def _qwen3_14b():
+    return arch_of(json.loads((CORPUS_DIR / "configs" / "qwen3-14b.json").read_text()))
+
+
+def test_cold_compile_benchmark_is_a_copy_of_the_embedding_table_and_its_outputs():
+    """torch 2.13 Inductor: ``benchmark_fused_nodes`` runs the kernel on ``get_args()``, one ``rand_strided``
+    tensor per argument at its size (``codegen_kernel_benchmark``): the embedding kernel's table
+    (``num_embeddings_per_partition`` = the 64-padded vocabulary / tp rows of H, model dtype) and, at tp 1, its
+    two T x H outputs (layer 0's residual and the fused RMSNorm's); at tp > 1 the all-reduce ends the kernel
+    after one output."""
+    a = _qwen3_14b()
+    v, el = parse_version("0.28.0"), 2
+    for tp, t, outputs in ((1, 2048, 2), (1, 8192, 2), (2, 2048, 1)):
+        want = (pad_vocab(a.vocab) // tp + outputs * t) * a.hidden * el
+        assert compile_bench_bytes(a, tp, el, t) == want
+        assert activation(a, tp, 0, 1, el, t, 256, v, cold_compile=True).compile_bench == want
+    # Qwen3-14B at vLLM's small-GPU defaults: 151,936 x 5,120 x 2 B + 2 x 2048 x 5,120 x 2 B = 1.488 GiB
+    assert round(compile_bench_bytes(a, 1, 2, 2048) / GIB, 3) == 1.488
+
+
+def test_cold_compile_is_the_peak_only_where_it_is_larger():
+    """The benchmark's tensors are freed before the profiling forward runs: the peak is the larger of the two,
+    not their sum; only the first pipeline stage holds the embedding."""
+    a = _qwen3_14b()
+    v = parse_version("0.29.0")
+    warm = activation(a, 1, 0, 1, 2, 2048, 256, v)
+    cold = activation(a, 1, 0, 1, 2, 2048, 256, v, cold_compile=True)
+    assert warm.compile_bench == 0 and cold.which == "compile" and cold.total == cold.compile_bench > warm.total
+    big = activation(a, 1, 0, 1, 2, 8192, 1024, v, cold_compile=True)  # H100 defaults: the sampler is larger
+    assert big.which == "sampler" and big.total == activation(a, 1, 0, 1, 2, 8192, 1024, v).total
+    assert activation(a, 1, 1, 2, 2, 2048, 256, v, cold_compile=True).compile_bench == 0
+
+
+def test_compile_benchmark_follows_version_eager_and_cache():
+    """config/compilation.py sets combo_kernels / benchmark_combo_kernel from 0.12.0 (the first to pin torch 2.9);
+    --enforce-eager compiles nothing; a warm cache loads the compiled artifact."""
+    from vramcal.estimator.vllm.versions import compile_benchmarks_kernels
+
+    assert not compile_benchmarks_kernels(parse_version("0.11.0"))
+    assert compile_benchmarks_kernels(parse_version("0.12.0")) and compile_benchmarks_kernels(parse_version("0.29.0"))
+    assert not compile_benchmarks_kernels(parse_version("0.29.0"), enforce_eager=True)
+    assert not compile_benchmarks_kernels(parse_version("0.29.0"), compile_cache="warm")
+    assert compile_benchmarks_kernels(parse_version("0.29.0"), compile_cache="cold")
+
+
+def test_compile_cache_flag_reaches_the_estimate(capsys):
+    common = ["estimate", "qwen2.5-7b", "--engine", "vllm", "--gpu-memory", "44.39GiB",
+              "--max-model-len", "8192", "--vllm-version", "0.28.0", "--json"]
+    got = {}
+    for flag in ("cold", "warm"):
+        assert main(common + ["--compile-cache", flag]) == 0
+        got[flag] = json.loads(capsys.readouterr().out)["vllm"]["activation_bytes"]
+    assert got["cold"] > got["warm"]
+    assert main(common) == 0
+    assert json.loads(capsys.readouterr().out)["vllm"]["activation_bytes"] == got["cold"]  # not known: cold
+
+
+def test_compile_cache_bad_value_is_one_line_exit_2(capsys):
+    rc = main(["estimate", "llama-3.1-8b", "--engine", "vllm", "--gpu-memory", "79.25GiB", "--compile-cache", "tepid"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "--compile-cache" in err, err
+    with pytest.raises(UserError):
+        VllmArgs(compile_cache="tepid").validated()
 
 
 def test_gpu_name_gives_vllms_device_defaults():
@@ -309,13 +374,12 @@ def test_peak_activation_of_0_27_is_activation_plus_graph_estimate():
 
 def test_held_out_figures_are_the_reported_ones():
     """The held-out split (34 rows: 12 in corpus.csv, 12 in heldout-2026-12-02.csv, 10 in
-    heldout-2026-12-03.csv; nothing fitted to them): KV tokens median 1.52 %, p90 7.64 % (9.40 % before the
-    L4 pair's tp 2 was priced over PCIe, --interconnect); weights median 0.01 % (0.19 % before the weights
-    counted the caching allocator's blocks, layout.allocated_bytes) (docs/validation.md). Pinned
-    so that a change to a rule that moves them fails here and is reported, better or worse. The issue's
-    medians (KV tokens <= 2 %, weights <= 1 %) are met and asserted; its KV-token p90 (<= 5 %) is missed since
-    the L40S / L4 rows of 2026-12-03 (4.04 % over the first 24), and is not asserted: docs/vllm.md "Held out"
-    says why."""
+    heldout-2026-12-03.csv; nothing fitted to them): KV tokens median 0.94 %, p90 4.13 % (1.52 % / 7.64 % before
+    the cold compile's kernel benchmark was priced, budget.py; 9.40 % p90 before the L4 pair's tp 2 was priced
+    over PCIe, --interconnect); weights median 0.01 % (0.19 % before the weights counted the caching
+    allocator's blocks, layout.allocated_bytes) (docs/validation.md). Pinned so that a change to a rule that
+    moves them fails here and is reported, better or worse. The issue's targets (KV tokens median <= 2 % and
+    p90 <= 5 %, weights median <= 1 %) are met and asserted."""
     blind = _collection_ids("heldout-2026-12-03b.csv") | _collection_ids("heldout-2026-12-03c.csv")
     earlier = [r for r in _held_out_results() if r["id"] not in blind]
     res = [r for r in earlier if not r["error"]]
@@ -325,9 +389,9 @@ def test_held_out_figures_are_the_reported_ones():
     kv_med, kv_p90 = statistics.median(kv), statistics.quantiles(kv, n=10, method="inclusive")[8]
     w_med = statistics.median(w)
     assert (len(kv), len(w)) == (34, 28)
-    assert kv_med == pytest.approx(1.52, abs=0.02) and kv_p90 == pytest.approx(7.64, abs=0.05), (kv_med, kv_p90)
+    assert kv_med == pytest.approx(0.94, abs=0.02) and kv_p90 == pytest.approx(4.13, abs=0.05), (kv_med, kv_p90)
     assert w_med == pytest.approx(0.01, abs=0.01), w_med
-    assert kv_med <= 2.0 and w_med <= 1.0
+    assert kv_med <= 2.0 and kv_p90 <= 5.0 and w_med <= 1.0
 
 
 def test_v2_model_runner_estimates_no_graphs_before_0_29():

@@ -110,9 +110,12 @@ def test_examined_column_says_which_held_out_rows_are_not_blind():
     assert all("examined" in r for r in rows)
     assert not any(r["examined"] for r in rows if r["split"] != "held-out")
     kinds = {r["id"]: examined_kind(r) for r in rows if r["split"] == "held-out"}
-    for rid in ("rtx3060_qwen3-0.6b_u0.75_v0.19.0", "rtx3090_qwen2.5-7b_u0.65_v0.17.1", "l40s_qwen3-14b_v0.28.0",
-                "l4_qwen3-14b-awq_v0.28.0", "l4x2_qwen3-14b-awq_pp2_v0.28.0", "l40s_qwen3-14b-awq_v0.28.0"):
+    for rid in ("rtx3060_qwen3-0.6b_u0.75_v0.19.0", "rtx3090_qwen2.5-7b_u0.65_v0.17.1"):
         assert kinds[rid] == "diagnosed", rid
+    # diagnosed in the fourth round; their activation gap prompted the cold compile's kernel benchmark since
+    for rid in ("l40s_qwen3-14b_v0.28.0", "l4_qwen3-14b-awq_v0.28.0", "l4x2_qwen3-14b-awq_pp2_v0.28.0",
+                "l40s_qwen3-14b-awq_v0.28.0"):
+        assert kinds[rid] == "rule", rid
     assert kinds["l40s_qwen3-14b_v0.29.0"] == "rule" and kinds["rtx5090_qwen3-8b_v0.24.0"] == "rule"
     assert examined_kind({"examined": ""}) == "blind"
 

@@ -58,20 +58,26 @@ def test_kv_bytes_per_token_of_the_written_configs_match_their_logs():
 def test_blind_figures_are_the_reported_ones():
     """Run once after the file was complete (docs/validation.md): no refusal; KV tokens median 0.26 %, p90
     27.70 % of 11. Seven rows within 1 % (H200 x 4, MI350X, A100 tp 2 and tp 4 over four nodes); the four RTX
-    5090 rows miss high (+27.70 % twice, +4.56 %, +51.97 %) while the KV rules from their logged memory are within
-    0.13 %: the budget's terms, not the page arithmetic. Pinned so that any rule change that moves them fails
-    here and is reported -- and so that these rows stop being blind in the record if one is tuned to them."""
+    5090 rows missed high (+27.70 % twice, +4.56 %, +51.97 %) while the KV rules from their logged memory are within
+    0.13 %: the budget's terms, not the page arithmetic. Then the cold compile's kernel benchmark was priced
+    (budget.py; a rule read from vLLM's and Inductor's source, prompted by the 0.28 / 0.29 L40S rows, not by
+    these): the Qwen3-14B-AWQ rows' logged 1.46 GiB peak is now priced (1.49), and the rows read +17.67 % twice,
+    -26.47 % (Qwen3-32B-AWQ at 0.70, whose log's 0.33 GiB peak is a warm start) and +33.94 % (at 0.85): p90
+    26.47 %. What is left on these rows is the memory besides the peak (11.22 GiB logged for weights and
+    non-torch against 9.55 priced; 18.62 and 20.04 GiB for one model at two utilizations), not modelled. Pinned
+    so that any rule change that moves them fails here and is reported -- and so that these rows stop being
+    blind in the record if one is tuned to them."""
     res = _results()
     assert not any(r["error"] for r in res.values())
     tokens = sorted(abs(r["KV tokens_err_pct"]) for r in res.values())
     med, p90 = statistics.median(tokens), statistics.quantiles(tokens, n=10, method="inclusive")[8]
     assert len(tokens) == 11
-    assert med == pytest.approx(0.26, abs=0.02) and p90 == pytest.approx(27.70, abs=0.05), (med, p90)
-    misses = {"rtx5090_qwen3-14b-awq_u0.70_len32768_v0.28.0": 27.70, "rtx5090_qwen3-14b-awq_u0.70_len16384_v0.28.0": 27.70,
-              "rtx5090_qwen3-32b-awq_u0.70_v0.28.0": 4.56, "rtx5090_qwen3-32b-awq_u0.85_v0.28.0": 51.97}
+    assert med == pytest.approx(0.26, abs=0.02) and p90 == pytest.approx(26.47, abs=0.05), (med, p90)
+    misses = {"rtx5090_qwen3-14b-awq_u0.70_len32768_v0.28.0": 17.67, "rtx5090_qwen3-14b-awq_u0.70_len16384_v0.28.0": 17.67,
+              "rtx5090_qwen3-32b-awq_u0.70_v0.28.0": -26.47, "rtx5090_qwen3-32b-awq_u0.85_v0.28.0": 33.94}
     for rid, r in res.items():
         if rid in misses:
             assert r["KV tokens_err_pct"] == pytest.approx(misses[rid], abs=0.05), rid
-            assert abs(r["kv_rules_err_pct"]) < 0.13, rid
+            assert abs(r["kv_rules_err_pct"]) < 0.14, rid  # 0.12 % before the compile rule, 0.13 % after
         else:
             assert abs(r["KV tokens_err_pct"]) < 1.0, rid

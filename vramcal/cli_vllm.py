@@ -17,6 +17,7 @@ VLLM_FLAGS = {
     "enforce_eager": "--enforce-eager", "kv_cache_memory": "--kv-cache-memory-bytes", "gpu_memory": "--gpu-memory",
     "vllm_version": "--vllm-version", "allow_long_max_model_len": "--allow-long-max-model-len",
     "vllm_entrypoint": "--vllm-entrypoint", "flashinfer_sampler": "--flashinfer-sampler",
+    "compile_cache": "--compile-cache",
     "mxfp4_backend": "--mxfp4-backend", "mamba_cache_dtype": "--mamba-cache-dtype",
     "mamba_ssm_cache_dtype": "--mamba-ssm-cache-dtype", "enable_prefix_caching": "--enable-prefix-caching",
     "interconnect": "--interconnect", "disable_custom_all_reduce": "--disable-custom-all-reduce",
@@ -58,6 +59,11 @@ def add_vllm_args(p, *, fit: bool = False) -> None:
                    help="whether vLLM samples with FlashInfer (its log says \"Using FlashInfer for top-p & top-k "
                         "sampling\"): then its profile skips the top-k/top-p sort of vLLM before 0.17 (default: "
                         "not known, the sort is priced)")
+    g.add_argument("--compile-cache", default=None, choices=("cold", "warm"),
+                   help="whether vLLM's torch.compile caches hold this model, flags and version: warm (the log says "
+                        "\"Directly load AOT compilation\") or cold (\"Compiling a graph for compile range\"), when "
+                        "the profile also holds Inductor's kernel benchmark, about a copy of the embedding table "
+                        "(0.12 on; default: not known, cold is priced)")
     g.add_argument("--mxfp4-backend", default=None, choices=("triton", "marlin"),
                    help="gpt-oss: the MoE kernel holding the MXFP4 experts (its log says \"Using Triton backend\" or "
                         "\"... leveraging the Marlin kernel\"; default: Marlin before 0.13 or on a named GPU outside "
@@ -189,6 +195,7 @@ def vllm_args(args):
         gpu_name=name, vllm_version=args.vllm_version, allow_long_max_model_len=bool(args.allow_long_max_model_len),
         usage=args.vllm_entrypoint or "serve",
         flashinfer_sampler=None if args.flashinfer_sampler is None else args.flashinfer_sampler == "yes",
+        compile_cache=getattr(args, "compile_cache", None),
         mxfp4_backend=getattr(args, "mxfp4_backend", None),
         mamba_cache_dtype=getattr(args, "mamba_cache_dtype", None) or "auto",
         mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", None) or "auto",

@@ -20,7 +20,18 @@ rank's dense MLP width, V = the padded vocabulary):
 - fused MoE: its workspaces, cached across calls so present during the sampler too:
   ``T x top_k x (max(2 x I_moe, H) + I_moe) x el`` (``fused_moe/modular_kernel.py``);
 - pipeline stages: a stage that is not the last sends hidden states and residual (``2 x T x H x el``),
-  a stage that is not the first receives them; only the last stage runs the sampler.
+  a stage that is not the first receives them; only the last stage runs the sampler;
+- a cold compile (:func:`.versions.compile_benchmarks_kernels`): the first forward compiles the model,
+  and Inductor's combo-kernel benchmark (torch 2.13 ``_inductor/scheduler.py``
+  ``speedup_by_combo_kernel`` -> ``codegen/triton.py`` ``benchmark_fused_nodes``) runs each candidate
+  kernel on ``get_args()``, fresh ``rand_strided`` tensors the size of every argument
+  (``codegen_kernel_benchmark``), graph inputs included. The largest is the first stage's embedding
+  kernel, whose nodes depend on graph inputs only (``_topological_sort_nodes`` puts them in the first
+  group, with the rotary ``cos_sin_cache.index_select``): a random copy of the rank's embedding table,
+  ``V / tp x H x el`` (``VocabParallelEmbedding.num_embeddings_per_partition``), and its outputs --
+  ``COMPILE_OUTPUTS`` ``T x H x el`` at tp 1 (the embedding kept as layer 0's residual and the fused
+  RMSNorm's output), one at tp > 1 (the all-reduce between them ends the kernel). It is freed before the
+  forward runs, so the peak is the larger of it and the rest.
 
 The coefficients are fitted to the 0.17-0.19 DEBUG logs in benchmarks/published/vllm/ (H100, T=8192,
 S=1024; docs/vllm.md shows the residuals); the multimodal encoder's profile is not modelled.
@@ -40,6 +51,7 @@ SORT_BYTES = 23.5  # per logit, up to 0.16 (Qwen3-14B on H100: 5.64 GiB at 0.15/
 HIDDEN_KEPT = 1.13  # T x H x el alive through the sampler (Llama-3.1-8B vs -70B, Qwen2.5-7B vs -72B)
 MLP_WIDTHS = 3.0  # gate/up (2 I) and the activation's output (I) at once (CodeLlama-7B, Granite-8B)
 FORWARD_HIDDEN = 4.25  # hidden states, residual and attention outputs around them
+COMPILE_OUTPUTS = 2  # T x H outputs of the benchmarked embedding kernel at tp 1 (residual and normed)
 GRAPH_BASE = int(0.45 * GIB)  # CUDA graphs: 0.45 GiB + 14.9 MiB per layer on the rank (0.19 H100 logs,
 GRAPH_PER_LAYER = int(14.9 * MIB)  # 51 piecewise + 35 full sizes; 0.51-1.85 GiB observed)
 
@@ -51,12 +63,20 @@ class Activation:
     forward: int
     moe_workspace: int
     pipeline: int
-    which: str  # sampler | forward
+    compile_bench: int  # the cold compile's kernel benchmark (0 where none runs)
+    which: str  # sampler | forward | compile
+
+
+def compile_bench_bytes(arch: Arch, tp: int, el: int, mnbt: int) -> int:
+    """What a cold compile's benchmark of the embedding kernel allocates on the first stage (the module's doc)."""
+    outputs = COMPILE_OUTPUTS if tp == 1 else 1
+    return (pad_vocab(arch.vocab) // tp + outputs * mnbt) * arch.hidden * el
 
 
 def activation(arch: Arch, tp: int, stage: int, pp: int, el: int, mnbt: int, seqs: int,
-               v: V.Version, flashinfer: bool | None = None) -> Activation:
-    """The activation peak of one rank's profiling run (the module's doc)."""
+               v: V.Version, flashinfer: bool | None = None, cold_compile: bool = False) -> Activation:
+    """The activation peak of one rank's profiling run (the module's doc). ``cold_compile``: the profile
+    compiles with nothing cached (:func:`.versions.compile_benchmarks_kernels`)."""
     t = mnbt
     s = min(seqs, mnbt)
     h = arch.hidden
@@ -70,8 +90,10 @@ def activation(arch: Arch, tp: int, stage: int, pp: int, el: int, mnbt: int, seq
     per_logit = SAMPLER_BYTES + el + (SORT_BYTES if V.sampler_sorts(v, flashinfer) else 0.0)
     samp = int(per_logit * s * pad_vocab(arch.vocab) + HIDDEN_KEPT * t * h * el) if last else 0
     pipe = (0 if last else 2 * t * h * el) + (0 if first else 2 * t * h * el)
-    peak = max(fwd, samp)
-    return Activation(peak + moe + pipe, samp, fwd, moe, pipe, "sampler" if samp >= fwd else "forward")
+    bench = compile_bench_bytes(arch, tp, el, mnbt) if cold_compile and first else 0
+    run = max(fwd, samp) + moe + pipe
+    which = "compile" if bench > run else "sampler" if samp >= fwd else "forward"
+    return Activation(max(run, bench), samp, fwd, moe, pipe, bench, which)
 
 
 def cuda_graph_bytes(layers_on_rank: int, enforce_eager: bool) -> int:

@@ -67,6 +67,7 @@ class VllmArgs:
     allow_long_max_model_len: bool = False  # VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
     usage: str = "serve"  # serve | llm: the defaults of `vllm serve` or of the LLM class
     flashinfer_sampler: bool | None = None  # FlashInfer's top-k/top-p sampler in use (None: not known)
+    compile_cache: str | None = None  # cold | warm: whether torch.compile's caches miss (None: not known, cold)
     mxfp4_backend: str | None = None  # triton | marlin: the MoE kernel holding MXFP4 experts (None: by GPU, version)
     mamba_cache_dtype: str = "auto"  # a hybrid model's conv state dtype (vLLM's --mamba-cache-dtype)
     mamba_ssm_cache_dtype: str = "auto"  # ... and its SSM / recurrent state's (--mamba-ssm-cache-dtype)
@@ -102,6 +103,8 @@ class VllmArgs:
             raise UserError(f"--gpu-memory must be a GPU's total memory, e.g. 80GiB; got {self.gpu_memory_bytes}")
         if self.flashinfer_sampler not in (None, True, False):
             raise UserError(f"flashinfer_sampler must be yes or no, got {self.flashinfer_sampler!r}")
+        if self.compile_cache not in (None, "cold", "warm"):
+            raise UserError(f"--compile-cache must be cold or warm, got {self.compile_cache!r}")
         if self.interconnect is not None:
             A.parse(self.interconnect.kind)
         if self.usage not in ("serve", "llm"):
@@ -189,11 +192,14 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     non_torch = max(non_torch + offsets.get("non_torch_bytes", 0), 0)
     subtract_graphs = V.graphs_off_budget(v, source.config.get("architectures"), bool(arch.experts),
                                           hybrid is not None, args.enforce_eager)
+    cold = V.compile_benchmarks_kernels(v, args.enforce_eager, args.compile_cache)
     ranks: list[VllmRank] = []
     rank_specs: list[list[K.LayerSpec]] = []
+    peaks: list[str] = []  # which part of each rank's profile peaks
     for i, w in enumerate(weights):
         lo, hi = w.layers
-        act = activation(arch, tp, w.pp_rank, pp, el, mnbt, seqs, v, args.flashinfer_sampler)
+        act = activation(arch, tp, w.pp_rank, pp, el, mnbt, seqs, v, args.flashinfer_sampler, cold)
+        peaks.append(act.which)
         act_bytes = max(act.total + offsets.get("activation_bytes", 0), 0)
         graphs = cuda_graph_bytes(hi - lo, args.enforce_eager)
         if args.kv_cache_memory_bytes is not None:
@@ -258,8 +264,9 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
                             "attention page size are exactly equal.")
     methods = {
         "weights": "vLLM's layout of the installed transformers' model on the meta device (docs/vllm.md)",
-        "activation": f"profile-run model fitted to 0.15-0.19 logs ({activation(arch, tp, pp - 1, pp, el, mnbt, seqs, v, args.flashinfer_sampler).which} "
-                      f"peak; max_num_batched_tokens {mnbt}, max_num_seqs {seqs}: "
+        "activation": f"profile-run model fitted to 0.15-0.19 logs ({peaks[limiting.rank]} peak; "
+                      f"{'priced for a cold compile' if cold else 'no compile benchmark'}; "
+                      f"max_num_batched_tokens {mnbt}, max_num_seqs {seqs}: "
                       f"{d.why if args.max_num_seqs is None and args.max_num_batched_tokens is None else 'as given'})",
         "non_torch": f"default per setup: {non_torch_why}",
         "cuda_graphs": ("not captured (--enforce-eager)" if args.enforce_eager else

@@ -203,6 +203,21 @@ def sampler_sorts(v: Version, flashinfer: bool | None = None) -> bool:
     return v < (0, 17, 0) and not flashinfer
 
 
+def compile_benchmarks_kernels(v: Version, enforce_eager: bool = False, compile_cache: str | None = None) -> bool:
+    """Whether the profiled region holds Inductor's compile-time kernel benchmarks, which run on random
+    copies of each kernel's inputs (:func:`.budget.activation` prices them). From 0.12.0
+    ``CompilationConfig.__post_init__`` (``config/compilation.py``; 0.12.0, 0.13.0, 0.15.0, 0.17.1, 0.19.0,
+    0.24.0, 0.28.0, 0.29.0, 0.31.0 and 0.33.0 read) sets Inductor's ``combo_kernels`` and
+    ``benchmark_combo_kernel`` whenever torch is 2.9 or newer, which 0.12.0 is the first to pin (0.11.0 pins
+    torch 2.8 and sets neither; 0.33.0 leaves the benchmark off under Inductor's ``deterministic``, which
+    is off by default). No version read resets the peak after the compile. The compile runs in the first forward, inside ``profile_run`` under ``memory_profiling``, and
+    only when nothing is cached: a warm start loads the compiled artifact ("Directly load AOT compilation"
+    in 0.28's ``compilation/decorators.py``) and Inductor's ``.kernel_perf`` files skip the benchmark.
+    ``--enforce-eager`` compiles nothing. ``compile_cache`` None: not known, the cold start is priced (the
+    larger activation, so the smaller KV cache: every new shape or flag is a cold start)."""
+    return v >= (0, 12, 0) and not enforce_eager and compile_cache != "warm"
+
+
 def default_utilization(v: Version) -> float:
     """``CacheConfig.gpu_memory_utilization``'s default (``config/cache.py``): 0.9 up to 0.19 (0.17.1 and
     0.19.1 read), 0.92 from 0.20.0 (0.20.0, 0.20.2, 0.24.0, 0.27.1 and 0.31.0 read)."""
