@@ -57,6 +57,16 @@ def model_ref(row: dict, corpus_dir: Path) -> str:
     return str(cfg) if cfg.is_file() else row["model"]
 
 
+def gpu_capability(row: dict) -> tuple[int, int] | None:
+    """The row's GPU's compute capability from vramcal's table of GPUs (``table_capability``, the lookup
+    ``--gpu`` makes), by the name the source gives with the corpus's note in brackets left off ("NVIDIA H100
+    80GB (Kubernetes pod)"). None where the table does not say ("24 GB GPU (not named)", "RTX 3060 12GB"):
+    the estimate then prices a named GPU it does not know as it says (fusion.py, mxfp4.py)."""
+    from vramcal.probes.hardware import table_capability
+
+    return table_capability(row["gpu"].split(" (")[0])
+
+
 def args_of(row: dict):
     from vramcal.estimator.vllm.allreduce import Interconnect, parse
     from vramcal.estimator.vllm.engine import VllmArgs
@@ -72,6 +82,7 @@ def args_of(row: dict):
                     dtype=row["dtype"] or "auto", kv_cache_dtype=row["kv_cache_dtype"] or "auto",
                     quantization=row["quantization"] or None, enforce_eager=row["enforce_eager"] == "True",
                     gpu_memory_bytes=int(round(float(row["gpu_total_gib"]) * GIB)), gpu_name=row["gpu"],
+                    gpu_capability=gpu_capability(row),
                     vllm_version=row["vllm_version"], usage=row.get("usage") or "serve",
                     allow_long_max_model_len=True,
                     flashinfer_sampler={"True": True, "False": False}.get(row.get("flashinfer_sampler") or ""),

@@ -195,9 +195,9 @@ def test_vllm_reads_cudas_total_here(fake):
     from vramcal.cli_vllm import this_gpu
 
     fake({0: [R]}, total=80 * GIB, reserved=R, gpu_name="NVIDIA H100 80GB HBM3")
-    assert this_gpu() == (80 * GIB - R, "NVIDIA H100 80GB HBM3")
+    assert this_gpu() == (80 * GIB - R, "NVIDIA H100 80GB HBM3", (9, 0))
     fake({0: [R]}, total=80 * GIB, gpu_name="NVIDIA H100 80GB HBM3")  # no v2, not tabled: NVML's total, as before
-    assert this_gpu() == (80 * GIB, "NVIDIA H100 80GB HBM3")
+    assert this_gpu() == (80 * GIB, "NVIDIA H100 80GB HBM3", (9, 0))
 
 
 def test_vllm_for_a_named_gpu_takes_its_size_less_the_reserve_as_plan_does():

@@ -134,7 +134,7 @@ def test_mxfp4_experts_by_backend_match_the_two_h100_logs_by_hand():
     # Triton (0.14.1 "Using Triton backend"): w13 2 x 2880 x 2880 + w2 2880 x 2880 values, packed 4 bits,
     #   the E8M0 scales (1 / 32) held twice (layer.w13_weight_scale kept beside PrecisionConfig's swizzled copy)
     # Marlin (0.10.1 "leveraging the Marlin kernel"): hidden padded to 3072, intermediate to 2944, scales once
-    t, m = X.backend((0, 14, 1), "NVIDIA H100 80GB", None), X.backend((0, 10, 1), None, None)
+    t, m = X.backend((0, 14, 1), "NVIDIA H100 80GB", (9, 0), None), X.backend((0, 10, 1), None, None, None)
     assert (t.name, m.name) == ("triton", "marlin")
     assert t.padded(2880, 2880) == (2880, 2880) and m.padded(2880, 2880) == (3072, 2944)
     per_expert_t = t.weight_bytes(2 * 2880, 2880) + t.weight_bytes(2880, 2880)
@@ -148,9 +148,9 @@ def test_mxfp4_experts_by_backend_match_the_two_h100_logs_by_hand():
     bias_m = m.bias_bytes(2 * 2944, 2) + m.bias_bytes(3072, 2)
     diff = 36 * 128 * ((per_expert_m + bias_m) - (per_expert_t + bias_t))
     assert abs(diff / GIB - (65.9651 - 64.38)) < 0.15
-    assert X.backend((0, 19, 1), "NVIDIA RTX PRO 6000 Blackwell", None).name == "marlin"  # SM120
+    assert X.backend((0, 19, 1), "NVIDIA RTX PRO 6000 Blackwell", (12, 0), None).name == "marlin"  # SM120
     with pytest.raises(UserError, match="--mxfp4-backend"):
-        X.backend((0, 19, 1), None, "cutlass")
+        X.backend((0, 19, 1), None, None, "cutlass")
 
 
 def test_an_unmodelled_hybrid_architecture_is_named():

@@ -89,7 +89,7 @@ def test_the_nvlink_figure_against_the_published_h100_tp2_log():
     log = (ROOT / "benchmarks" / "published" / "vllm" / "logs" /
            "llmd_meta-llama-llama-3-1-8b_-h100-80gb_tp2pp1dp1_8192.log").read_text()
     assert "non-torch forward increase memory: 2.07GiB" in log
-    e = _est(gpu_name="NVIDIA H100 80GB HBM3")
+    e = _est(gpu_name="NVIDIA H100 80GB HBM3", gpu_capability=(9, 0))
     assert e.interconnect == "nvlink" and "guessed from the GPU's name" in e.methods["interconnect"]
     assert abs(e.non_torch_bytes - 2.07 * GIB) < 0.05 * GIB
 
@@ -168,6 +168,19 @@ def test_plan_prices_each_group_over_the_interconnect_given(capsys):
     assert out["pcie"] - out["nvlink"] == int(2.10 * GIB) - int(0.25 * GIB)
 
 
+def test_plan_prices_the_fusion_by_the_described_gpus_capability(capsys):
+    """plan's described GPUs carry the table's capability: two A100s (SM 8.0) over NVLink get no fusion
+    workspace, two H100s (SM 9.0) its 1.5 GiB, where plan used to assume an SM 9.0 GPU for both."""
+    out = {}
+    for gpu in ("A100-SXM4-80GB", "H100 80GB HBM3"):
+        assert _cli("plan", "llama-3.1-8b", "--engine", "vllm", "--hardware", "cuda:0=80GiB,cuda:1=80GiB", "--gpu",
+                    gpu, "--interconnect", "nvlink", "--vllm-version", "0.19", "--ctx", "8192", "--json") == 0
+        plans = json.loads(capsys.readouterr().out)["plans"]
+        out[gpu] = next(p["kv_cache_bytes"] for p in plans if p["tensor_parallel_size"] == 2
+                        and p["quantization"] is None and p["kv_cache_dtype"] == "auto")
+    assert out["A100-SXM4-80GB"] - out["H100 80GB HBM3"] == 1536 * MIB
+
+
 @pytest.mark.parametrize("log, tp, ic, logged, why", [
     # 8x L40S, 0.10.2: "Custom allreduce is disabled because it's not supported on more than two PCIe-only GPUs"
     (ROOT / "tests" / "data" / "vllm" / "r001.log", 8, PCIE, "more than two PCIe-only GPUs",
@@ -225,31 +238,101 @@ def test_the_fusion_workspace_is_flashinfers_three_buffers_at_the_multicast_gran
     assert F.workspace_bytes(4, 64 * MIB, 8192, 2, 8192) == 2048 * MIB
 
 
-@pytest.mark.parametrize("v, tp, pp, ic, gpu, eager, on, why", [
-    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA H100 80GB HBM3", False, True, "SM 9.0, tp 2"),
-    ((0, 17, 1), 4, 1, "nvlink", "NVIDIA H200", False, True, "SM 9.0, tp 4"),
-    ((0, 15, 1), 2, 1, "nvlink", "NVIDIA H100 80GB HBM3", False, False, "before 0.17"),
-    ((0, 11, 0), 2, 1, "nvlink", "NVIDIA H100 80GB HBM3", False, False, "before 0.17"),
-    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA H100 80GB HBM3", True, False, "--enforce-eager"),
-    ((0, 19, 1), 2, 2, "nvlink", "NVIDIA H100 80GB HBM3", False, False, "pp > 1"),
-    ((0, 19, 1), 2, 1, "pcie", "NVIDIA H100 PCIe", False, False, "over PCIe"),
-    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA A100-SXM4-80GB", False, False, "not compute capability 9.0"),
-    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA H100 NVL", False, False, "no NVSwitch multicast"),
-    ((0, 18, 0), 2, 1, "nvlink", "NVIDIA B300", False, False, "10.3 is not one"),  # 0.18: is_device_capability(100)
-    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA B300", False, True, "SM 10.3"),  # 0.19: the 10.x family
-    ((0, 19, 1), 16, 1, "nvlink", "NVIDIA H100 80GB HBM3", False, False, "world size 16"),
-    ((0, 19, 1), 1, 1, "nvlink", "NVIDIA H100 80GB HBM3", False, False, "one GPU"),
-    ((0, 19, 1), 2, 1, "nvlink", None, False, True, "SM 9.0 GPU on NVSwitch assumed"),
+@pytest.mark.parametrize("v, tp, pp, ic, gpu, cap, eager, on, why", [
+    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA H100 80GB HBM3", (9, 0), False, True, "SM 9.0, tp 2"),
+    ((0, 17, 1), 4, 1, "nvlink", "NVIDIA H200", (9, 0), False, True, "SM 9.0, tp 4"),
+    ((0, 15, 1), 2, 1, "nvlink", "NVIDIA H100 80GB HBM3", (9, 0), False, False, "before 0.17"),
+    ((0, 11, 0), 2, 1, "nvlink", "NVIDIA H100 80GB HBM3", (9, 0), False, False, "before 0.17"),
+    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA H100 80GB HBM3", (9, 0), True, False, "--enforce-eager"),
+    ((0, 19, 1), 2, 2, "nvlink", "NVIDIA H100 80GB HBM3", (9, 0), False, False, "pp > 1"),
+    ((0, 19, 1), 2, 1, "pcie", "NVIDIA H100 PCIe", (9, 0), False, False, "over PCIe"),
+    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA A100-SXM4-80GB", (8, 0), False, False, "not compute capability 9.0"),
+    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA H100 NVL", (9, 0), False, False, "no NVSwitch multicast"),
+    ((0, 18, 0), 2, 1, "nvlink", "NVIDIA B300", (10, 3), False, False, "10.3 is not one"),  # 0.18: capability 100
+    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA B300", (10, 3), False, True, "SM 10.3"),  # 0.19: the 10.x family
+    ((0, 19, 1), 2, 1, "nvlink", "NVIDIA B100", (10, 0), False, True, "SM 10.0, tp 2"),  # no name list had it
+    ((0, 19, 1), 2, 1, "nvlink", None, (10, 0), False, True, "SM 10.0, tp 2"),  # the capability decides, not a name
+    ((0, 19, 1), 16, 1, "nvlink", "NVIDIA H100 80GB HBM3", (9, 0), False, False, "world size 16"),
+    ((0, 19, 1), 1, 1, "nvlink", "NVIDIA H100 80GB HBM3", (9, 0), False, False, "one GPU"),
+    ((0, 19, 1), 2, 1, "nvlink", None, None, False, True, "SM 9.0 GPU on NVSwitch assumed"),
+    ((0, 19, 1), 2, 1, "nvlink", "Some Future GPU", None, False, False, "not known"),  # named, not in the table
 ])
-def test_when_vllm_makes_the_fusion_workspace(v, tp, pp, ic, gpu, eager, on, why):
+def test_when_vllm_makes_the_fusion_workspace(v, tp, pp, ic, gpu, cap, eager, on, why):
     """vLLM config/vllm.py enable_allreduce_rms_fusion (0.17.1, 0.18.0, 0.19.1; 0.15.1 sets it False at every
     level), enforce_eager -> compilation mode NONE (0.19.1), FI_ALLREDUCE_FUSION_MAX_SIZE_MB's world sizes, and
-    flashinfer's SymmDeviceMemory refusing a GPU without multicast."""
+    flashinfer's SymmDeviceMemory refusing a GPU without multicast; by the GPU's compute capability."""
     from vramcal.estimator.vllm import fusion as F
 
-    got = F.fusion_workspace(v, tp, pp, ic, gpu, 4096, 2, 8192, eager)
+    got = F.fusion_workspace(v, tp, pp, ic, gpu, cap, 4096, 2, 8192, eager)
     assert got.on is on and why in got.why, got.why
     assert (got.device_bytes > 0) is on
+
+
+def test_an_sm100_gpu_the_name_words_missed_gets_the_workspace_as_an_h100_does(capsys):
+    """The B100 (SM 10.0) was in no list of names fusion.py kept, so `--gpu B100` was priced without the
+    1.5 GiB workspace at tp 2 over NVSwitch; its capability now comes from vramcal's table of GPUs, and at tp 2
+    SM 10.0's 64 MiB makes the same three 512 MiB buffers as SM 9.0's."""
+    got = {}
+    for gpu in ("NVIDIA B100", "NVIDIA H100 80GB HBM3"):
+        assert _cli("estimate", "llama-3.1-8b", "--engine", "vllm", "--gpu", gpu, "--gpu-memory", "79.19GiB", "-tp",
+                    "2", "--interconnect", "nvlink", "--max-model-len", "8192", "--vllm-version", "0.19", "--json",
+                    "--no-correction") == 0
+        got[gpu] = json.loads(capsys.readouterr().out)["vllm"]
+    b100, h100 = got["NVIDIA B100"], got["NVIDIA H100 80GB HBM3"]
+    assert "fusion on" in b100["methods"]["interconnect"] and "SM 10.0, tp 2" in b100["methods"]["interconnect"]
+    assert b100["non_torch_bytes"] == h100["non_torch_bytes"] == int(2.10 * GIB)
+
+
+def test_the_capability_has_one_home_the_table_of_gpus(monkeypatch, capsys):
+    """fusion.py and mxfp4.py keep no GPU names; `--gpu NAME` gives VllmArgs the table's capability, the
+    published benchmark looks its rows' GPUs up the same way, and a change to the table's row is what the
+    estimate follows."""
+    import argparse
+    import dataclasses
+    import sys
+
+    from vramcal.cli_vllm import vllm_args
+    from vramcal.estimator.vllm import fusion as F
+    from vramcal.estimator.vllm import mxfp4 as X
+    from vramcal.probes import hardware as HW
+
+    assert not hasattr(F, "_CAPABILITY_WORDS") and not hasattr(X, "TRITON_GPUS") and not hasattr(F, "capability")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from published_vllm import gpu_capability
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert gpu_capability({"gpu": "NVIDIA H100 80GB (Kubernetes pod)"}) == HW.find_gpu("H100 80GB").compute_capability
+    assert gpu_capability({"gpu": "NVIDIA A100 80GB"}) == (8, 0)  # SXM4 or PCIe: 8.0 either way
+    assert gpu_capability({"gpu": "24 GB GPU (not named)"}) is None
+    flags = {k: None for k in ("gpu_memory", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
+                               "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "dtype",
+                               "kv_cache_dtype", "quantization", "block_size", "enforce_eager", "kv_cache_memory",
+                               "vllm_version", "allow_long_max_model_len", "vllm_entrypoint", "flashinfer_sampler")}
+    assert vllm_args(argparse.Namespace(**flags, gpu="B100")).gpu_capability == (10, 0)
+    # the table's row says otherwise: the estimate follows it (no second list of names decides)
+    rows = tuple(dataclasses.replace(g, compute_capability=(8, 0)) if g.name == "NVIDIA B100" else g
+                 for g in HW.known_gpus())
+    monkeypatch.setattr(HW, "known_gpus", lambda: rows)
+    assert vllm_args(argparse.Namespace(**flags, gpu="B100")).gpu_capability == (8, 0)
+    assert _cli("estimate", "llama-3.1-8b", "--engine", "vllm", "--gpu", "B100", "--gpu-memory", "79.19GiB", "-tp",
+                "2", "--interconnect", "nvlink", "--vllm-version", "0.19", "--json", "--no-correction") == 0
+    v = json.loads(capsys.readouterr().out)["vllm"]
+    why = v["methods"]["interconnect"]
+    assert "fusion off" in why and "(8.0) is not compute capability" in why, why
+
+
+def test_this_machines_capability_is_nvmls(fake):
+    """Measured here, the capability is NVML's (nvmlDeviceGetCudaComputeCapability through the one door), even
+    for a GPU the table does not know; where NVML cannot read it (an old driver), the table's for NVML's name."""
+    from vramcal.cli_vllm import this_gpu
+
+    fake({0: [0]}, gpu_name="Some Future GPU", compute_capability=(10, 0))
+    assert this_gpu()[1:] == ("Some Future GPU", (10, 0))
+    fake({0: [0]}, gpu_name="NVIDIA H100 80GB HBM3", compute_capability=None)
+    assert this_gpu()[1:] == ("NVIDIA H100 80GB HBM3", (9, 0))
+    fake({0: [0]}, gpu_name="Some Future GPU", compute_capability=None)
+    assert this_gpu()[1:] == ("Some Future GPU", None)
 
 
 def test_non_torch_over_nvlink_by_version():
@@ -258,10 +341,10 @@ def test_non_torch_over_nvlink_by_version():
     profiling outside the window before 0.18): 0.07 + 0.35 = 0.42, where the blind llm-d-benchmark 0.11.0 H100 tp 2
     rows log 0.55 / 0.54 (they prompted the rule and are marked ``rule`` since); 0.15: 0.13 + 0.35."""
     h100 = "NVIDIA H100 80GB HBM3"
-    e19 = _est(gpu_name=h100, interconnect=NVLINK)
-    e11 = _est(gpu_name=h100, interconnect=NVLINK, vllm_version="0.11.0")
-    e15 = _est(gpu_name=h100, interconnect=NVLINK, vllm_version="0.15.1")
-    eager = _est(gpu_name=h100, interconnect=NVLINK, enforce_eager=True)
+    e19 = _est(gpu_name=h100, gpu_capability=(9, 0), interconnect=NVLINK)
+    e11 = _est(gpu_name=h100, gpu_capability=(9, 0), interconnect=NVLINK, vllm_version="0.11.0")
+    e15 = _est(gpu_name=h100, gpu_capability=(9, 0), interconnect=NVLINK, vllm_version="0.15.1")
+    eager = _est(gpu_name=h100, gpu_capability=(9, 0), interconnect=NVLINK, enforce_eager=True)
     assert e19.non_torch_bytes == int(0.25 * GIB) + V.NCCL_NVLINK + 1536 * MIB
     assert abs(e19.non_torch_bytes - 2.10 * GIB) < 0.005 * GIB
     assert e11.non_torch_bytes == int(0.07 * GIB) + V.NCCL_NVLINK

@@ -66,8 +66,8 @@ def add_vllm_args(p, *, fit: bool = False) -> None:
                         "(0.12 on; default: not known, cold is priced)")
     g.add_argument("--mxfp4-backend", default=None, choices=("triton", "marlin"),
                    help="gpt-oss: the MoE kernel holding the MXFP4 experts (its log says \"Using Triton backend\" or "
-                        "\"... leveraging the Marlin kernel\"; default: Marlin before 0.13 or on a named GPU outside "
-                        "SM90/SM100, else Triton)")
+                        "\"... leveraging the Marlin kernel\"; default: Marlin before 0.13 or on a GPU outside "
+                        "SM90/SM100 by its compute capability, else Triton)")
     g.add_argument("--mamba-cache-dtype", default=None, help="hybrid models: the conv state's dtype (auto | float16 | "
                                                              "bfloat16 | float32)")
     g.add_argument("--mamba-ssm-cache-dtype", default=None, help="hybrid models: the SSM / recurrent state's dtype")
@@ -143,23 +143,25 @@ def refuse_transformers_flags(args, command: str, engine: str = "vllm", allowed:
                         f"`vramcal {command} --help`)")
 
 
-def this_gpu() -> tuple[int | None, str | None]:
+def this_gpu() -> tuple[int | None, str | None, tuple[int, int] | None]:
     """GPU 0's total memory as CUDA reports it (vLLM's "total": NVML's total less the driver's reserve, where
-    the reserve is known: :mod:`vramcal.estimator.capacity`) and its name, through the one NVML door; (None,
-    None) without one."""
+    the reserve is known: :mod:`vramcal.estimator.capacity`), its name and its compute capability, through the
+    one NVML door (the capability: NVML's, else the table's for that name where NVML cannot read it, an old
+    driver); (None, None, None) without one."""
     from .estimator.capacity import capacity
     from .probes import nvml
+    from .probes.hardware import capability_here
     from .probes.machine import reserve_here
 
     ok, _ = nvml.available()
     if not ok:
-        return None, None
+        return None, None, None
     info = nvml.device_info(0)
     total = None if isinstance(info["total_bytes"], nvml.NA) else int(info["total_bytes"])
     name = None if isinstance(info["name"], nvml.NA) else str(info["name"])
     if total is not None:
         total = capacity(total, reserve_here("cuda:0"))
-    return total, name
+    return total, name, capability_here(0)
 
 
 def vllm_args(args):
@@ -168,17 +170,18 @@ def vllm_args(args):
     from .units import size_option
 
     total = size_option(args.gpu_memory, "--gpu-memory", above_zero=True)
-    name = None
+    name = capability = None
     if getattr(args, "gpu", None) is not None:  # a described GPU: vLLM's defaults depend on its name and size
         from .probes.hardware import find_gpu, gpu_target
 
-        name = gpu_target(args.gpu).name
+        target = gpu_target(args.gpu)
+        name, capability = target.name, target.compute_capability
         if total is None:  # vLLM's total is CUDA's: the table's size less the driver's reserve (estimator/capacity.py)
             from .estimator.capacity import capacity, reserve_for
 
             total = capacity(int(find_gpu(name).memory_gb * 1024**3), reserve_for(name))
     elif total is None:
-        total, name = this_gpu()
+        total, name, capability = this_gpu()
     dtype = "auto" if args.dtype is None else args.dtype
     tp = 1 if args.tensor_parallel_size is None else args.tensor_parallel_size
     return VllmArgs(
@@ -192,7 +195,8 @@ def vllm_args(args):
         block_size=args.block_size, enforce_eager=bool(args.enforce_eager),
         kv_cache_memory_bytes=size_option(args.kv_cache_memory, "--kv-cache-memory-bytes", above_zero=True),
         gpu_memory_bytes=total,
-        gpu_name=name, vllm_version=args.vllm_version, allow_long_max_model_len=bool(args.allow_long_max_model_len),
+        gpu_name=name, gpu_capability=capability, vllm_version=args.vllm_version,
+        allow_long_max_model_len=bool(args.allow_long_max_model_len),
         usage=args.vllm_entrypoint or "serve",
         flashinfer_sampler=None if args.flashinfer_sampler is None else args.flashinfer_sampler == "yes",
         compile_cache=getattr(args, "compile_cache", None),

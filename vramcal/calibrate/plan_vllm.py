@@ -130,6 +130,8 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
         bandwidth = min(g.memory_bandwidth.bytes_per_s for g in group) \
             if all(g.memory_bandwidth.bytes_per_s for g in group) else None
         env = _visible(group, gpus)
+        caps = {g.compute_capability for g in group}  # the fusion and the MXFP4 backend go by it
+        capability = caps.pop() if len(caps) == 1 else None
         link = interconnect
         if link is None and this_machine and tp > 1:
             from ..probes.hardware import interconnect_here
@@ -146,7 +148,7 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
         for q in quants:
             for kv in KV_CHOICES:
                 args = replace(base, tensor_parallel_size=tp, quantization=q, kv_cache_dtype=kv,
-                               gpu_memory_bytes=memory, interconnect=link)
+                               gpu_memory_bytes=memory, interconnect=link, gpu_capability=capability)
                 label = f"tp {tp}, weights {q or 'as stored'}, KV {kv}"
                 try:
                     fit, est = longest(source, args)

@@ -54,6 +54,7 @@ class GPU:
     held_by: str | None = None  # this machine: who holds the memory that is not free
     reserve: DriverReserve | None = None  # the driver's reserve (vramcal.estimator.capacity); None: not asked
     reserve_taken_off: bool = False  # memory_bytes is the size given less the reserve (a described GPU)
+    compute_capability: tuple[int, int] | None = None  # NVML's here, the table's for a named GPU; None: not known
 
     def reserve_json(self) -> dict | None:
         """The reserve for --json, with whether it came off ``memory_bytes`` and why (as fit says it)."""
@@ -176,15 +177,21 @@ def _words(name: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", name.lower().replace("geforce", " ").replace("nvidia", " "))
 
 
+def _matches(name: str) -> list[KnownGPU]:
+    """The table's rows a GPU's name matches: the NVML name as reported, else every row holding all of the
+    name's words (whole words only: "L4" is not "L40", "A10" not "A100")."""
+    want = _words(name)
+    if not want:
+        return []
+    exact = [g for g in known_gpus() if g.name.lower() == name.lower().strip()]
+    return exact or [g for g in known_gpus() if all(w in _words(g.name) for w in want)]
+
+
 def find_gpu(name: str, total_bytes: int | None = None) -> KnownGPU | None:
     """The table's row for a GPU model: the NVML name as reported, or a short name a person types
     ("RTX 4090", "A100 80GB", "H100 SXM"). Whole words only ("L4" is not "L40", "A10" not "A100"); where
     two rows share a name, the memory size decides. None when nothing matches, or more than one does."""
-    want = _words(name)
-    if not want:
-        return None
-    exact = [g for g in known_gpus() if g.name.lower() == name.lower().strip()]
-    matches = exact or [g for g in known_gpus() if all(w in _words(g.name) for w in want)]
+    matches = _matches(name)
     if total_bytes is not None and len(matches) > 1:
         gb = total_bytes / GB
         near = [g for g in matches if abs(g.memory_gb - gb) <= 0.12 * g.memory_gb]
@@ -193,6 +200,31 @@ def find_gpu(name: str, total_bytes: int | None = None) -> KnownGPU | None:
         shortest = min(len(_words(g.name)) for g in matches)
         matches = [g for g in matches if len(_words(g.name)) == shortest]
     return matches[0] if len(matches) == 1 else None
+
+
+def table_capability(name: str | None) -> tuple[int, int] | None:
+    """The compute capability the table gives a GPU's name: its row's (:func:`find_gpu`, the lookup ``--gpu``
+    makes), or, where the name matches several rows that all have one, that one (an "A100 80GB" is the SXM4
+    or the PCIe card: 8.0 either way). None where the table does not say (no such GPU, or rows that differ)."""
+    if not name:
+        return None
+    row = find_gpu(name)
+    if row is not None:
+        return row.compute_capability
+    caps = {g.compute_capability for g in _matches(name)}
+    return caps.pop() if len(caps) == 1 else None
+
+
+def capability_here(index: int) -> tuple[int, int] | None:
+    """The compute capability of this machine's GPU ``index``, through the one NVML door: NVML's reading, else
+    (an old driver without the query) the table's for the name NVML gives; None where neither says."""
+    from . import nvml
+
+    cc = nvml.compute_capability(nvml.device_handle(index))
+    if not isinstance(cc, nvml.NA):
+        return cc
+    name = nvml.device_info(index)["name"]
+    return table_capability(name) if isinstance(name, str) else None
 
 
 def link_bandwidth(gen: int | None, lanes: int | None, source: str) -> Bandwidth:
@@ -293,6 +325,7 @@ def described(sizes: dict[str, int], gpu_names: list[str] | None = None,
             from_table(g, name)
             row = find_gpu(name, g.total_bytes)
             g.reserve = reserve_for(row.name)
+            g.compute_capability = row.compute_capability
             if abs(row.memory_gb * GB - g.memory_bytes) > 0.15 * row.memory_gb * GB:
                 notes.append(f"--gpu {name!r} is the {row.name} with {row.memory_gb:g} GB, but {g.device} was given "
                              f"{g.memory_bytes / GB:,.1f} GB: its bandwidths are that model's")
@@ -373,7 +406,7 @@ def this_machine(bandwidths: dict[str, int] | None = None) -> Hardware:
         name = None if isinstance(info["name"], nvml.NA) else str(info["name"])
         # free memory has already left the driver's reserve out (NVML's free, either version): nothing comes off
         g = GPU(f"cuda:{i}", fm.free_bytes, name=name, total_bytes=fm.total_bytes, held_by=fm.describe(),
-                reserve=reserve_here(f"cuda:{i}"))
+                reserve=reserve_here(f"cuda:{i}"), compute_capability=capability_here(i))
         bw = nvml.memory_bandwidth(h)
         if not isinstance(bw, nvml.NA):
             g.memory_bandwidth = Bandwidth(bw, "NVML: 2 x max memory clock x bus width")

@@ -63,6 +63,9 @@ class VllmArgs:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_bytes: int | None = None  # each GPU's total as CUDA reports it (vLLM's "total")
     gpu_name: str | None = None
+    # CUDA's (major, minor) of that GPU: vramcal's table of GPUs for a named one, NVML for this machine's
+    # (:mod:`vramcal.probes.hardware`); it decides the fusion workspace and the MXFP4 backend. None: not known
+    gpu_capability: tuple[int, int] | None = None
     vllm_version: str | None = None
     allow_long_max_model_len: bool = False  # VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
     usage: str = "serve"  # serve | llm: the defaults of `vllm serve` or of the LLM class
@@ -107,6 +110,10 @@ class VllmArgs:
             raise UserError(f"--compile-cache must be cold or warm, got {self.compile_cache!r}")
         if self.interconnect is not None:
             A.parse(self.interconnect.kind)
+        cc = self.gpu_capability
+        if cc is not None and (not isinstance(cc, tuple) or len(cc) != 2
+                               or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in cc)):
+            raise UserError(f"gpu_capability must be CUDA's (major, minor), e.g. (9, 0), or None; got {cc!r}")
         if self.usage not in ("serve", "llm"):
             raise UserError(f"unknown usage {self.usage!r}: serve or llm")
         return self
@@ -145,7 +152,7 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
         raise UserError(f"--kv-cache-memory exists from vLLM 0.10.2 on, not in {V.fmt_version(v)}")
     quant = resolve_quant(source.config, args.quantization)
     if quant.scheme == "mxfp4":
-        quant = replace(quant, mxfp4=X.backend(v, args.gpu_name, args.mxfp4_backend))
+        quant = replace(quant, mxfp4=X.backend(v, args.gpu_name, args.gpu_capability, args.mxfp4_backend))
     elif args.mxfp4_backend is not None:
         raise UserError("--mxfp4-backend is for an MXFP4 checkpoint (gpt-oss); this one is not: drop it")
     dtype, dtype_note = model_dtype(source.config, args.dtype, quant)
@@ -184,7 +191,7 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     requested = int(total * util)
     ic = A.resolve(args.interconnect, args.gpu_name) if tp > 1 else None
     car = A.custom_all_reduce(v, tp, ic, args.disable_custom_all_reduce) if ic else None
-    fusion = F.fusion_workspace(v, tp, pp, ic.kind, args.gpu_name, arch.hidden, el, mnbt,
+    fusion = F.fusion_workspace(v, tp, pp, ic.kind, args.gpu_name, args.gpu_capability, arch.hidden, el, mnbt,
                                 args.enforce_eager) if ic else None
     non_torch, non_torch_why = V.non_torch_default(v, tp, pp, ic.kind if ic else "nvlink",
                                                    car.non_torch_bytes(v) if car else 0,

@@ -50,10 +50,6 @@ BUFFER_ALIGN = 2 * MIB  # trtllm_create_ipc_workspace_for_all_reduce_fusion roun
 ALLOC_GRANULARITY = 2 * MIB  # cuMemCreate's recommended granularity for device memory
 MULTICAST_GRANULARITY = 512 * MIB  # the driver's recommended multicast granularity: H100 measured, Blackwell assumed
 
-# GPUs by name whose compute capability the fusion asks about (NVIDIA's table): 9.0 and 10.x
-_CAPABILITY_WORDS = {"h100": (9, 0), "h200": (9, 0), "h800": (9, 0), "h20": (9, 0), "gh200": (9, 0),
-                     "b200": (10, 0), "gb200": (10, 0), "b300": (10, 3), "gb300": (10, 3)}
-
 
 @dataclass(frozen=True)
 class FusionWorkspace:
@@ -62,14 +58,6 @@ class FusionWorkspace:
     on: bool
     why: str
     device_bytes: int = 0
-
-
-def capability(gpu_name: str | None) -> tuple[int, int] | None:
-    """The compute capability a GPU's name says, for the GPUs the fusion takes (9.0, 10.x); None otherwise."""
-    for word in re.findall(r"[a-z0-9]+", (gpu_name or "").lower()):
-        if word in _CAPABILITY_WORDS:
-            return _CAPABILITY_WORDS[word]
-    return None
 
 
 def _takes(v: V.Version, cap: tuple[int, int]) -> bool:
@@ -96,11 +84,15 @@ def workspace_bytes(tp: int, max_size: int, hidden: int, itemsize: int, max_num_
     return sum(buffer_bytes(s) for s in sizes)
 
 
-def fusion_workspace(v: V.Version, tp: int, pp: int, interconnect: str, gpu_name: str | None, hidden: int,
-                     itemsize: int, max_num_batched_tokens: int, enforce_eager: bool) -> FusionWorkspace:
-    """Whether vLLM makes the all-reduce + RMSNorm fusion workspace on this rank, and its bytes (the module's doc).
-    With no GPU named it is priced on over NVLink, as on an H100 (the larger non-torch term, so the smaller, safe
-    KV figure); a named GPU outside the 9.0 / 10.x parts listed here is priced without it."""
+def fusion_workspace(v: V.Version, tp: int, pp: int, interconnect: str, gpu_name: str | None,
+                     capability: tuple[int, int] | None, hidden: int, itemsize: int, max_num_batched_tokens: int,
+                     enforce_eager: bool) -> FusionWorkspace:
+    """Whether vLLM makes the all-reduce + RMSNorm fusion workspace on this rank, and its bytes (the module's doc),
+    by the GPU's compute ``capability`` (vramcal's table of GPUs for a named one, NVML for this machine's). Where
+    the capability is not known: with no GPU named it is priced on over NVLink, as on an H100 (the larger non-torch
+    term, so the smaller, safe KV figure); a GPU named but not in the table is priced without it, as a name outside
+    the listed 9.0 / 10.x parts was before the table decided (the table carries the Hopper and Blackwell
+    datacenter parts, so a name it does not know is most likely another kind, and no published figure moves)."""
     if tp <= 1:
         return FusionWorkspace(False, "one GPU: no all-reduce")
     if v < (0, 17, 0):
@@ -111,15 +103,19 @@ def fusion_workspace(v: V.Version, tp: int, pp: int, interconnect: str, gpu_name
         return FusionWorkspace(False, "pp > 1: vLLM leaves the fusion off (tp-pp combination)")
     if interconnect != "nvlink":
         return FusionWorkspace(False, "over PCIe: FlashInfer finds no NVSwitch multicast and makes no workspace")
+    # the board, not the chip: an NVL part (H100 NVL, H200 NVL) is a bridged pair whatever its capability
     words = set(re.findall(r"[a-z0-9]+", (gpu_name or "").lower()))
     if "nvl" in words and not words & {"gb200", "gb300"}:
         return FusionWorkspace(False, f"{gpu_name}: NVLink-bridged pairs have no NVSwitch multicast, so FlashInfer "
                                       "makes no workspace")
-    cap = capability(gpu_name)
-    if gpu_name and cap is None:
-        return FusionWorkspace(False, f"{gpu_name} is not compute capability 9.0 / 10.x, which the fusion needs")
-    assumed = cap is None
-    cap = cap or (9, 0)
+    if capability is None and gpu_name:
+        return FusionWorkspace(False, f"{gpu_name}: its compute capability is not known (not in vramcal's table of "
+                                      "GPUs), so it is not taken for the 9.0 / 10.x the fusion needs")
+    if capability is not None and capability[0] not in (9, 10):
+        return FusionWorkspace(False, f"{gpu_name or 'the GPU'} ({capability[0]}.{capability[1]}) is not compute "
+                                      "capability 9.0 / 10.x, which the fusion needs")
+    assumed = capability is None
+    cap = capability or (9, 0)
     if not _takes(v, cap):
         return FusionWorkspace(False, f"compute capability {cap[0]}.{cap[1]} is not one vLLM {V.fmt_version(v)} "
                                       "fuses on")

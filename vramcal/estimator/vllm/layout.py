@@ -130,7 +130,7 @@ def param_bytes(p: Param, arch: Arch, tp: int, el: int, quant: VllmQuant) -> tup
 def _backend(quant: VllmQuant):
     from .mxfp4 import backend
 
-    return quant.mxfp4 or backend((0, 13, 0), None, None)  # an estimate sets it; a bare layout takes Triton's
+    return quant.mxfp4 or backend((0, 13, 0), None, None, None)  # an estimate sets it; a bare layout takes Triton's
 
 
 def _mxfp4_dims(arch: Arch, tp: int, quant: VllmQuant) -> tuple[int, int]:

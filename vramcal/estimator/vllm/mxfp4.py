@@ -21,8 +21,9 @@ backend     what one rank keeps for the experts (read in 0.10.1.1, 0.10.2, 0.11.
 ==========  =========================================================================================
 
 Which one a machine takes depends on what is installed there (``has_triton_kernels()`` and torch >= 2.8,
-``VLLM_MXFP4_USE_MARLIN``), so ``--mxfp4-backend`` says it; without it: Marlin on a named GPU outside SM90 /
-SM100, and on any GPU before 0.13 (0.10.1 pins torch 2.7.1, where Hopper takes Marlin; 0.10.2-0.12 need
+``VLLM_MXFP4_USE_MARLIN``), so ``--mxfp4-backend`` says it; without it: Marlin on a GPU whose compute
+capability (vramcal's table of GPUs, or NVML's reading of this machine's) is outside SM90 / SM100 (9.x, 10.x),
+and on any GPU before 0.13 (0.10.1 pins torch 2.7.1, where Hopper takes Marlin; 0.10.2-0.12 need
 ``triton_kernels`` installed separately), Triton from 0.13 (the wheel bundles ``vllm/third_party/
 triton_kernels``). FlashInfer's MXFP4 MoE (Blackwell, or ``VLLM_USE_FLASHINFER_MOE_MXFP4_BF16`` on
 Hopper) and ROCm are not modelled. Pure arithmetic.
@@ -36,9 +37,9 @@ from ...errors import UserError
 
 MXFP4_BLOCK = 32
 BACKENDS = ("triton", "marlin")
-# GPUs of compute capability 9.x and 10.x, where triton_kernels runs ("only confirmed to work on SM90 and
-# SM100", 0.13.0): a named GPU outside them (Ampere, Ada, SM120 such as the RTX 5090) takes Marlin
-TRITON_GPUS = ("h100", "h200", "h800", "h20", "gh200", "b200", "b300", "gb200", "gb300")
+# the compute capabilities where triton_kernels runs, 9.x and 10.x ("only confirmed to work on SM90 and SM100",
+# 0.13.0): a GPU outside them (Ampere, Ada, SM120 such as the RTX 5090) takes Marlin
+TRITON_CAPABILITIES = ((9, 0), (11, 0))  # from, up to (not including)
 
 
 @dataclass(frozen=True)
@@ -66,19 +67,29 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def _marlin_gpu(gpu_name: str | None) -> bool:
-    name = (gpu_name or "").lower().replace(" ", "")
-    return bool(name) and not any(k in name for k in TRITON_GPUS)
+def _marlin_gpu(gpu_name: str | None, capability: tuple[int, int] | None) -> bool:
+    """Whether the GPU is one triton_kernels does not run on, by its compute ``capability``. Not known (None): a
+    GPU named but not in vramcal's table of GPUs is taken for one outside SM90 / SM100, as a name outside the
+    listed Hopper / Blackwell parts was before the table decided (the table carries those parts, so an unknown
+    name is most likely another kind); with no GPU named the version decides (:func:`backend`)."""
+    if capability is None:
+        return bool(gpu_name)
+    lo, hi = TRITON_CAPABILITIES
+    return not lo <= tuple(capability) < hi
 
 
-def backend(v: tuple[int, int, int], gpu_name: str | None, asked: str | None) -> Mxfp4Backend:
-    """The backend for ``--mxfp4-backend`` (``asked``), else the default for this version and GPU."""
+def backend(v: tuple[int, int, int], gpu_name: str | None, capability: tuple[int, int] | None,
+            asked: str | None) -> Mxfp4Backend:
+    """The backend for ``--mxfp4-backend`` (``asked``), else the default for this version and the GPU's compute
+    ``capability`` (vramcal's table of GPUs for a named one, NVML for this machine's)."""
     if asked is not None and asked not in BACKENDS:
         raise UserError(f"unknown --mxfp4-backend {asked!r}: choose triton or marlin (vLLM's log says "
                         "\"Using Triton backend\" or \"... leveraging the Marlin kernel\")")
     if asked is None:
-        if _marlin_gpu(gpu_name):
-            asked, why = "marlin", f"{gpu_name} is not SM90/SM100, where triton_kernels runs: vLLM's Marlin MoE kernel"
+        if _marlin_gpu(gpu_name, capability):
+            cc = "compute capability not known" if capability is None else f"SM {capability[0]}.{capability[1]}"
+            asked, why = "marlin", (f"{gpu_name or 'the GPU'} ({cc}) is not SM90/SM100, where triton_kernels runs: "
+                                    "vLLM's Marlin MoE kernel")
         elif v < (0, 13, 0):
             asked, why = "marlin", ("before 0.13 the wheel has no triton_kernels (0.10.1 pins torch 2.7.1): "
                                     "Marlin unless triton_kernels is installed (--mxfp4-backend triton)")
