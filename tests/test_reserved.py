@@ -98,16 +98,20 @@ def test_the_fused_attentions_output_is_laid_out_as_the_kernels_make_it(tiny_mod
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from vramcal.estimator.dryrun import _like_query
+    from vramcal.estimator.dryrun import _fused_output, cache_keyword
 
     q = torch.empty(2, 96, 4, 16).transpose(1, 2)
     real_out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-    assert _like_query(q, 16).stride() == real_out.stride() and _like_query(q, 8).shape == (2, 4, 96, 8)
+    assert _fused_output(q, 16).stride() == real_out.stride() and _fused_output(q, 8).shape == (2, 4, 96, 8)
+    # CUDA's memory-efficient kernel (MLA's head sizes, a mask) returns (batch, seq, heads, dim) transposed
+    mla = _fused_output(torch.empty(2, 4, 96, 24), 16, mem_efficient=True)
+    assert mla.shape == (2, 4, 96, 16) and mla.transpose(1, 2).is_contiguous()
     path = tiny_models["dense-gqa"]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     ids = torch.zeros(2, 96, dtype=torch.long)
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, past_key_values=DynamicCache(config=model.config))
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1,
+                    **{cache_keyword(model): DynamicCache(config=model.config)})
         logits = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)  # as generate() and the dry run do
         del out, logits
     seen = [e.nbytes() for e in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())

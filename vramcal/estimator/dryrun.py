@@ -10,7 +10,7 @@ Where the meta device's kernels differ from the CUDA ones, the dry run emulates 
 
 - ``scaled_dot_product_attention``: on CUDA the flash / memory-efficient kernels allocate the output
   and a float32 log-sum-exp, never the ``seq x seq`` score matrix that the meta (math) path would
-  build; the output is laid out as the query is (:func:`_like_query`), so a transpose back is a view. ``eager`` attention is traced as written: its scores really are ``seq x seq``.
+  build; the output is laid out as the kernel lays it out (:func:`_fused_output`), so a transpose back is a view. ``eager`` attention is traced as written: its scores really are ``seq x seq``.
 - bitsandbytes ``Linear4bit``: prefill dequantizes the weight to the compute dtype, then matmuls (the
   transient copy is traced); a single-token decode step with batch 1 uses ``gemv_4bit``, no copy.
 - bitsandbytes ``Linear8bitLt``: int8 copy of the input, float32 row scales, an int32 product, the
@@ -488,7 +488,8 @@ def cuda_kernels(model, quant_method: str, compute_dtype, target: str = "cuda"):
         if target == "cpu" and query.shape[-1] != value.shape[-1]:
             return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                              scale=scale, enable_gqa=enable_gqa)
-        out = _like_query(query, value.shape[-1])
+        out = _fused_output(query, value.shape[-1], mem_efficient=target == "cuda" and (
+            query.shape[-1] != value.shape[-1] or attn_mask is not None))
         lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
         del lse
         return out
@@ -516,20 +517,32 @@ def cuda_kernels(model, quant_method: str, compute_dtype, target: str = "cuda"):
             module.forward = fwd
 
 
-def _like_query(query, head_dim: int):
-    """The fused kernels' output: the query's shape with the value's head size, laid out as the query is
-    (the flash kernels' ``empty_like`` of the query, CUDA's and the CPU's: ``mha_fwd`` in
-    ``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``, torch's meta registration of
-    ``_scaled_dot_product_flash_attention``). A query made from a projection viewed as (batch, seq, heads,
-    dim) and transposed keeps that layout through the rotary embedding, so the output's
-    ``transpose(1, 2).contiguous()`` in transformers' attention is then a view, not a copy."""
+def _fused_output(query, head_dim: int, mem_efficient: bool = False):
+    """The fused kernels' output: the query's shape with the value's head size.
+
+    - The flash kernels (CUDA's and the CPU's) lay it out as the query is: ``empty_like`` of the query
+      (``mha_fwd`` in ``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``, torch's meta
+      registration of ``_scaled_dot_product_flash_attention``). A query made from a projection viewed as
+      (batch, seq, heads, dim) and transposed keeps that layout through the rotary embedding, so the output's
+      ``transpose(1, 2).contiguous()`` in transformers' attention is then a view, not a copy.
+    - CUDA's memory-efficient kernel, which takes what flash cannot (query and value head sizes that differ,
+      as MLA's; an explicit mask), always makes a (batch, seq, heads, dim) tensor and returns it transposed
+      (``_efficient_attention_forward`` in ``aten/src/ATen/native/transformers/cuda/attention.cu``).
+    - A query that is not 4-D takes neither fused kernel: the math path's output is contiguous."""
     import torch
 
-    shape = tuple(query.shape[:-1]) + (head_dim,)
+    if query.dim() != 4:
+        return query.new_empty(tuple(query.shape[:-1]) + (head_dim,))
+    b, h, s, _ = query.shape
+    if mem_efficient:
+        return query.new_empty((b, s, h, head_dim)).transpose(1, 2)
     if head_dim == query.shape[-1]:
         return torch.empty_like(query)
-    order = sorted(range(query.dim()), key=lambda d: (-query.stride(d), d))  # outermost first
-    return query.new_empty([shape[d] for d in order]).permute([order.index(d) for d in range(query.dim())])
+    strides = query.stride()
+    order = sorted(range(3), key=lambda d: (-strides[d] if query.shape[d] > 1 else 1, d))  # outermost first
+    shape = (b, h, s)
+    return query.new_empty([shape[d] for d in order] + [head_dim]).permute(
+        [order.index(d) for d in range(3)] + [3])
 
 
 def _linear4bit_stand_in(module, compute_dtype):
