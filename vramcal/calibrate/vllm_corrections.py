@@ -55,7 +55,7 @@ def apply_terms(est, terms: dict[str, int], source_runs: list[int], scope: str, 
 
 
 VLLM_RUNS = ("SELECT r.id AS run_id, r.estimate_json, s.result_json FROM runs r JOIN results s ON s.run_id = r.id "
-             "JOIN machines m ON m.id = r.machine_id WHERE r.estimator_model LIKE 'vllm%' AND s.status = 'ok' AND "
+             "JOIN machines m ON m.id = r.machine_id WHERE r.estimator_model = ? AND s.status = 'ok' AND "
              + NOT_WITHDRAWN + " AND ")
 
 
@@ -82,6 +82,7 @@ def runs_of(rows: list[dict]) -> list[dict]:
 def recorded_vllm_runs(db: str | None) -> tuple[list[dict], str | None]:
     """This machine's finished vLLM runs, else its machine class's, as :func:`learned_terms` takes them
     (empty when none, or when the records cannot be read: then why)."""
+    from ..estimator.vllm.engine import MODEL_ID  # only this arithmetic's runs: an older one priced otherwise
     from ..probes.machine import machine_fingerprint
     from ..records.machines import class_key
     from .corrections import lookup_store
@@ -93,9 +94,9 @@ def recorded_vllm_runs(db: str | None) -> tuple[list[dict], str | None]:
         with store:
             fp = machine_fingerprint("cuda:0")
             mid = store.find_machine(fp)
-            rows = store.query(VLLM_RUNS + "r.machine_id = ? ORDER BY r.id", (mid,)) if mid is not None else []
+            rows = store.query(VLLM_RUNS + "r.machine_id = ? ORDER BY r.id", (MODEL_ID, mid)) if mid is not None else []
             if not rows:
-                rows = store.query(VLLM_RUNS + "m.class_key = ? ORDER BY r.id", (class_key(fp),))
+                rows = store.query(VLLM_RUNS + "m.class_key = ? ORDER BY r.id", (MODEL_ID, class_key(fp)))
             return runs_of(rows), None
     except Exception as exc:  # noqa: BLE001 -- a lookup never fails an estimate; it says why
         return [], f"no vLLM correction applied: {str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}"
