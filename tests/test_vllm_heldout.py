@@ -424,3 +424,20 @@ def test_v2_model_runner_estimates_no_graphs_before_0_29():
     e29 = estimate_vllm(cfg, VllmArgs(**args, vllm_version="0.29.0"))
     assert not e26.cuda_graph_subtracted and e29.cuda_graph_subtracted
     assert e26.kv_cache_bytes - e29.kv_cache_bytes == e29.cuda_graph_bytes
+
+
+def test_plan_takes_the_compile_cache_and_writes_it_into_its_check(capsys):
+    """plan --engine vllm prices what --compile-cache says, as estimate does, and the estimate command it
+    prints for checking carries the flag; transformers' plan refuses it (one line, exit 2)."""
+    hw = ["plan", "qwen2.5-7b", "--engine", "vllm", "--hardware", "cuda:0=44.39GiB", "--vllm-version", "0.28.0",
+          "--ctx", "8192", "--json"]
+    got = {}
+    for flag in ("cold", "warm"):
+        assert main(hw + ["--compile-cache", flag]) == 0
+        plan = json.loads(capsys.readouterr().out)["plans"][0]
+        assert f"--compile-cache {flag}" in plan["command"]
+        got[flag] = plan["kv_cache_bytes"]
+    assert got["warm"] > got["cold"]  # the benchmark's copy of the embedding table is not priced warm
+    rc = main(["plan", "qwen2.5-7b", "--hardware", "cuda:0=24GiB", "--compile-cache", "warm"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "--compile-cache" in err, err

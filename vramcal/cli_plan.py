@@ -58,6 +58,9 @@ def add_plan(sub, func) -> None:
                    help="vLLM's share of each GPU (default the version's: 0.9 up to 0.19, 0.92 from 0.20)")
     v.add_argument("--vllm-version", default=None, metavar="X.Y", help="default: the installed vLLM's, else the newest "
                                                                        "modelled")
+    v.add_argument("--compile-cache", default=None, choices=("cold", "warm"),
+                   help="whether vLLM's torch.compile caches already hold this model and flags (as `estimate "
+                        "--engine vllm --compile-cache`; default: not known, a cold start is priced)")
     from .cli_vllm import add_interconnect_arg
 
     add_interconnect_arg(v)
@@ -134,7 +137,7 @@ def plan_vllm_cmd(args, io) -> int:
     given = None if args.interconnect is None else Interconnect(parse(args.interconnect), "--interconnect")
     vres = plan_vllm(args.model, hardware, ctx=args.ctx, goal=args.goal,
                      utilization=args.gpu_memory_utilization, vllm_version=args.vllm_version,
-                     interconnect=given, this_machine=args.hardware is None)
+                     interconnect=given, this_machine=args.hardware is None, compile_cache=args.compile_cache)
     io.out(json.dumps(vres.to_dict()) if args.json else present.vllm_plan_text(vres))
     return 0 if vres.plans else 1
 
@@ -149,8 +152,8 @@ def plan_transformers(args, io) -> int:
 
     out = io.out
     choice(args.goal, GOALS, "--goal")
-    if args.gpu_memory_utilization is not None or args.vllm_version is not None:
-        raise UserError("--gpu-memory-utilization and --vllm-version belong to --engine vllm")
+    if args.gpu_memory_utilization is not None or args.vllm_version is not None or args.compile_cache is not None:
+        raise UserError("--gpu-memory-utilization, --vllm-version and --compile-cache belong to --engine vllm")
     work, asked, buffer, hardware = _inputs(args)
     check_images(resolve_model(args.model).config, work.images, args.model)  # bad input, before the search
 

@@ -93,11 +93,13 @@ def _visible(group: list, gpus: list) -> list[str]:
 
 
 def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "quality", utilization: float | None = None,
-              vllm_version: str | None = None, interconnect=None, this_machine: bool = False) -> VllmPlanResult:
+              vllm_version: str | None = None, interconnect=None, this_machine: bool = False,
+              compile_cache: str | None = None) -> VllmPlanResult:
     """The plans of the module's doc for ``hardware`` (:mod:`vramcal.probes.hardware`). Each tensor-parallel
     size runs on the largest GPUs there are (:func:`_group`), priced on the smallest of them, over
     ``interconnect`` (:class:`~vramcal.estimator.vllm.allreduce.Interconnect`; None: this machine's group
-    as NVML says when ``this_machine``, else the GPU name's guess, as the estimate makes it)."""
+    as NVML says when ``this_machine``, else the GPU name's guess, as the estimate makes it). ``compile_cache``:
+    cold | warm, as ``--compile-cache`` (None: not known, a cold start priced)."""
     import shlex
 
     from ..estimator.resolve import resolve_model
@@ -114,7 +116,7 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
     # vLLM's "total" is CUDA's (cudaMemGetInfo): the device's total less the driver's reserve, where known
     size = lambda g: g.capacity_bytes  # noqa: E731
     base = VllmArgs(gpu_memory_utilization=util, gpu_memory_bytes=max(size(g) for g in gpus),
-                    vllm_version=vllm_version).validated()
+                    vllm_version=vllm_version, compile_cache=compile_cache).validated()
     # the model's limit and heads as vLLM derives them: the config with transformers' defaults filled in
     # (Gemma 3's text config names no max_position_embeddings; its model class says 131072)
     first = estimate_vllm(source, base)
@@ -173,7 +175,8 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
                 serve = " ".join(env + [shlex.join(["vllm", "serve", hub, *flags])])
                 verify = shlex.join(["vramcal", "estimate", source.ref, "--engine", "vllm", *flags,
                                      "--gpu-memory", str(memory), "--vllm-version", est.version,
-                                     *(["--interconnect", est.interconnect] if est.interconnect else [])])
+                                     *(["--interconnect", est.interconnect] if est.interconnect else []),
+                                     *(["--compile-cache", compile_cache] if compile_cache else [])])
                 plans.append(VllmPlan(tp, q, kv, length, fit.max_model_len >= target,
                                       at.kv_cache_tokens, at.max_concurrency, at.weights_bytes, at.kv_cache_bytes,
                                       speed, serve, verify, [g.device for g in group], memory, est.interconnect))
