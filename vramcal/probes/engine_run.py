@@ -96,6 +96,8 @@ def run_child(module: str, spec: dict, reader_for: Callable[[int], Callable], *,
             sampler = Sampler(reader_for(child.pid), interval_ms / 1000.0).start()
             buf = b""
             while True:
+                if terminated():  # a Terminated something swallowed: end now, not when the child ends
+                    raise Terminated()
                 if timeout_s and time.monotonic() - start > timeout_s:
                     final = {"event": "timeout", "error": f"no end within {timeout_s:g} s"}
                     break

@@ -208,8 +208,9 @@ def compile_benchmarks_kernels(v: Version, enforce_eager: bool = False, compile_
     copies of each kernel's inputs (:func:`.budget.activation` prices them). From 0.12.0
     ``CompilationConfig.__post_init__`` (``config/compilation.py``; 0.12.0, 0.13.0, 0.15.0, 0.17.1, 0.19.0,
     0.24.0, 0.28.0, 0.29.0, 0.31.0 and 0.33.0 read) sets Inductor's ``combo_kernels`` and
-    ``benchmark_combo_kernel`` whenever torch is 2.9 or newer, which 0.12.0 is the first to pin (0.11.0 pins
-    torch 2.8 and sets neither; 0.33.0 leaves the benchmark off under Inductor's ``deterministic``, which
+    ``benchmark_combo_kernel`` whenever torch is 2.9 or newer, which 0.12.0 pins (0.11.0 pins
+    torch 2.8 and sets neither; 0.11.1 and 0.11.2, which may already pin torch 2.9, are not read and are priced
+    as 0.11.0; 0.33.0 leaves the benchmark off under Inductor's ``deterministic``, which
     is off by default). No version read resets the peak after the compile. The compile runs in the first forward, inside ``profile_run`` under ``memory_profiling``, and
     only when nothing is cached: a warm start loads the compiled artifact ("Directly load AOT compilation"
     in 0.28's ``compilation/decorators.py``) and Inductor's ``.kernel_perf`` files skip the benchmark.
