@@ -373,13 +373,14 @@ def test_peak_activation_of_0_27_is_activation_plus_graph_estimate():
 # ------------------------------------------------------------------- the held-out figures docs/validation.md reports
 
 def test_held_out_figures_are_the_reported_ones():
-    """The held-out split (34 rows: 12 in corpus.csv, 12 in heldout-2026-12-02.csv, 10 in
-    heldout-2026-12-03.csv; nothing fitted to them): KV tokens median 0.94 %, p90 4.13 % (1.52 % / 7.64 % before
+    """The earlier held-out rows (34: 12 in corpus.csv, 12 in heldout-2026-12-02.csv, 10 in
+    heldout-2026-12-03.csv; nothing fitted to them, the blind collections pinned apart): KV tokens median 0.94 %, p90 4.13 % (1.52 % / 7.64 % before
     the cold compile's kernel benchmark was priced, budget.py; 9.40 % p90 before the L4 pair's tp 2 was priced
     over PCIe, --interconnect); weights median 0.01 % (0.19 % before the weights counted the caching
     allocator's blocks, layout.allocated_bytes) (docs/validation.md). Pinned so that a change to a rule that
     moves them fails here and is reported, better or worse. The issue's targets (KV tokens median <= 2 % and
-    p90 <= 5 %, weights median <= 1 %) are met and asserted."""
+    p90 <= 5 %, weights median <= 1 %) are met on these 34 and asserted; over the whole held-out set, the second
+    blind collection included, the p90 is missed (docs/validation.md)."""
     blind = _collection_ids("heldout-2026-12-03b.csv") | _collection_ids("heldout-2026-12-03c.csv")
     earlier = [r for r in _held_out_results() if r["id"] not in blind]
     res = [r for r in earlier if not r["error"]]
