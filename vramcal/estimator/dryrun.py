@@ -488,8 +488,7 @@ def cuda_kernels(model, quant_method: str, compute_dtype, target: str = "cuda"):
         if target == "cpu" and query.shape[-1] != value.shape[-1]:
             return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                              scale=scale, enable_gqa=enable_gqa)
-        out = _fused_output(query, value.shape[-1], mem_efficient=target == "cuda" and (
-            query.shape[-1] != value.shape[-1] or attn_mask is not None))
+        out = _fused_output(query, value.shape[-1], mem_efficient=target == "cuda" and attn_mask is not None)
         lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
         del lse
         return out
@@ -526,23 +525,19 @@ def _fused_output(query, head_dim: int, mem_efficient: bool = False):
       (batch, seq, heads, dim) and transposed keeps that layout through the rotary embedding, so the output's
       ``transpose(1, 2).contiguous()`` in transformers' attention is then a view, not a copy.
     - CUDA's memory-efficient kernel, which takes what flash cannot (query and value head sizes that differ,
-      as MLA's; an explicit mask), always makes a (batch, seq, heads, dim) tensor and returns it transposed
-      (``_efficient_attention_forward`` in ``aten/src/ATen/native/transformers/cuda/attention.cu``).
+      as MLA's; an explicit mask: ``mem_efficient``), always makes a (batch, seq, heads, dim) tensor and returns
+      it transposed (``_efficient_attention_forward`` in ``aten/src/ATen/native/transformers/cuda/attention.cu``).
+      The CPU target never gets here with head sizes that differ: its fused kernel refuses them, and the real
+      (math) kernel runs instead (:func:`cuda_kernels`).
     - A query that is not 4-D takes neither fused kernel: the math path's output is contiguous."""
     import torch
 
     if query.dim() != 4:
         return query.new_empty(tuple(query.shape[:-1]) + (head_dim,))
-    b, h, s, _ = query.shape
-    if mem_efficient:
+    if mem_efficient or head_dim != query.shape[-1]:
+        b, h, s, _ = query.shape
         return query.new_empty((b, s, h, head_dim)).transpose(1, 2)
-    if head_dim == query.shape[-1]:
-        return torch.empty_like(query)
-    strides = query.stride()
-    order = sorted(range(3), key=lambda d: (-strides[d] if query.shape[d] > 1 else 1, d))  # outermost first
-    shape = (b, h, s)
-    return query.new_empty([shape[d] for d in order] + [head_dim]).permute(
-        [order.index(d) for d in range(3)] + [3])
+    return torch.empty_like(query)
 
 
 def _linear4bit_stand_in(module, compute_dtype):
