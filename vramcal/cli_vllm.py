@@ -63,7 +63,8 @@ def add_vllm_args(p, *, fit: bool = False) -> None:
                    help="whether vLLM's torch.compile caches hold this model, flags and version: warm (the log says "
                         "\"Directly load AOT compilation\") or cold (\"Compiling a graph for compile range\"), when "
                         "the profile also holds Inductor's kernel benchmark, about a copy of the embedding table "
-                        "(0.12 on; default: not known, cold is priced)")
+                        "(0.12 on; default: not known, cold is priced). probe / check: cold starts vLLM with both "
+                        "compile caches off; otherwise the state its log shows is the one compared")
     g.add_argument("--mxfp4-backend", default=None, choices=("triton", "marlin"),
                    help="gpt-oss: the MoE kernel holding the MXFP4 experts (its log says \"Using Triton backend\" or "
                         "\"... leveraging the Marlin kernel\"; default: Marlin before 0.13 or on a GPU outside "
@@ -261,11 +262,12 @@ def cmd_probe_vllm(args, out, *, check: bool) -> int:
     """``probe`` / ``check --engine vllm``: vLLM started in a child, NVML sampled, its startup terms read
     back and recorded beside the prediction (docs/vllm.md)."""
     import os
+    from dataclasses import replace
 
     from . import present
     from .estimator.resolve import resolve_model
     from .estimator.vllm.engine import as_estimate, estimate_vllm
-    from .probes.vllm_probe import preflight, run_vllm_probe
+    from .probes.vllm_probe import preflight, priced_as_started, run_vllm_probe
 
     verb = "check" if check else "probe"
     refuse_transformers_flags(args, verb)
@@ -303,9 +305,12 @@ def cmd_probe_vllm(args, out, *, check: bool) -> int:
 
     run_id, result = recorded_engine_probe(
         args.db, "cuda:0", vllm_run_context(source, estimate, command_of(args, verb)),
-        lambda: run_vllm_probe(model_dir, source.name, child_args, estimate, gpus=gpus,
-                               interval_ms=getattr(args, "interval_ms", 5.0) or 5.0,
-                               new_tokens=getattr(args, "new_tokens", 16) or 16),
+        lambda: priced_as_started(
+            run_vllm_probe(model_dir, source.name, child_args, estimate, gpus=gpus,
+                           interval_ms=getattr(args, "interval_ms", 5.0) or 5.0,
+                           new_tokens=getattr(args, "new_tokens", 16) or 16,
+                           cold_compile=vargs.compile_cache == "cold"),
+            lambda state: as_estimate(source, estimate_vllm(source, replace(vargs, compile_cache=state)))),
         lambda result: vllm_outcome(estimate, result))
     out(json.dumps({**result.to_dict(), "run_id": run_id}) if args.json
         else present.vllm_probe_table(result, run_id))
@@ -338,6 +343,7 @@ def vllm_outcome(estimate, result):
     :mod:`vramcal.calibrate.vllm_corrections` learns them)."""
     from .records.store import Outcome, StageRow
 
+    estimate = result.estimate or estimate  # the price for the compile state the log shows (priced_as_started)
     rows = [StageRow(name, estimate.stages.get(name), r.get("peak_bytes"), r.get("used_bytes"))
             for name, r in result.stages.items()]
     return Outcome(status=result.status, last_stage=result.last_stage, error=result.error,

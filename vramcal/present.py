@@ -548,6 +548,9 @@ def vllm_probe_table(r, run_id) -> str:
     for term, (pred, got) in r.comparison().items():
         fmt = (lambda n: "n/a" if n is None else f"{n:,}") if term == "kv_cache_tokens" else _gib_cell
         lines.append(f"  {term.replace('_bytes', ''):<22} {fmt(pred):>14} {fmt(got):>14}")
+    priced = r.estimate.vllm.compile_cache if r.estimate is not None and r.estimate.vllm is not None else None
+    if priced is not None or r.logged.compile_cache is not None:
+        lines.append(f"  {'compile cache':<22} {priced or 'n/a':>14} {r.logged.compile_cache or 'not logged':>14}")
     lines += ["", "sampled (NVML memory.used of the first GPU)"]
     est = r.estimate.stages if r.estimate is not None else {}
     for name, s in r.stages.items():

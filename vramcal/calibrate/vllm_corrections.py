@@ -3,7 +3,8 @@
 vLLM measures two terms of its budget itself and logs them: the activation peak of its profiling run
 and the non-torch memory (DEBUG profile line). A vLLM probe records them beside vramcal's prediction
 (the run's ``estimate_json`` holds the prediction, its ``result_json`` the logged terms under
-``vllm_logged``). Per machine -- else its machine class -- and per vLLM version, the correction of a
+``vllm_logged``; its ``estimate`` is the one compared with, priced for the compile cache's state the log
+showed: :func:`vramcal.probes.vllm_probe.priced_as_started`). Per machine -- else its machine class -- and per vLLM version, the correction of a
 term is the mean of ``logged - predicted`` over the finished runs of the same tp x pp shape (non-torch
 depends on it), else of any shape; applied, it replaces the default in the available KV memory and
 everything that follows from it.
@@ -67,7 +68,10 @@ def runs_of(rows: list[dict]) -> list[dict]:
     for row in rows:
         try:
             est = json.loads(row["estimate_json"] or "{}").get("vllm") or {}
-            logged = json.loads(row["result_json"] or "{}").get("vllm_logged") or {}
+            result = json.loads(row["result_json"] or "{}")
+            logged = result.get("vllm_logged") or {}
+            # what the probe compared with, where it re-priced for the compile state the log showed
+            est = ((result.get("estimate") or {}).get("vllm") or est) if isinstance(result, dict) else est
         except (ValueError, AttributeError):
             continue
         raw = (est.get("correction") or {}).get("raw") or {}

@@ -78,11 +78,20 @@ class VllmProbeResult:
         return [(round(s.t - t0, 6), series, s.values.get(series)) for s in self.samples]
 
 
+# a cold start by construction: vLLM's compile cache and Inductor's own (whose .kernel_perf files would skip the
+# kernel benchmark although vLLM compiles) both off (vLLM's envs.py; torch's compiler/config.py)
+COLD_COMPILE_ENV = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+
+
 def run_vllm_probe(model_dir: str, name: str, child_args: dict, estimate, *, gpus: list[int],
-                   interval_ms: float = 5.0, new_tokens: int = 16, timeout_s: float | None = 3600) -> VllmProbeResult:
+                   interval_ms: float = 5.0, new_tokens: int = 16, timeout_s: float | None = 3600,
+                   cold_compile: bool = False) -> VllmProbeResult:
     """Start vLLM on ``model_dir`` with ``child_args`` (:func:`.vllm_child.engine_kwargs`' names), sample,
-    parse its log. Ctrl-C / SIGTERM kill the child's group and propagate (the caller records what ran)."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_CONFIGURE_LOGGING": "1"}
+    parse its log. ``cold_compile``: with torch.compile's caches off (``--compile-cache cold``); otherwise
+    they are as this machine left them, and the log says which state the start found. Ctrl-C / SIGTERM kill
+    the child's group and propagate (the caller records what ran)."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_CONFIGURE_LOGGING": "1",
+           **(COLD_COMPILE_ENV if cold_compile else {})}
     run = run_child("vramcal.probes.vllm_child", {**child_args, "model_dir": model_dir, "new_tokens": new_tokens},
                     lambda pid: nvml_reader(gpus, pid), env=env, interval_ms=interval_ms, timeout_s=timeout_s)
     logged = parse_log(run.log_text)
@@ -93,3 +102,20 @@ def run_vllm_probe(model_dir: str, name: str, child_args: dict, estimate, *, gpu
                            interrupted=run.interrupted)
 
 
+
+
+def priced_as_started(result: VllmProbeResult, reprice) -> VllmProbeResult:
+    """The result compared with the prediction for the compile cache's state its log shows: a start that
+    loaded its compiled graphs (warm) against a cold price, or the reverse, would put the compile
+    benchmark into the activation's difference and so into this machine's correction. ``reprice(state)``
+    estimates the same run for that state. Unchanged where the log does not say or the state changes
+    nothing (the estimate's ``compile_cache`` None)."""
+    v = result.estimate.vllm if result.estimate is not None else None
+    found = result.logged.compile_cache
+    if v is None or v.compile_cache is None or found is None or found == v.compile_cache:
+        return result
+    result.estimate = reprice(found)
+    result.notes.append(f"priced for a {v.compile_cache} compile cache, but vLLM's log shows a {found} start "
+                        f"({'it compiled its graphs' if found == 'cold' else 'it loaded its compiled graphs'}): "
+                        f"compared with the {found} price")
+    return result

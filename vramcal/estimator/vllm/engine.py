@@ -202,6 +202,7 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     subtract_graphs = V.graphs_off_budget(v, source.config.get("architectures"), bool(arch.experts),
                                           hybrid is not None, args.enforce_eager)
     cold = V.compile_benchmarks_kernels(v, args.enforce_eager, args.compile_cache)
+    compiles = V.compile_benchmarks_kernels(v, args.enforce_eager)  # whether the cache's state matters at all
     ranks: list[VllmRank] = []
     rank_specs: list[list[K.LayerSpec]] = []
     peaks: list[str] = []  # which part of each rank's profile peaks
@@ -249,6 +250,10 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     conc = K.max_concurrency(g, num_blocks, max_len, block, inflight, v, tokens_blocks) if fits else 0.0
     tokens = K.reported_tokens(g, num_blocks, block, conc, max_len, v) if fits else 0
     notes = [n for n in (dtype_note,) if n]
+    if args.compile_cache is not None and not compiles:
+        notes.append(f"--compile-cache {args.compile_cache} changes nothing here: "
+                     + ("--enforce-eager compiles nothing" if args.enforce_eager else
+                        f"vLLM {V.fmt_version(v)} runs no compile-time kernel benchmark (from 0.12.0)"))
     if any(k == "sliding" for k in arch.layer_kinds) and not V.hybrid_groups(v):
         notes.append(f"vLLM {V.fmt_version(v)} sizes sliding-window layers as full attention (no hybrid manager)")
     if hybrid is not None:
@@ -274,7 +279,7 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     methods = {
         "weights": "vLLM's layout of the installed transformers' model on the meta device (docs/vllm.md)",
         "activation": f"profile-run model fitted to 0.15-0.19 logs ({peaks[limiting.rank]} peak; "
-                      f"{'priced for a cold compile' if cold else 'no compile benchmark'}; "
+                      f"{_compile_method(cold, compiles, limiting.pp_rank)}; "
                       f"max_num_batched_tokens {mnbt}, max_num_seqs {seqs}: "
                       f"{d.why if args.max_num_seqs is None and args.max_num_batched_tokens is None else 'as given'})",
         "non_torch": f"default per setup: {non_torch_why}",
@@ -304,7 +309,19 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
         kv_cache_dtype=str(args.kv_cache_dtype).lower(), quantization=quant.label, enforce_eager=args.enforce_eager,
         page_bytes=g.page_bytes, block_bytes=g.bytes_per_block, hybrid_groups=g.num_groups, limiting_rank=limiting.rank, error=error,
         log_lines=lines, methods=methods, notes=notes, ranks=ranks if len(ranks) > 1 else None,
-        interconnect=ic.kind if ic else None, custom_all_reduce=car.on if car else None)
+        interconnect=ic.kind if ic else None, custom_all_reduce=car.on if car else None,
+        compile_cache=("cold" if cold else "warm") if compiles else None)
+
+
+def _compile_method(cold: bool, compiles: bool, pp_rank: int) -> str:
+    """The activation method's words for the compile benchmark (only the first stage runs it)."""
+    if not compiles:
+        return "no compile benchmark"
+    if not cold:
+        return "a warm start: the compiled graphs load from the cache, no benchmark"
+    if pp_rank:
+        return "a cold compile, whose benchmark is on the first stage, not this limiting one"
+    return "priced for a cold compile"
 
 
 def _hybrid(arch, tc: dict, filled: dict | None, tp: int, v, el: int, kv_bytes: int, max_len: int,

@@ -43,6 +43,10 @@ _PATTERNS = {
     "estimated_len": re.compile(r"estimated maximum model length is " + _NUM),
     "hybrid_block": re.compile(r"Setting attention block size to " + _NUM + r" tokens"),
     "mamba_padding": re.compile(r"Padding mamba page size by " + _NUM + r"%"),
+    # torch.compile in the profiled region: a cache hit loads the compiled graphs (0.10-0.33 wording, and the AOT
+    # artifact of 0.27 on); a miss compiles them, Inductor's kernel benchmarks included (versions.py)
+    "compile_warm": re.compile(r"Directly load (?:the compiled graph\(s\) for|AOT compilation from)"),
+    "compile_cold": re.compile(r"Compiling a graph for (?:compile range|dynamic shape|shape)"),
     "mxfp4_backend": re.compile(r"(?:\[mxfp4\.py:\d+\] Using (Triton|Marlin) backend|leveraging the (Marlin) kernel)"),
 }
 
@@ -85,6 +89,9 @@ class VllmLogged:
     block_size: int | None = None  # a hybrid model's attention block ("Setting attention block size to N tokens")
     mamba_padding_pct: float | None = None  # "Padding mamba page size by X%"
     mxfp4_backend: str | None = None  # triton | marlin: the kernel holding gpt-oss's MXFP4 experts
+    # cold | warm: whether the profile's torch.compile compiled or loaded its graphs from vLLM's cache (lines
+    # before "Available KV cache memory" only: later sizes compile outside the profile); None: not printed
+    compile_cache: str | None = None
     per_worker: dict[str, list] = field(default_factory=dict)  # every value of the lines each worker prints
 
     def to_dict(self) -> dict:
@@ -197,6 +204,11 @@ def parse_log(text: str) -> VllmLogged:
         m = _PATTERNS["mamba_padding"].search(line)
         if m and log.mamba_padding_pct is None:
             log.mamba_padding_pct = _n(m.group(1))
+        if log.kv_cache_bytes is None:  # still inside the profiled region
+            if _PATTERNS["compile_cold"].search(line):
+                log.compile_cache = "cold"  # one graph compiled: its benchmarks ran, whatever else loaded
+            elif _PATTERNS["compile_warm"].search(line) and log.compile_cache is None:
+                log.compile_cache = "warm"
         m = _PATTERNS["mxfp4_backend"].search(line)
         if m and log.mxfp4_backend is None:
             log.mxfp4_backend = (m.group(1) or m.group(2)).lower()

@@ -71,6 +71,9 @@ class VllmEstimate:
     correction: dict | None = None  # this machine's learned terms, when applied (raw terms kept here)
     interconnect: str | None = None  # nvlink | pcie, assumed for tp > 1 (methods["interconnect"] says why)
     custom_all_reduce: bool | None = None  # whether vLLM's custom all-reduce is on (tp > 1)
+    # the torch.compile cache's state priced: cold (the kernel benchmark in the profile) | warm; None where the
+    # state changes nothing (--enforce-eager, before 0.12)
+    compile_cache: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
