@@ -10,6 +10,7 @@ model's own figures, so each case has a known answer.
 from __future__ import annotations
 
 import json
+import shlex
 import os
 import subprocess
 import sys
@@ -372,7 +373,7 @@ def test_vllm_plans_start_as_the_vllm_engine_says(capsys):
         if not p.reaches:
             longer = estimate_vllm("llama-3.1-8b", VllmArgs(**{**vars(args), "max_model_len": p.max_model_len + 16}))
             assert not longer.fits
-        args_line = p.command.split()[1:]
+        args_line = shlex.split(p.command)[1:]
         assert cli.main(args_line + ["--json"]) == 0
         assert json.loads(capsys.readouterr().out)["vllm"]["kv_cache_tokens"] == p.kv_cache_tokens
     tiny = plan_vllm("llama-3.1-70b", described(parse_hardware("cuda:0=24GiB")))

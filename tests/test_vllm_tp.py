@@ -4,6 +4,7 @@ profile's non-torch figure sees, and the interconnect read through the NVML door
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -168,17 +169,33 @@ def test_plan_prices_each_group_over_the_interconnect_given(capsys):
     assert out["pcie"] - out["nvlink"] == int(2.10 * GIB) - int(0.25 * GIB)
 
 
-def test_plan_prices_the_fusion_by_the_described_gpus_capability(capsys):
-    """plan's described GPUs carry the table's capability: two A100s (SM 8.0) over NVLink get no fusion
-    workspace, two H100s (SM 9.0) its 1.5 GiB, where plan used to assume an SM 9.0 GPU for both."""
+def test_plan_prices_the_described_gpus_as_their_estimate_command_does(capsys):
+    """plan's described GPUs carry the table's capability and name: two A100s (SM 8.0) over NVLink get no
+    fusion workspace and vLLM's A100 scheduler defaults (256 sequences), two H100s (SM 9.0) the 1.5 GiB
+    workspace and 1024 sequences, where plan used to assume an SM 9.0 GPU without a name for both. The
+    estimate command each plan prints names the GPU and gives the same KV memory."""
+    from vramcal.estimator.vllm.engine import VllmArgs, estimate_vllm
+
     out = {}
     for gpu in ("A100-SXM4-80GB", "H100 80GB HBM3"):
         assert _cli("plan", "llama-3.1-8b", "--engine", "vllm", "--hardware", "cuda:0=80GiB,cuda:1=80GiB", "--gpu",
                     gpu, "--interconnect", "nvlink", "--vllm-version", "0.19", "--ctx", "8192", "--json") == 0
         plans = json.loads(capsys.readouterr().out)["plans"]
-        out[gpu] = next(p["kv_cache_bytes"] for p in plans if p["tensor_parallel_size"] == 2
-                        and p["quantization"] is None and p["kv_cache_dtype"] == "auto")
-    assert out["A100-SXM4-80GB"] - out["H100 80GB HBM3"] == 1536 * MIB
+        two = next(p for p in plans if p["tensor_parallel_size"] == 2 and p["quantization"] is None
+                   and p["kv_cache_dtype"] == "auto")
+        out[gpu] = two["kv_cache_bytes"]
+        cmd = shlex.split(two["command"])
+        assert "--gpu" in cmd and gpu in cmd[cmd.index("--gpu") + 1]
+        assert _cli(*cmd[1:], "--json", "--no-correction") == 0
+        assert json.loads(capsys.readouterr().out)["vllm"]["kv_cache_bytes"] == two["kv_cache_bytes"]
+    # the A100's difference is the workspace it lacks plus its smaller profile (256 sequences, 2048 tokens)
+    base = dict(gpu_memory_bytes=80 * GIB, gpu_memory_utilization=0.9, max_model_len=8192, vllm_version="0.19",
+                tensor_parallel_size=2, interconnect=NVLINK)
+    a100 = estimate_vllm("llama-3.1-8b", VllmArgs(**base, gpu_name="NVIDIA A100-SXM4-80GB", gpu_capability=(8, 0)))
+    h100 = estimate_vllm("llama-3.1-8b", VllmArgs(**base, gpu_name="NVIDIA H100 80GB HBM3", gpu_capability=(9, 0)))
+    assert (a100.max_num_seqs, h100.max_num_seqs) == (256, 1024)
+    assert out["A100-SXM4-80GB"] - out["H100 80GB HBM3"] == a100.kv_cache_bytes - h100.kv_cache_bytes
+    assert a100.kv_cache_bytes - h100.kv_cache_bytes - 1536 * MIB == h100.activation_bytes - a100.activation_bytes > 0
 
 
 @pytest.mark.parametrize("log, tp, ic, logged, why", [

@@ -106,6 +106,7 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
     from ..estimator.vllm.arch import arch_of
     from ..estimator.vllm import versions as V
     from ..estimator.vllm.engine import VllmArgs, estimate_vllm
+    from ..probes.hardware import find_gpu
     from ..estimator.vllm.fit import longest
     from ..estimator.vllm.shapes import cached_params
 
@@ -134,6 +135,10 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
         env = _visible(group, gpus)
         caps = {g.compute_capability for g in group}  # the fusion and the MXFP4 backend go by it
         capability = caps.pop() if len(caps) == 1 else None
+        names = {g.name for g in group}  # vLLM's scheduler defaults and an NVL board's fusion go by it
+        name = names.pop() if len(names) == 1 else None
+        name = name if name and find_gpu(name) is not None else None  # one `--gpu` takes: the command prices it so
+        named = ["--gpu", name] if name else []
         link = interconnect
         if link is None and this_machine and tp > 1:
             from ..probes.hardware import interconnect_here
@@ -150,7 +155,8 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
         for q in quants:
             for kv in KV_CHOICES:
                 args = replace(base, tensor_parallel_size=tp, quantization=q, kv_cache_dtype=kv,
-                               gpu_memory_bytes=memory, interconnect=link, gpu_capability=capability)
+                               gpu_memory_bytes=memory, interconnect=link, gpu_capability=capability,
+                               gpu_name=name)
                 label = f"tp {tp}, weights {q or 'as stored'}, KV {kv}"
                 try:
                     fit, est = longest(source, args)
@@ -174,7 +180,7 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
                 hub = (source.config.get("_vramcal_catalog") or {}).get("hub_id") or source.ref
                 serve = " ".join(env + [shlex.join(["vllm", "serve", hub, *flags])])
                 verify = shlex.join(["vramcal", "estimate", source.ref, "--engine", "vllm", *flags,
-                                     "--gpu-memory", str(memory), "--vllm-version", est.version,
+                                     *named, "--gpu-memory", str(memory), "--vllm-version", est.version,
                                      *(["--interconnect", est.interconnect] if est.interconnect else []),
                                      *(["--compile-cache", compile_cache] if compile_cache else [])])
                 plans.append(VllmPlan(tp, q, kv, length, fit.max_model_len >= target,

@@ -161,11 +161,10 @@ def machine_gpu_target(device: str) -> GpuTarget | None:
     if not str(device).startswith("cuda") or not nvml.available()[0]:
         return None
     index = int(str(device).partition(":")[2] or 0)
-    h = nvml.device_handle(index)
-    cc = nvml.compute_capability(h)
-    name = nvml.device_info(index)["name"]
-    if isinstance(cc, nvml.NA):
+    cc = capability_here(index)
+    if cc is None:
         return None
+    name = nvml.device_info(index)["name"]
     from .machine import reserve_here
 
     row = find_gpu(name) if isinstance(name, str) else None
