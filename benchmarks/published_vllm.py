@@ -230,8 +230,8 @@ def render(rows: list[dict], sources_md: str) -> str:
         if split == "held-out" and blind:
             names = " and ".join(f"`{f}`" for f in blind)
             lines += [f"The earlier held-out collections against the blind ones ({names}: each run once before any "
-                      "change; their rows still blind apart from those whose miss has since prompted a rule "
-                      "(`examined` = rule); most rows of the first print no token count, so KV memory is its "
+                      "change; their rows still blind apart from those read since: a diagnosis (`examined` = "
+                      "diagnosed) or a rule their miss prompted (`examined` = rule); most rows of the first print no token count, so KV memory is its "
                       "figure):", "",
                       "| rows | term | rows with it | median | p90 | worst |", "| --- | --- | ---: | ---: | ---: | ---: |"]
             groups = [("earlier", [r for r in g if r.get("collection") not in BLIND_COLLECTIONS])]
@@ -239,6 +239,7 @@ def render(rows: list[dict], sources_md: str) -> str:
                 mine = [r for r in g if r.get("collection") == f]
                 groups += [(f"{f}, all", mine),
                            (f"{f}, still blind", [r for r in mine if examined_kind(r) == "blind"]),
+                           (f"{f}, diagnosed since", [r for r in mine if examined_kind(r) == "diagnosed"]),
                            (f"{f}, rule since", [r for r in mine if examined_kind(r) == "rule"])]
             for label, gs in groups:
                 for term in ("KV tokens", "KV memory", "weights"):
