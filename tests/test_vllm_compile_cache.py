@@ -166,3 +166,56 @@ def test_a_compile_cache_flag_that_changes_nothing_is_said_on_the_command_line(a
                "--no-correction", *argv])
     out = capsys.readouterr().out
     assert rc == 0 and "changes nothing" in out
+
+
+def _fake_vllm(monkeypatch, lines: list[str]):
+    """`probe` / `check --engine vllm` through the real command, vLLM's child replaced by a log (no vLLM, no GPU)."""
+    from vramcal.probes import vllm_probe
+
+    seen: dict = {}
+
+    class Run:
+        status, error, last_stage, wall_s, sampler_overhead, log_tail, samples, interrupted = (
+            "ok", None, "end", 1.0, None, "", [], None)
+        log_text = "\n".join(lines)
+
+        def stages(self, series):
+            return {"post_load": {"used_bytes": 1, "peak_bytes": 2}}
+
+    def fake_run_child(module, spec, reader, *, env, interval_ms, timeout_s):
+        seen["env"] = env
+        return Run()
+
+    monkeypatch.setattr(vllm_probe, "preflight", lambda n: None)
+    monkeypatch.setattr(vllm_probe, "run_child", fake_run_child)
+    return seen
+
+
+def test_check_answers_by_the_price_for_the_state_the_start_found(tmp_path, monkeypatch, capsys):
+    """A start that loaded its compiled graphs, on a GPU where only the warm price leaves room for the cache:
+    `check` prints the warm comparison, records it, and exits 0 by it (it exited 1 by the cold price it no
+    longer showed); the same run priced cold, with its log saying cold, exits 1."""
+    from vramcal.cli import main
+    from vramcal.records.store import Store
+
+    flags = ["--engine", "vllm", "--synthetic", "--gpu-memory", "33.05GiB", "--gpu-memory-utilization", "0.9",
+             "--vllm-version", "0.29.0", "--max-model-len", "1024"]
+    src = resolve_model("qwen2.5-14b")
+    args = dict(gpu_memory_bytes=int(33.05 * GIB), gpu_memory_utilization=0.9, vllm_version="0.29.0",
+                max_model_len=1024)
+    assert not estimate_vllm(src, VllmArgs(**args)).fits
+    assert estimate_vllm(src, VllmArgs(**args, compile_cache="warm")).fits
+    for line, want in ((WARM_RANGE, 0), (COLD_SHAPE, 1)):
+        seen = _fake_vllm(monkeypatch, [line, AVAILABLE])
+        db = str(tmp_path / f"{want}.db")
+        rc = main(["check", "qwen2.5-14b", *flags, "--db", db])
+        out = capsys.readouterr().out
+        assert rc == want, out
+        assert "compile cache" in out and ("warm" in out.split("compile cache")[1].splitlines()[0]) is (want == 0)
+        assert "VLLM_DISABLE_COMPILE_CACHE" not in seen["env"]
+        with Store(db, create=False, readonly=True) as s:
+            result = json.loads(s.query("SELECT result_json FROM results")[0]["result_json"])
+        assert result["estimate"]["vllm"]["compile_cache"] == ("warm" if want == 0 else "cold")
+    seen = _fake_vllm(monkeypatch, [COLD_SHAPE, AVAILABLE])
+    assert main(["probe", "qwen2.5-14b", *flags, "--compile-cache", "cold", "--db", str(tmp_path / "c.db")]) in (0, 1)
+    assert seen["env"]["VLLM_DISABLE_COMPILE_CACHE"] == "1"

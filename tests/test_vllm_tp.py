@@ -370,3 +370,27 @@ def test_non_torch_over_nvlink_by_version():
     assert "fusion on: FlashInfer" in e19.methods["interconnect"] and "1536 MiB" in e19.methods["interconnect"]
     assert "fusion off: before 0.17" in e11.methods["interconnect"]
     assert "no all-reduce fusion workspace" in e11.methods["non_torch"]
+
+
+def test_a_plans_estimate_command_carries_the_capability_where_no_one_name_gives_it(capsys):
+    """Two A100s of different sizes share SM 8.0 but no name: plan prices them without the fusion workspace,
+    and its estimate command now says --gpu-capability 8.0, so running it prints the same figures (before, the
+    command priced an SM 9.0 GPU: 1.5 GiB less KV at tp 2)."""
+    assert _cli("plan", "llama-3.1-8b", "--engine", "vllm", "--hardware", "cuda:0=80GiB,cuda:1=40GiB", "--gpu",
+                "A100-SXM4-80GB", "--gpu", "A100-SXM4-40GB", "--interconnect", "nvlink", "--vllm-version", "0.19.1",
+                "--json") == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert {p["tensor_parallel_size"] for p in plans} == {1, 2}
+    for p in plans:
+        cmd = shlex.split(p["command"])
+        assert ("--gpu-capability" in cmd) is (p["tensor_parallel_size"] == 2), p["command"]  # tp 1: the 80GB, named
+        assert _cli(*cmd[1:], "--json", "--no-correction") == 0
+        v = json.loads(capsys.readouterr().out)["vllm"]
+        assert (v["kv_cache_tokens"], v["kv_cache_bytes"]) == (p["kv_cache_tokens"], p["kv_cache_bytes"]), p["command"]
+
+
+@pytest.mark.parametrize("value", ["9", "x.y", "0.5", "9.0.1", ""])
+def test_a_gpu_capability_that_is_not_major_dot_minor_is_one_line_and_exit_2(value, capsys):
+    rc = _cli("estimate", "llama-3.1-8b", "--engine", "vllm", "--gpu-memory", "80GiB", "--gpu-capability", value)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "MAJOR.MINOR" in err, err

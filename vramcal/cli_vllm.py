@@ -17,7 +17,7 @@ VLLM_FLAGS = {
     "enforce_eager": "--enforce-eager", "kv_cache_memory": "--kv-cache-memory-bytes", "gpu_memory": "--gpu-memory",
     "vllm_version": "--vllm-version", "allow_long_max_model_len": "--allow-long-max-model-len",
     "vllm_entrypoint": "--vllm-entrypoint", "flashinfer_sampler": "--flashinfer-sampler",
-    "compile_cache": "--compile-cache",
+    "compile_cache": "--compile-cache", "gpu_capability": "--gpu-capability",
     "mxfp4_backend": "--mxfp4-backend", "mamba_cache_dtype": "--mamba-cache-dtype",
     "mamba_ssm_cache_dtype": "--mamba-ssm-cache-dtype", "enable_prefix_caching": "--enable-prefix-caching",
     "interconnect": "--interconnect", "disable_custom_all_reduce": "--disable-custom-all-reduce",
@@ -49,6 +49,10 @@ def add_vllm_args(p, *, fit: bool = False) -> None:
     g.add_argument("--gpu-memory", default=None, metavar="SIZE",
                    help="each GPU's total memory as the driver reports it (default: this machine's GPU 0); an H100 "
                         "80GB reports 79.19GiB to vLLM")
+    g.add_argument("--gpu-capability", default=None, metavar="MAJOR.MINOR",
+                   help="the GPUs' CUDA compute capability, e.g. 8.0 for an A100, where --gpu names no GPU of "
+                        "vramcal's table (default: the named GPU's, else this machine's through NVML); the "
+                        "all-reduce fusion and gpt-oss's MXFP4 kernel go by it")
     g.add_argument("--vllm-version", default=None, metavar="X.Y", help="default: the installed vLLM's, else the newest "
                                                                        "modelled (0.33)")
     g.add_argument("--allow-long-max-model-len", action="store_true", default=None,
@@ -165,6 +169,17 @@ def this_gpu() -> tuple[int | None, str | None, tuple[int, int] | None]:
     return total, name, capability_here(0)
 
 
+def parse_capability(text: str) -> tuple[int, int]:
+    """``--gpu-capability 8.0`` as (8, 0); one line on anything else."""
+    import re
+
+    m = re.fullmatch(r"\s*([1-9][0-9]?)\.([0-9])\s*", str(text))
+    if m is None:
+        raise UserError(f"--gpu-capability must be MAJOR.MINOR, e.g. 8.0 (A100), 9.0 (H100), 12.0 (RTX 5090); "
+                        f"got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
 def vllm_args(args):
     """The command line's flags as :class:`VllmArgs` (validated there, one line on bad input)."""
     from .estimator.vllm.engine import VllmArgs
@@ -183,6 +198,8 @@ def vllm_args(args):
             total = capacity(int(find_gpu(name).memory_gb * 1024**3), reserve_for(name))
     elif total is None:
         total, name, capability = this_gpu()
+    if getattr(args, "gpu_capability", None) is not None:
+        capability = parse_capability(args.gpu_capability)
     dtype = "auto" if args.dtype is None else args.dtype
     tp = 1 if args.tensor_parallel_size is None else args.tensor_parallel_size
     return VllmArgs(
@@ -315,7 +332,8 @@ def cmd_probe_vllm(args, out, *, check: bool) -> int:
     out(json.dumps({**result.to_dict(), "run_id": run_id}) if args.json
         else present.vllm_probe_table(result, run_id))
     end_engine_probe(result)
-    ok = result.status == "ok" and (not check or est.fits)
+    shown = result.estimate.vllm if result.estimate is not None else est  # priced for the state the log showed
+    ok = result.status == "ok" and (not check or shown.fits)
     return 0 if ok else 1
 
 

@@ -137,8 +137,12 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
         capability = caps.pop() if len(caps) == 1 else None
         names = {g.name for g in group}  # vLLM's scheduler defaults and an NVL board's fusion go by it
         name = names.pop() if len(names) == 1 else None
-        name = name if name and find_gpu(name) is not None else None  # one `--gpu` takes: the command prices it so
-        named = ["--gpu", name] if name else []
+        row = find_gpu(name) if name else None
+        name = name if row is not None else None  # one `--gpu` takes: the command prices it so
+        # the command carries what it prices: the name, and the capability where the name does not give it
+        named = (["--gpu", name] if name else []) + (
+            ["--gpu-capability", "%d.%d" % capability]
+            if capability is not None and (row is None or row.compute_capability != capability) else [])
         link = interconnect
         if link is None and this_machine and tp > 1:
             from ..probes.hardware import interconnect_here

@@ -36,8 +36,9 @@ from .quant import VllmQuant, resolve as resolve_quant
 from .result import VllmEstimate, VllmRank
 
 # the arithmetic's id: runs record it, corrections are fitted per id (2: the cold compile's kernel benchmark is
-# priced, so a run of /1 would carry it in its correction a second time)
-MODEL_ID = "vllm-startup/2"
+# priced, so a run of /1 would carry it in its correction a second time; 3: a probe compares with the price for
+# the compile cache's state its log shows, where a run of /2 compared a warm start with the cold price)
+MODEL_ID = "vllm-startup/3"
 DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "fp16": "float16", "bfloat16": "bfloat16",
           "bf16": "bfloat16", "float": "float32", "float32": "float32", "fp32": "float32"}
 KV_DTYPES = {"auto": None, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "bfloat16": 2, "float16": 2, "half": 2}
