@@ -122,6 +122,16 @@ def kv_rules_tokens(est, row: dict) -> int | None:
     return blocks * est.block_size
 
 
+def logged_compile_state(row: dict, corpus_dir: Path) -> str | None:
+    """The compile cache's state a row's fixture log shows, as the vLLM probe reads its own log
+    (``logparse.parse_log``: a "Compiling a graph" or "Directly load ..." line before the KV line); None where
+    the excerpt prints neither, and the row is priced cold."""
+    from vramcal.estimator.vllm.logparse import parse_log
+
+    path = corpus_dir / row["fixture"] if row.get("fixture") else None
+    return parse_log(path.read_text()).compile_cache if path is not None and path.is_file() else None
+
+
 def read_corpus(corpus: Path) -> list[dict]:
     """``corpus.csv`` and the other collections beside it (``hybrid.csv``, ``heldout-*.csv``: later
     collections, kept in files of their own so that each collection's rows and sources stay together), in
@@ -146,6 +156,7 @@ def run_row(row: dict, corpus_dir: Path) -> dict:
     out["collection"] = row.get("collection") or "corpus.csv"
     out["split"] = row.get("split") or "fit"
     out["examined"] = row.get("examined") or ""
+    row = {**row, "compile_cache": row.get("compile_cache") or logged_compile_state(row, corpus_dir)}
     try:
         est = estimate_vllm(model_ref(row, corpus_dir), args_of(row))
     except UserError as exc:
@@ -231,8 +242,9 @@ def render(rows: list[dict], sources_md: str) -> str:
             names = " and ".join(f"`{f}`" for f in blind)
             lines += [f"The earlier held-out collections against the blind ones ({names}: each run once before any "
                       "change; their rows still blind apart from those read since: a diagnosis (`examined` = "
-                      "diagnosed) or a rule their miss prompted (`examined` = rule); most rows of the first print no token count, so KV memory is its "
-                      "figure):", "",
+                      "diagnosed) or a rule their miss prompted (`examined` = rule), so a file's *all* line is its "
+                      "blind figure and *still blind* what is left once rows that missed were read; most rows of the "
+                      "first print no token count, so KV memory is its figure):", "",
                       "| rows | term | rows with it | median | p90 | worst |", "| --- | --- | ---: | ---: | ---: | ---: |"]
             groups = [("earlier", [r for r in g if r.get("collection") not in BLIND_COLLECTIONS])]
             for f in blind:
@@ -266,7 +278,9 @@ def render(rows: list[dict], sources_md: str) -> str:
             lines += ["Held-out rows by what was done with them (column `examined`): *blind* -- collected and run, "
                       "nothing read into a rule or a diagnosis; *diagnosed* -- the log read to find which term misses, "
                       "no rule changed; *rule* -- the row's miss prompted a rule read from vLLM's source (nothing "
-                      "fitted), so it no longer tests that rule blind:", "",
+                      "fitted), so it no longer tests that rule blind. Rows are read because they missed, so the "
+                      "*blind* line is the better for it: the whole held-out set, and each blind file's *all* line "
+                      "above, are the figures nothing was chosen from:", "",
                       "| examined | rows | KV tokens median | p90 | KV memory median | p90 | weights median |",
                       "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for kind in ("blind", "diagnosed", "rule"):

@@ -100,3 +100,29 @@ def default_sigint() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class BlindCollection:
+    """One of issue 27's blind collections of published vLLM startups (benchmarks/published/vllm/NAME): its rows,
+    and vramcal's result for each as benchmarks/published_vllm.py computes it (once per test process)."""
+
+    def __init__(self, name: str):
+        import csv
+        from pathlib import Path
+
+        self.root = Path(__file__).parent.parent
+        self.corpus_dir = self.root / "benchmarks" / "published" / "vllm"
+        self.path = self.corpus_dir / name
+        with open(self.path, newline="") as fh:
+            self.rows = list(csv.DictReader(fh))
+        self._results: dict[str, dict] | None = None
+
+    def results(self) -> dict[str, dict]:
+        if self._results is None:
+            import sys
+
+            sys.path.insert(0, str(self.root / "benchmarks"))
+            from published_vllm import run_row
+
+            self._results = {r["id"]: run_row({**r, "collection": self.path.name}, self.corpus_dir) for r in self.rows}
+        return self._results

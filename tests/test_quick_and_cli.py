@@ -270,3 +270,17 @@ def test_unknown_database_url_is_refused_without_its_password(tmp_path):
                        text=True, cwd=tmp_path)
     assert r.returncode == 2 and "secret" not in r.stderr and "postgresql://" in r.stderr, r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "llama-3.1-8b", "--engine", "vllm", "--hardware", "cuda:0=24GiB", "--gpu-memory", "0.5"],
+    ["estimate", "llama-3.1-8b", "--ct", "4096"],
+], ids=["plan --gpu-memory (was --gpu-memory-utilization)", "estimate --ct"])
+def test_an_abbreviated_flag_is_not_taken_for_a_longer_one(argv, capsys):
+    """argparse takes a unique prefix for the flag it begins: plan has --gpu-memory-utilization and no
+    --gpu-memory, so `--gpu-memory 0.5` silently set the utilization. Now every flag is spelled out."""
+    from vramcal.cli import main
+
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "unrecognized arguments" in err, err

@@ -17,16 +17,18 @@ ROOT = Path(__file__).parent.parent
 PUBLISHED = ROOT / "benchmarks" / "published" / "vllm" / "logs"
 GIB = 1024**3
 
-# lines as published vLLM logs print them (search-index excerpts of pasted startup logs), by wording
+# lines as published vLLM logs print them (search-index excerpts of pasted startup logs), by wording; AVAILABLE and
+# LATER_COLD are written in the format of 0.28's gpu_worker.py and backends.py to frame them
 WARM_RANGE = ("(Worker_TP0 pid=57) INFO 06-21 07:20:13 [backends.py:292] Directly load the compiled graph(s) for "
               "compile range (1, 8192) from the cache, took 0.717 s")
 WARM_SHAPE = ("INFO 08-06 10:17:27 [backends.py:165] Directly load the compiled graph(s) for dynamic shape from the "
               "cache, took 2.517 s")
-WARM_AOT = ("(EngineCore pid=6113) INFO 08-02 07:03:46 [decorators.py:311] Directly load AOT compilation from path "
-            "/root/.cache/vllm/torch_compile_cache/torch_aot_compile/abc/rank_0_0/model")
+WARM_AOT = ("(Worker_TP0 pid=79) INFO 07-05 08:55:20 [decorators.py:311] Directly load AOT compilation from path "
+            "/cache/huggingface/vllm-cache/torch_compile_cache/torch_aot_compile/348fd1f53f1288e7b7d4f92e3b1446d86243296fd"
+            "5981cd7dd3f01f5b1fe1c3f/rank_0_0/model")
 COLD_SHAPE = "INFO 10-18 09:53:46 [backends.py:218] Compiling a graph for dynamic shape takes 15.65 s"
-AVAILABLE = "(EngineCore pid=6113) INFO 08-02 07:03:52 [gpu_worker.py:436] Available KV cache memory: 60.69 GiB"
-LATER_COLD = ("(EngineCore pid=6113) INFO 08-02 07:04:10 [backends.py:393] Compiling a graph for compile range "
+AVAILABLE = "(Worker_TP0 pid=79) INFO 07-05 08:55:31 [gpu_worker.py:436] Available KV cache memory: 60.69 GiB"
+LATER_COLD = ("(Worker_TP0 pid=79) INFO 07-05 08:56:02 [backends.py:393] Compiling a graph for compile range "
               "(8193, 8193) takes 3.10 s")
 
 
@@ -43,6 +45,12 @@ def test_the_log_says_whether_the_profiles_compile_found_its_cache():
              + "INFO [backends.py:393] Compiling a graph for compile range (1, 8192) takes 30.1 s")
     assert parse_log(WARM_RANGE + "\n" + again + "\n" + AVAILABLE).compile_cache == "cold"
     assert parse_log(AVAILABLE).compile_cache is None  # not printed: not known, never a guess
+    # tp 2: each worker profiles its own; the second's compile counts although the first sized its cache already
+    tp1 = LATER_COLD.replace("Worker_TP0", "Worker_TP1").replace("(8193, 8193)", "(1, 8192)")
+    assert parse_log("\n".join([WARM_AOT, AVAILABLE, tp1])).compile_cache == "cold"
+    assert parse_log("\n".join([WARM_AOT, AVAILABLE, tp1.replace("Worker_TP1", "Worker_TP0")])).compile_cache == "warm"
+    prefixed = "vllm-1  | " + COLD_SHAPE.replace("INFO", "(EngineCore_DP0 pid=9) INFO", 1)
+    assert parse_log(prefixed + "\n" + AVAILABLE).compile_cache == "cold"
 
 
 def _args(**kw) -> VllmArgs:
@@ -219,3 +227,13 @@ def test_check_answers_by_the_price_for_the_state_the_start_found(tmp_path, monk
     seen = _fake_vllm(monkeypatch, [COLD_SHAPE, AVAILABLE])
     assert main(["probe", "qwen2.5-14b", *flags, "--compile-cache", "cold", "--db", str(tmp_path / "c.db")]) in (0, 1)
     assert seen["env"]["VLLM_DISABLE_COMPILE_CACHE"] == "1"
+
+
+def test_a_probe_says_when_its_compile_cache_flag_changes_nothing(tmp_path, monkeypatch, capsys):
+    from vramcal.cli import main
+
+    _fake_vllm(monkeypatch, [AVAILABLE])
+    rc = main(["probe", "qwen2.5-0.5b", "--engine", "vllm", "--synthetic", "--gpu-memory", "24GiB", "--enforce-eager",
+               "--compile-cache", "warm", "--db", str(tmp_path / "r.db")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "changes nothing" in out, out

@@ -4,28 +4,16 @@ from what the run showed."""
 
 from __future__ import annotations
 
-import csv
-import functools
 import statistics
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parent.parent
-CORPUS_DIR = ROOT / "benchmarks" / "published" / "vllm"
-BLIND = CORPUS_DIR / "heldout-2026-12-03d.csv"
+from helpers import BlindCollection
 
-with open(BLIND, newline="") as fh:
-    ROWS = list(csv.DictReader(fh))
-
-
-@functools.lru_cache(maxsize=1)
-def _results() -> dict[str, dict]:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from published_vllm import run_row
-
-    return {r["id"]: run_row({**r, "collection": BLIND.name}, CORPUS_DIR) for r in ROWS}
+BLIND_SET = BlindCollection("heldout-2026-12-03d.csv")
+ROOT, CORPUS_DIR, BLIND, ROWS = BLIND_SET.root, BLIND_SET.corpus_dir, BLIND_SET.path, BLIND_SET.rows
+_results = BLIND_SET.results
 
 
 def test_the_third_blind_collection_is_twelve_or_more_held_out_startups_with_tokens_sources_and_configs():
@@ -40,6 +28,9 @@ def test_the_third_blind_collection_is_twelve_or_more_held_out_startups_with_tok
     assert len(ROWS) >= 12
     for r in ROWS:
         read = r["id"].startswith(("t4_", "rtxpro6000_"))
+        if r["id"] == "a100-40gb_qwen3-8b_v0.19.1":  # its log's own compile line, read since (a reviewer's find)
+            assert r["examined"].startswith("rule:"), r["id"]
+            continue
         assert r["split"] == "held-out" and (r["examined"].startswith("diagnosed") if read else not r["examined"]), r["id"]
         assert r["source_url"] and (CORPUS_DIR / r["fixture"]).is_file(), r["id"]
         assert int(r["kv_cache_tokens"]) > 0, r["id"]
@@ -70,8 +61,11 @@ def test_blind_figures_are_the_reported_ones():
     The KV rules from the logged memory are within 0.08 % on every row that has them (the pp 2 row has none), so
     the misses are in the budget's terms. Nothing in vramcal was changed from these figures; they are pinned so
     that a later change that moves them shows here -- and so that these rows stop being blind in the record if
-    one is tuned to them."""
+    one is tuned to them. Since: the A100 40GB row, -3.23 % at the first run, reads +0.06 % now that its log's
+    "Directly load the compiled graph(s)" line sets the warm price (published_vllm.logged_compile_state); the
+    figures above do not move."""
     res = _results()
+    assert res["a100-40gb_qwen3-8b_v0.19.1"]["KV tokens_err_pct"] == pytest.approx(0.06, abs=0.02)
     assert not any(r["error"] for r in res.values())
     tokens = sorted(abs(r["KV tokens_err_pct"]) for r in res.values())
     med, p90 = statistics.median(tokens), statistics.quantiles(tokens, n=10, method="inclusive")[8]

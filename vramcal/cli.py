@@ -33,6 +33,12 @@ def one_line(text: str) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
+    """No abbreviated flags: ``plan --gpu-memory 0.5`` would be taken for ``--gpu-memory-utilization 0.5``."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # one line, exit 2, like every other bad input
         raise UserError(f"{message} (see `{self.prog} --help`)")
 

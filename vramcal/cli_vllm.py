@@ -271,7 +271,7 @@ def cmd_fit_vllm(args, out) -> int:
                                offsets=offsets)
     else:
         fit, est = longest(source, vargs, offsets=offsets)
-    out(json.dumps({**fit.to_dict(), "vllm": est.to_dict()}) if args.json else present.vllm_fit_table(source.name, fit))
+    out(json.dumps({**fit.to_dict(), "vllm": est.to_dict()}) if args.json else present.vllm_fit_table(source.name, fit, est.notes))
     return 0 if fit.fits else 1
 
 

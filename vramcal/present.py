@@ -517,25 +517,27 @@ def vllm_table(e) -> str:
     return "\n".join(lines)
 
 
-def vllm_fit_table(model: str, f) -> str:
+def vllm_fit_table(model: str, f, notes: list[str] = ()) -> str:
+    """``fit --engine vllm``: the answer, then the estimate's notes (what it assumed, a flag that changed nothing)."""
+    tail = (["", "notes"] + ["  " + n for n in notes]) if notes else []
     if f.question == "longest":
         lines = [f"{model}  vLLM {f.version}  gpu memory {gib(f.gpu_memory_bytes):.2f} GiB x {f.gpu_memory_utilization:g}"]
         if not f.fits:
-            return "\n".join(lines + ["  nothing fits: " + f.note])
+            return "\n".join(lines + ["  nothing fits: " + f.note] + tail)
         lines += [f"  longest --max-model-len      {f.max_model_len:,} tokens",
                   f"  GPU KV cache size            {f.kv_cache_tokens:,} tokens ({gib(f.kv_cache_memory_bytes):.2f} GiB)",
                   f"  maximum concurrency          {f.max_concurrency:.2f}x at that length"]
-        return "\n".join(lines)
+        return "\n".join(lines + tail)
     lines = [f"{model}  vLLM {f.version}  gpu memory {gib(f.gpu_memory_bytes):.2f} GiB  --max-model-len {f.max_model_len:,}"]
     if f.gpu_memory_utilization is None:
-        return "\n".join(lines + ["  nothing fits: " + f.note])
+        return "\n".join(lines + ["  nothing fits: " + f.note] + tail)
     lines.append(f"  --gpu-memory-utilization     {f.gpu_memory_utilization:.4f}")
     if f.kv_cache_memory_bytes is not None:
         lines.append(f"  or --kv-cache-memory-bytes   {f.kv_cache_memory_bytes} ({gib(f.kv_cache_memory_bytes):.2f} GiB)")
     lines.append(f"  maximum concurrency          {f.max_concurrency:.2f}x, GPU KV cache size {f.kv_cache_tokens:,} tokens")
     if f.note:
         lines.append("  " + f.note)
-    return "\n".join(lines)
+    return "\n".join(lines + tail)
 
 
 def vllm_probe_table(r, run_id) -> str:
@@ -555,8 +557,9 @@ def vllm_probe_table(r, run_id) -> str:
     est = r.estimate.stages if r.estimate is not None else {}
     for name, s in r.stages.items():
         lines.append(f"  {name:<14} peak {_gib_cell(s.get('peak_bytes')):>12}   predicted {_gib_cell(est.get(name)):>12}")
-    if r.notes:
-        lines += ["", "notes"] + ["  " + n for n in r.notes]
+    notes = [*(r.estimate.notes if r.estimate is not None else []), *r.notes]  # the prediction's, then the run's
+    if notes:
+        lines += ["", "notes"] + ["  " + n for n in notes]
     return "\n".join(lines)
 
 

@@ -125,7 +125,7 @@ def plan_vllm(model: str, hardware, *, ctx: int | None = None, goal: str = "qual
     limit, heads = first.max_model_len, arch.heads
     quants: list[str | None] = [None] if source.config.get("quantization_config") else [None, "fp8"]
     target = ctx if ctx is not None else limit
-    notes: list[str] = []
+    notes: list[str] = [n for n in first.notes if n.startswith("--compile-cache")]  # a flag that changed nothing
     plans, why_not, version = [], [], first.version
     for tp in _tp_sizes(len(gpus), heads):
         group = _group(gpus, tp)

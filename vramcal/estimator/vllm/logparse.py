@@ -43,12 +43,16 @@ _PATTERNS = {
     "estimated_len": re.compile(r"estimated maximum model length is " + _NUM),
     "hybrid_block": re.compile(r"Setting attention block size to " + _NUM + r" tokens"),
     "mamba_padding": re.compile(r"Padding mamba page size by " + _NUM + r"%"),
-    # torch.compile in the profiled region: a cache hit loads the compiled graphs (0.10-0.33 wording, and the AOT
-    # artifact of 0.27 on); a miss compiles them, Inductor's kernel benchmarks included (versions.py)
+    # torch.compile in the profiled region: a cache hit loads the compiled graphs ("dynamic shape" in 0.10-0.13,
+    # "compile range" later; 0.28's AOT artifact too, decorators.py); a miss compiles them, Inductor's kernel
+    # benchmarks included (versions.py)
     "compile_warm": re.compile(r"Directly load (?:the compiled graph\(s\) for|AOT compilation from)"),
     "compile_cold": re.compile(r"Compiling a graph for (?:compile range|dynamic shape|shape)"),
     "mxfp4_backend": re.compile(r"(?:\[mxfp4\.py:\d+\] Using (Triton|Marlin) backend|leveraging the (Marlin) kernel)"),
 }
+
+
+_WORKER = re.compile(r"\(((?:Worker|EngineCore)[^ )]*) pid=\d+\)")  # the process prefix a vLLM line carries
 
 
 def _n(text: str) -> float:
@@ -119,6 +123,7 @@ def parse_log(text: str) -> VllmLogged:
     # pool: from 0.29 profile_cudagraph_memory captures once before the KV cache is sized (its own "took"
     # line), and "CUDA graph pool memory: A (actual)" / "... GiB for CUDAGraph memory" give the real one
     taken: int | None = None
+    sized: set[str] = set()  # the workers ("(Worker_TP1 pid=..)") past their "Available KV cache memory" line
     for line in text.splitlines():
         if line.lstrip().startswith("#"):
             continue  # a fixture's own comments
@@ -204,7 +209,11 @@ def parse_log(text: str) -> VllmLogged:
         m = _PATTERNS["mamba_padding"].search(line)
         if m and log.mamba_padding_pct is None:
             log.mamba_padding_pct = _n(m.group(1))
-        if log.kv_cache_bytes is None:  # still inside the profiled region
+        worker = _WORKER.search(line)
+        worker = worker.group(1) if worker else ""
+        if _PATTERNS["available"].search(line) or _PATTERNS["reserved"].search(line):
+            sized.add(worker)
+        elif worker not in sized and not (worker == "" and sized):  # still inside this worker's profiled region
             if _PATTERNS["compile_cold"].search(line):
                 log.compile_cache = "cold"  # one graph compiled: its benchmarks ran, whatever else loaded
             elif _PATTERNS["compile_warm"].search(line) and log.compile_cache is None:
