@@ -161,7 +161,7 @@ def machine_gpu_target(device: str) -> GpuTarget | None:
     if not str(device).startswith("cuda") or not nvml.available()[0]:
         return None
     index = int(str(device).partition(":")[2] or 0)
-    cc = capability_here(index)
+    cc = capability_here(index, from_table=False)  # a guess from the name would refuse a --gpu the probe could take
     if cc is None:
         return None
     name = nvml.device_info(index)["name"]
@@ -214,14 +214,17 @@ def table_capability(name: str | None) -> tuple[int, int] | None:
     return caps.pop() if len(caps) == 1 else None
 
 
-def capability_here(index: int) -> tuple[int, int] | None:
+def capability_here(index: int, from_table: bool = True) -> tuple[int, int] | None:
     """The compute capability of this machine's GPU ``index``, through the one NVML door: NVML's reading, else
-    (an old driver without the query) the table's for the name NVML gives; None where neither says."""
+    (an old driver without the query; ``from_table``) the table's for the name NVML gives; None where neither
+    says."""
     from . import nvml
 
     cc = nvml.compute_capability(nvml.device_handle(index))
     if not isinstance(cc, nvml.NA):
         return cc
+    if not from_table:
+        return None
     name = nvml.device_info(index)["name"]
     return table_capability(name) if isinstance(name, str) else None
 
