@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .lifecycle import Terminated, kill_group, signals_held, sigterm_raises
+from ..interrupts import signal_of
+from .lifecycle import kill_group, signals_held, sigterm_raises
 from .sampler import Sampler, attribute
 
 ENDINGS = {"done": "ok", "oom": "oom", "error": "error", "timeout": "timeout"}  # else: crashed
@@ -96,8 +97,7 @@ def run_child(module: str, spec: dict, reader_for: Callable[[int], Callable], *,
             sampler = Sampler(reader_for(child.pid), interval_ms / 1000.0).start()
             buf = b""
             while True:
-                if terminated():  # a Terminated something swallowed: end now, not when the child ends
-                    raise Terminated()
+                terminated.check()  # a Terminated something swallowed: end now, not when the child ends
                 if timeout_s and time.monotonic() - start > timeout_s:
                     final = {"event": "timeout", "error": f"no end within {timeout_s:g} s"}
                     break
@@ -119,15 +119,14 @@ def run_child(module: str, spec: dict, reader_for: Callable[[int], Callable], *,
                     elif ev.get("event") in ("done", "oom", "error"):
                         final = ev
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM through sigterm_raises: recorded by the caller
-            interrupted = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+            interrupted = signal_of(exc)
         finally:
             with signals_held():  # a second signal cannot cut the cleanup short
                 os.close(read_fd)
                 kill_group(child)
                 if sampler is not None:
                     sampler.stop()
-        if interrupted is None and terminated():  # a Terminated something swallowed
-            interrupted = "SIGTERM"
+        interrupted = interrupted or terminated.name  # a Terminated something swallowed
     log.seek(0)
     text = log.read()
     log.close()

@@ -47,10 +47,11 @@ from ..estimator.loading import quantization_kwargs
 from ..estimator.quant import resolve_quant
 from ..estimator.resolve import ModelSource, resolve_model
 from ..estimator.vision import check_images
+from ..interrupts import signal_of
 from ..workload import CACHES, KV_DTYPES, NEW_TOKENS, Configuration, choice, device_kind, parse_device, workload
 from . import nvml
 from .child import remove_temp_folder
-from .lifecycle import (ProbeInterrupted, Terminated, kill_group, make_temp_folder, signals_held, sigterm_raises,
+from .lifecycle import (ProbeInterrupted, kill_group, make_temp_folder, signals_held, sigterm_raises,
                         sweep_stale)
 from .result import ProbeResult, assemble, device_readings, sample_dict, vision_reading
 from .sampler import Sampler, nvml_reader, rss_reader
@@ -179,8 +180,7 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
             if with_estimate and estimate is None:
                 identity["estimate"] = _estimate_or_note(source, quant, work, dtype, attn, device, kv_dtype,
                                                          cache, notes, max_memory, device_map, gpu)
-            if terminated():  # the estimate (torch's import, a finalizer) swallowed it: no child is started
-                raise Terminated()
+            terminated.check()  # the estimate (torch's import, a finalizer) swallowed it: no child is started
             child_spec = {"device": device, "dtype": spec.dtype, "ctx": ctx, "batch": batch,
                           "bnb": quantization_kwargs(spec), "attn": attn,
                           "new_tokens": new_tokens, "kv_dtype": kv_dtype, "cache": cache}
@@ -189,10 +189,9 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
             if placed is not None:
                 child_spec.update(load=placed["load"], gpus=placed["gpus"])
             probe.run(source, synthetic, child_spec)
-            if terminated():
-                raise Terminated()
+            terminated.check()
         except KeyboardInterrupt as exc:
-            name = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+            name = signal_of(exc)
             with signals_held():
                 probe.close()
                 result = probe.result(interrupted=name, keep_samples=keep_samples)
