@@ -7,7 +7,10 @@ that samples it (NVML ``memory.used`` of its GPUs, or the child's resident set).
 a timeout, Ctrl-C, SIGTERM) kills the child's group before it returns. A Ctrl-C or SIGTERM in the parent
 does not propagate from here: the run comes back ``interrupted`` with its last stage and its samples, the
 caller records it, then raises :class:`~.lifecycle.ProbeInterrupted` (exit 130 / 143), as the
-transformers probe does.
+transformers probe does. A signal during the cleanup waits until the cleanup is done, then the run
+comes back stopped by it all the same (:func:`~.lifecycle.signals_held`): ``interrupted``, or, when the
+child had already finished, its own status with ``interrupted`` set, so the caller records a whole
+measurement and still exits 130 / 143.
 """
 
 from __future__ import annotations
@@ -121,15 +124,16 @@ def run_child(module: str, spec: dict, reader_for: Callable[[int], Callable], *,
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM through sigterm_raises: recorded by the caller
             interrupted = signal_of(exc)
         finally:
-            with signals_held():  # a second signal cannot cut the cleanup short
+            with signals_held() as late:  # the cleanup is not cut short: a signal in it waits
                 os.close(read_fd)
                 kill_group(child)
                 if sampler is not None:
                     sampler.stop()
-        interrupted = interrupted or terminated.name  # a Terminated something swallowed
-    log.seek(0)
-    text = log.read()
-    log.close()
+                log.seek(0)
+                text = log.read()
+                log.close()
+        # a signal during the cleanup ends the run as one before it would; so does a Terminated swallowed
+        interrupted = interrupted or late.name or terminated.name
     return ChildRun(markers=markers, final=final, log_text=text, wall_s=time.monotonic() - start,
                     samples=sampler.samples if sampler else [],
                     sampler_overhead=sampler.overhead if sampler else None, interrupted=interrupted)

@@ -6,8 +6,8 @@
   hundredths of a second); every probe first removes those whose parent is gone (:func:`sweep_stale`),
   so even a folder left by a parent and child killed together does not outlive the next probe.
 - **Signals** (each a use of :func:`vramcal.interrupts.noted`): while a probe runs, SIGTERM raises in the
-  main thread like Ctrl-C does (:func:`sigterm_raises`); while an interrupted probe cleans up, a second
-  signal waits (:func:`signals_held`).
+  main thread like Ctrl-C does (:func:`sigterm_raises`); while a probe cleans up, on every way out, a
+  signal waits and the run then ends as it asks (:func:`signals_held`).
   :class:`ProbeInterrupted` carries what was measured to the caller.
 """
 
@@ -122,9 +122,11 @@ def sigterm_raises():
 
 
 def signals_held():
-    """While a probe kills its child and builds its result: SIGINT and SIGTERM are noted and wait, so the
-    cleanup and the result cannot be cut short (a run already interrupted keeps the signal that
-    interrupted it). Yields the :class:`~vramcal.interrupts.Noted`."""
+    """While a probe kills its child and gathers what it measured, on every way out: SIGINT and SIGTERM
+    are noted and wait, so the cleanup cannot be cut short. Yields the
+    :class:`~vramcal.interrupts.Noted`: a run that was ending normally ends as the first signal asks once
+    the cleanup is done (interrupted, or its own status if the child had finished, then exit 130 / 143);
+    a run already interrupted keeps the signal that interrupted it."""
     return noted(signal.SIGINT, signal.SIGTERM, hold=True, leaving="ask")
 
 

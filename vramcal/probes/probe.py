@@ -190,15 +190,17 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
                 child_spec.update(load=placed["load"], gpus=placed["gpus"])
             probe.run(source, synthetic, child_spec)
             terminated.check()
+            # built under sigterm_raises: a signal while it is built ends the run as interrupted below (a
+            # child that finished keeps its status, and the caller still exits 130 / 143)
+            return probe.result(keep_samples=keep_samples)
         except KeyboardInterrupt as exc:
             name = signal_of(exc)
-            with signals_held():
+            with signals_held():  # a second signal cannot cut the cleanup short: the first one stands
                 probe.close()
                 result = probe.result(interrupted=name, keep_samples=keep_samples)
             raise ProbeInterrupted(result, name) from None
         finally:
             probe.close()
-    return probe.result(keep_samples=keep_samples)
 
 
 def preflight(source: ModelSource, spec, device: str, synthetic: bool, interval_ms: float = 5.0,
