@@ -1,9 +1,9 @@
-"""Signals at the edges of a run, where they used to be lost: while a run that was ending normally cleans
-up. The run is recorded, the child is killed with its group, and the command exits 130 (SIGINT) / 143
-(SIGTERM).
+"""Signals at the edges of a run, where they used to be lost: while a probe's child is being started
+(inside ``subprocess.Popen``) and while a run that was ending normally cleans up. Either way the run is
+recorded, the child is killed with its group, and the command exits 130 (SIGINT) / 143 (SIGTERM).
 
-The signal is sent to this very process at the exact point (``os.kill`` from inside the cleanup's
-``kill_group``), so nothing here depends on timing. And the one mechanism behind it,
+The signal is sent to this very process at the exact point (``os.kill`` from inside ``Popen``, or from
+inside the cleanup's ``kill_group``), so nothing here depends on timing. And the one mechanism behind it,
 :func:`vramcal.interrupts.noted`, on its own."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 from vramcal import cli, interrupts
 from vramcal.interrupts import Terminated, noted
 from vramcal.probes import engine_run
-from vramcal.probes.lifecycle import signals_held, sigterm_raises
+from vramcal.probes.lifecycle import signals_deferred, signals_held, sigterm_raises
 from vramcal.records.store import Store
 
 needs_llama = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
@@ -49,6 +49,20 @@ def own_tmp(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture
+def started():
+    """The pids of children the test's Popen started; any still alive at the end is killed (a test that
+    fails must not leave a child behind)."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        if not _gone(pid):  # each leads its own process group, as a probe's child does
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def _gone(pid: int) -> bool:
     """Whether ``pid`` is gone (or a zombie nobody needs any more); no waiting: the probe kills and reaps
     its child's group before it returns."""
@@ -56,6 +70,21 @@ def _gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def _signal_inside_popen(monkeypatch, started: list[int], sig: int, module: str) -> None:
+    """``subprocess.Popen`` of ``module``'s child gets ``sig`` delivered inside the call, after the fork:
+    where a signal that acted at once used to leave the child running, held by nobody."""
+    real = subprocess.Popen
+
+    def popen(args, *a, **kw):
+        proc = real(args, *a, **kw)
+        if module in args and "write-synthetic" not in args:
+            started.append(proc.pid)
+            os.kill(os.getpid(), sig)  # Python runs its handler at the next instruction: still in here
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
 
 
 def _signal_in_cleanup(monkeypatch, target, sig: int) -> list[int]:
@@ -74,6 +103,28 @@ def _signal_in_cleanup(monkeypatch, target, sig: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------ the mechanism
+
+def test_a_deferred_signal_acts_when_the_body_ends_and_the_child_gets_signals_as_usual(started):
+    """signals_deferred notes a SIGTERM inside the body and raises nothing there; on leaving the signal is
+    sent again to the handler that was there (here the probe's: Terminated). Handlers only: the child
+    started inside neither blocks nor ignores SIGTERM and SIGINT, and dies of a SIGTERM as usual."""
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated):
+        with sigterm_raises() as terminated:
+            with signals_deferred() as deferred:
+                child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+                started.append(child.pid)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0)  # the handler has run by now, and raised nothing
+                assert deferred.name == "SIGTERM" and not terminated()
+    assert terminated() and signal.getsignal(signal.SIGTERM) is before
+    with open(f"/proc/{child.pid}/status") as fh:
+        masks = {k: int(v, 16) for k, v in (line.split(":\t") for line in fh) if k in ("SigBlk", "SigIgn")}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        assert not masks["SigBlk"] & (1 << (sig - 1)) and not masks["SigIgn"] & (1 << (sig - 1)), masks
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == -signal.SIGTERM
+
 
 def test_a_held_signal_waits_and_is_asked_for():
     """signals_held: noted, nothing raised, the caller asks; both handlers come back."""
@@ -119,11 +170,33 @@ def gguf(tmp_path_factory):
     return write_tiny(tmp_path_factory.mktemp("g") / "dense.gguf")
 
 
-def _llamacpp_probe(gguf, db, capsys) -> tuple[int, dict, str]:
+def _llamacpp_probe(gguf, db, capsys) -> tuple[int, str, str]:
+    """``vramcal probe --engine llama.cpp ... --json`` here: exit code, stdout, stderr."""
     rc = cli.main(["probe", "--engine", "llama.cpp", gguf, "-c", "1024", "--device", "cpu", "--db", str(db),
                    "--json"])
-    out, err = capsys.readouterr()
-    return rc, json.loads(out), err
+    return rc, *capsys.readouterr()
+
+
+@needs_llama
+@pytest.mark.parametrize("sig,code", SIGNALS)
+def test_a_signal_while_the_engine_child_starts_kills_it_and_records_the_run(
+        tmp_path, gguf, capsys, monkeypatch, started, python_sigint, sig, code):
+    """A signal inside run_child's Popen waits until the call returns: the child is held, its group
+    killed, the run recorded as interrupted, and the exit is 143 / 130 (it was: the child left running,
+    the run closed without an outcome of its own, and 130 for a SIGTERM too)."""
+    _signal_inside_popen(monkeypatch, started, sig, "vramcal.probes.llamacpp_child")
+    name = signal.Signals(sig).name
+    rc, out, err = _llamacpp_probe(gguf, tmp_path / "r.db", capsys)
+    [pid] = started
+    assert _gone(pid), "the child started as the signal came outlived the probe"
+    assert rc == code, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"vramcal: probe interrupted by {name}"
+    doc = json.loads(out)
+    assert doc["status"] == "interrupted" and doc["interrupted"] == name and doc["last_stage"] is None
+    with Store(str(tmp_path / "r.db")) as s:
+        run = s.run(doc["run_id"])
+    assert run.outcome is not None and run.outcome.status == "interrupted"
+    assert run.outcome.last_stage is None and run.outcome.error == f"interrupted by {name} after stage none"
 
 
 @needs_llama
@@ -135,10 +208,11 @@ def test_a_signal_during_the_engine_cleanup_still_ends_the_run(tmp_path, gguf, c
     is 143 / 130 (it was: the signal dropped, exit 0 as if none had come)."""
     sent = _signal_in_cleanup(monkeypatch, engine_run, sig)
     name = signal.Signals(sig).name
-    rc, doc, err = _llamacpp_probe(gguf, tmp_path / "r.db", capsys)
+    rc, out, err = _llamacpp_probe(gguf, tmp_path / "r.db", capsys)
     assert sent and rc == code, err[-2000:]
     assert err.strip().splitlines()[-1] == f"vramcal: probe interrupted by {name}"
     assert _gone(sent[0])
+    doc = json.loads(out)
     assert doc["status"] == "ok" and doc["interrupted"] == name and doc["last_stage"] == "end"
     with Store(str(tmp_path / "r.db")) as s:
         run = s.run(doc["run_id"])
@@ -156,6 +230,27 @@ def _check(dense, db, capsys) -> tuple[int, str]:
     rc = cli.main(["check", dense, "--ctx", "64", "--new-tokens", "4", "--device", "cpu", "--db", str(db),
                    "--budget", "64GiB"])
     return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sig,code", SIGNALS)
+def test_a_signal_while_the_transformers_child_starts_kills_it_and_records_the_run(
+        own_tmp, dense, capsys, monkeypatch, started, python_sigint, sig, code):
+    """The same for the transformers probe's child (probe._Probe._spawn): it used to be left running, held
+    by nobody, its temporary folder removed under it."""
+    _signal_inside_popen(monkeypatch, started, sig, "vramcal.probes.child")
+    name = signal.Signals(sig).name
+    rc, err = _check(dense, own_tmp / "r.db", capsys)
+    assert rc == code, err[-2000:]
+    [pid] = started
+    assert _gone(pid), "the child started as the signal came outlived the probe"
+    assert not [n for n in os.listdir(own_tmp) if n.startswith("vramcal-probe-")]
+    with Store(str(own_tmp / "r.db")) as s:
+        [row] = s.runs()
+        run = s.run(row["id"])
+    assert run.outcome is not None and run.outcome.status == "interrupted" and run.outcome.last_stage is None
+    assert run.outcome.error.startswith(f"interrupted by {name} ")
+    assert run.outcome.result["exit_code"] == -signal.SIGKILL  # held, so killed with its group
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
 @pytest.mark.parametrize("sig,code", SIGNALS)

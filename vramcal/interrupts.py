@@ -5,8 +5,8 @@ turns SIGTERM into :class:`Terminated` the same way), and some places swallow it
 initialisation that clears the error of an import it tried (torch's numpy probe does), a ``__del__``
 or weakref callback ("Exception ignored in ..."), a library's bare ``except:``. The command then goes
 on and answers as if nothing had happened (seen once in CI: an estimate interrupted while torch was
-imported printed its answer and exited 0). Elsewhere the signal must not act at once: a cleanup it would
-cut short.
+imported printed its answer and exited 0). Elsewhere the signal must not act at once: raised inside
+``subprocess.Popen``, it leaves a child forked that nobody holds, so nobody kills it.
 
 :func:`noted` is the one mechanism. While its body runs, each of the signals given is noted, and then:
 
@@ -24,6 +24,8 @@ and on leaving (``leaving``):
 - ``"ask"``: nothing; the body asks the :class:`Noted` it was given (``noted()``, ``.name``,
   ``.check()``) and ends as it sees fit. The probe's SIGTERM, and the cleanup that a signal must not
   cut short (:mod:`vramcal.probes.lifecycle`).
+- ``"deliver"``: each signal noted is sent again once the old handlers are back, so it does then what it
+  would have done had it come just after the body (a process start, :mod:`vramcal.probes.lifecycle`).
 
 An ignored signal (``nohup``, ``cmd &`` in a script, a supervisor) stays ignored: nothing is installed for
 it, so children started in the body inherit it ignored too. Handlers only, never the signal mask: a
@@ -82,7 +84,7 @@ class Noted:
 
 @contextlib.contextmanager
 def noted(*signums: int, hold: bool = False,
-          leaving: Literal["raise", "ask"] = "raise") -> Iterator[Noted]:
+          leaving: Literal["raise", "ask", "deliver"] = "raise") -> Iterator[Noted]:
     """Note each of ``signums`` while the body runs; yields the :class:`Noted`. ``hold``: whether the
     signal waits (True) or acts at once as it would have (False); ``leaving``: what a noted signal does
     when the body ends (module docstring). The old handlers come back on leaving."""
@@ -114,6 +116,9 @@ def noted(*signums: int, hold: bool = False,
     finally:
         for s in watched:
             signal.signal(s, old[s])
+        if leaving == "deliver":
+            for s in dict.fromkeys(seen.signals):  # each once, in order; the first that raises ends it
+                signal.raise_signal(s)
     if seen() and leaving == "raise":  # the body went on although signalled: something swallowed it
         raise seen.exception()
 

@@ -6,8 +6,9 @@
   hundredths of a second); every probe first removes those whose parent is gone (:func:`sweep_stale`),
   so even a folder left by a parent and child killed together does not outlive the next probe.
 - **Signals** (each a use of :func:`vramcal.interrupts.noted`): while a probe runs, SIGTERM raises in the
-  main thread like Ctrl-C does (:func:`sigterm_raises`); while a probe cleans up, on every way out, a
-  signal waits and the run then ends as it asks (:func:`signals_held`).
+  main thread like Ctrl-C does (:func:`sigterm_raises`); while a child is started, a signal waits until
+  the child is held, to be killed with its group (:func:`signals_deferred`); while a probe cleans up, on
+  every way out, a signal waits and the run then ends as it asks (:func:`signals_held`).
   :class:`ProbeInterrupted` carries what was measured to the caller.
 """
 
@@ -107,7 +108,7 @@ def sweep_stale(root: str | None = None) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------ signals
-# Uses of the one mechanism, :func:`vramcal.interrupts.noted`; each says what a probe needs there.
+# Three uses of the one mechanism, :func:`vramcal.interrupts.noted`; each says what a probe needs there.
 
 def sigterm_raises():
     """While a probe runs: SIGTERM raises :class:`Terminated` in the main thread, as Ctrl-C raises
@@ -128,6 +129,15 @@ def signals_held():
     the cleanup is done (interrupted, or its own status if the child had finished, then exit 130 / 143);
     a run already interrupted keeps the signal that interrupted it."""
     return noted(signal.SIGINT, signal.SIGTERM, hold=True, leaving="ask")
+
+
+def signals_deferred():
+    """Around ``subprocess.Popen``: SIGINT and SIGTERM wait until the call has returned and its process is
+    held, then act as they would have (sent again once the old handlers are back). Raised inside the call,
+    they would leave a child forked, leading its own process group, that nobody holds and so nobody kills.
+    Handlers only, never the signal mask (the sampler thread exists, and the child must get SIGTERM and
+    SIGINT as usual)."""
+    return noted(signal.SIGINT, signal.SIGTERM, hold=True, leaving="deliver")
 
 
 def kill_group(proc: subprocess.Popen) -> None:

@@ -51,7 +51,7 @@ from ..interrupts import signal_of
 from ..workload import CACHES, KV_DTYPES, NEW_TOKENS, Configuration, choice, device_kind, parse_device, workload
 from . import nvml
 from .child import remove_temp_folder
-from .lifecycle import (ProbeInterrupted, kill_group, make_temp_folder, signals_held, sigterm_raises,
+from .lifecycle import (ProbeInterrupted, kill_group, make_temp_folder, signals_deferred, signals_held, sigterm_raises,
                         sweep_stale)
 from .result import ProbeResult, assemble, device_readings, sample_dict, vision_reading
 from .sampler import Sampler, nvml_reader, rss_reader
@@ -302,9 +302,11 @@ class _Probe:
     # -- processes
 
     def _spawn(self, args: list[str], **kwargs) -> subprocess.Popen:
-        # a session of its own: the terminal's Ctrl-C reaches the parent only; the group is killed below
-        proc = subprocess.Popen(args, start_new_session=True, stdin=subprocess.DEVNULL, **kwargs)
-        self.procs.append(proc)
+        # a session of its own: the terminal's Ctrl-C reaches the parent only; the group is killed in close().
+        # A signal while Popen runs waits until the process is in self.procs (lifecycle.signals_deferred)
+        with signals_deferred():
+            proc = subprocess.Popen(args, start_new_session=True, stdin=subprocess.DEVNULL, **kwargs)
+            self.procs.append(proc)
         return proc
 
     @staticmethod
@@ -380,23 +382,14 @@ class _Probe:
         read_fd, write_fd = os.pipe()
         self.log = tempfile.TemporaryFile(mode="w+")
         try:
-            self.start = time.monotonic()
-            self.child = self._spawn([sys.executable, "-m", "vramcal.probes.child", json.dumps(child_spec),
-                                      str(write_fd)], pass_fds=(write_fd,), stdout=self.log, stderr=self.log)
-        finally:
-            os.close(write_fd)
-        try:
-            if self.series == "rss":
-                reader = rss_reader(self.child.pid)
-            elif self.series is not None and self.gpus:
-                gpu_read, ram_read = nvml_reader(self.gpus, self.child.pid), rss_reader(self.child.pid)
-
-                def reader():
-                    return {**gpu_read(), **ram_read()}
-            elif self.series is not None:
-                reader = nvml_reader([_cuda_index(self.identity["device"])], self.child.pid)
-            else:
-                reader = None
+            try:
+                self.start = time.monotonic()
+                with signals_deferred():  # held as self.child too before a signal acts (exit_code, the result)
+                    self.child = self._spawn([sys.executable, "-m", "vramcal.probes.child", json.dumps(child_spec),
+                                              str(write_fd)], pass_fds=(write_fd,), stdout=self.log, stderr=self.log)
+            finally:
+                os.close(write_fd)
+            reader = self._reader()
             self.sampler = Sampler(reader, self.interval_s).start() if reader else None
             self._journal({"event": "start", "parent_pid": os.getpid(), "child_pid": self.child.pid,
                            "monotonic_start": self.start, "gpus": self.gpus, **self._identity_json()})
@@ -408,6 +401,18 @@ class _Probe:
             self.notes.append("the child did not exit within 60 s of its last event: killed")
         self.close()
         self._flush_samples()
+
+    def _reader(self):
+        """What the sampler reads of the child: its resident set on the CPU, NVML ``memory.used`` of its GPU
+        (of every GPU of a placed run, and its resident set beside), or nothing without NVML."""
+        if self.series == "rss":
+            return rss_reader(self.child.pid)
+        if self.series is not None and self.gpus:
+            gpu_read, ram_read = nvml_reader(self.gpus, self.child.pid), rss_reader(self.child.pid)
+            return lambda: {**gpu_read(), **ram_read()}
+        if self.series is not None:
+            return nvml_reader([_cuda_index(self.identity["device"])], self.child.pid)
+        return None
 
     def _read_events(self, fd: int) -> None:
         buf = b""
