@@ -19,7 +19,10 @@ Every way a run ends leaves a result:
 - Ctrl-C (SIGINT) or SIGTERM in the parent: the child's process group is killed and
   :class:`ProbeInterrupted` is raised, carrying a result with status ``interrupted``, the last stage,
   the stages so far, the samples and the stage it was in (``unfinished``); the caller records it and
-  exits with ``exc.exit_code`` (130 or 143);
+  exits with ``exc.exit_code`` (130 or 143). A signal while a child is being started waits until it is
+  held, so it is killed too (:func:`~.lifecycle.signals_deferred`); one after the child finished, while
+  the probe cleans up or builds its result, still raises :class:`ProbeInterrupted`, with the finished
+  result (status ``ok``) to record;
 - the parent killed outright (SIGKILL): nothing in it runs any more. The child gets SIGTERM from the
   kernel (``PR_SET_PDEATHSIG``) and exits, removing the temporary folder; ``journal=`` (a callback,
   see :func:`run_probe`) lets a caller keep the markers and samples on disk as they arrive, and
