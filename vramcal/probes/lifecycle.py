@@ -113,7 +113,9 @@ def sweep_stale(root: str | None = None) -> list[str]:
 def sigterm_raises():
     """While a probe runs: SIGTERM raises :class:`Terminated` in the main thread, as Ctrl-C raises
     ``KeyboardInterrupt`` (elsewhere Python cannot install handlers: the caller's own handling stands).
-    The old handler comes back after.
+    The old handler comes back after. As for every noted signal: a handler the caller installed from
+    Python runs instead of the raise (the probe still notes the SIGTERM and ends terminated when it next
+    checks), and an ignored SIGTERM stays ignored.
 
     Yields the :class:`~vramcal.interrupts.Noted`. A ``Terminated`` can be swallowed where the main thread
     happens to be (a finalizer, a library's bare ``except:``, an import that clears the error it met), as
