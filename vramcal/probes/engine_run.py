@@ -7,7 +7,11 @@ that samples it (NVML ``memory.used`` of its GPUs, or the child's resident set).
 a timeout, Ctrl-C, SIGTERM) kills the child's group before it returns. A Ctrl-C or SIGTERM in the parent
 does not propagate from here: the run comes back ``interrupted`` with its last stage and its samples, the
 caller records it, then raises :class:`~.lifecycle.ProbeInterrupted` (exit 130 / 143), as the
-transformers probe does.
+transformers probe does. A signal while the child is being started waits until ``Popen`` has returned,
+so the child is held and killed like any other (:func:`~.lifecycle.signals_deferred`); one during the
+cleanup waits until the cleanup is done, then the run comes back stopped by it all the same
+(:func:`~.lifecycle.signals_held`): ``interrupted``, or, when the child had already finished, its own
+status with ``interrupted`` set, so the caller records a whole measurement and still exits 130 / 143.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .lifecycle import Terminated, kill_group, signals_held, sigterm_raises
+from ..interrupts import signal_of
+from .lifecycle import kill_group, signals_deferred, signals_held, sigterm_raises
 from .sampler import Sampler, attribute
 
 ENDINGS = {"done": "ok", "oom": "oom", "error": "error", "timeout": "timeout"}  # else: crashed
@@ -82,22 +87,22 @@ def run_child(module: str, spec: dict, reader_for: Callable[[int], Callable], *,
     start = time.monotonic()
     markers: list[tuple[str, float]] = []
     final: dict | None = None
-    sampler = None
-    interrupted = None
+    child = sampler = interrupted = None
     with sigterm_raises() as terminated:
         try:
-            child = subprocess.Popen([sys.executable, "-m", module, json.dumps({**spec, "parent_pid": os.getpid()}),
-                                      str(write_fd)], pass_fds=(write_fd,), stdout=log, stderr=log,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
-        finally:
-            os.close(write_fd)
-        try:
+            try:
+                with signals_deferred():  # a signal waits until the child is held, to be killed below
+                    child = subprocess.Popen([sys.executable, "-m", module,
+                                              json.dumps({**spec, "parent_pid": os.getpid()}), str(write_fd)],
+                                             pass_fds=(write_fd,), stdout=log, stderr=log,
+                                             stdin=subprocess.DEVNULL, start_new_session=True,
+                                             env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+            finally:
+                os.close(write_fd)
             sampler = Sampler(reader_for(child.pid), interval_ms / 1000.0).start()
             buf = b""
             while True:
-                if terminated():  # a Terminated something swallowed: end now, not when the child ends
-                    raise Terminated()
+                terminated.check()  # a Terminated something swallowed: end now, not when the child ends
                 if timeout_s and time.monotonic() - start > timeout_s:
                     final = {"event": "timeout", "error": f"no end within {timeout_s:g} s"}
                     break
@@ -119,18 +124,19 @@ def run_child(module: str, spec: dict, reader_for: Callable[[int], Callable], *,
                     elif ev.get("event") in ("done", "oom", "error"):
                         final = ev
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM through sigterm_raises: recorded by the caller
-            interrupted = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+            interrupted = signal_of(exc)
         finally:
-            with signals_held():  # a second signal cannot cut the cleanup short
+            with signals_held() as late:  # the cleanup is not cut short: a signal in it waits
                 os.close(read_fd)
-                kill_group(child)
+                if child is not None:
+                    kill_group(child)
                 if sampler is not None:
                     sampler.stop()
-        if interrupted is None and terminated():  # a Terminated something swallowed
-            interrupted = "SIGTERM"
-    log.seek(0)
-    text = log.read()
-    log.close()
+                log.seek(0)
+                text = log.read()
+                log.close()
+        # a signal during the cleanup ends the run as one before it would; so does a Terminated swallowed
+        interrupted = interrupted or late.name or terminated.name
     return ChildRun(markers=markers, final=final, log_text=text, wall_s=time.monotonic() - start,
                     samples=sampler.samples if sampler else [],
                     sampler_overhead=sampler.overhead if sampler else None, interrupted=interrupted)

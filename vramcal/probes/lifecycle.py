@@ -5,9 +5,11 @@
 - **Temporary folders** are named ``vramcal-probe-PID-START-*`` (the parent's pid and start time in
   hundredths of a second); every probe first removes those whose parent is gone (:func:`sweep_stale`),
   so even a folder left by a parent and child killed together does not outlive the next probe.
-- **Signals**: while a probe runs, SIGTERM raises in the main thread like Ctrl-C does
-  (:func:`sigterm_raises`); while an interrupted probe cleans up, a second signal waits
-  (:func:`signals_held`). :class:`ProbeInterrupted` carries what was measured to the caller.
+- **Signals** (each a use of :func:`vramcal.interrupts.noted`): while a probe runs, SIGTERM raises in the
+  main thread like Ctrl-C does (:func:`sigterm_raises`); while a child is started, a signal waits until
+  the child is held, to be killed with its group (:func:`signals_deferred`); while a probe cleans up, on
+  every way out, a signal waits and the run then ends as it asks (:func:`signals_held`).
+  :class:`ProbeInterrupted` carries what was measured to the caller.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ import re
 import signal
 import subprocess
 import tempfile
-import threading
-from contextlib import contextmanager
 
+from ..interrupts import Terminated, noted  # noqa: F401 (Terminated re-exported: the probe's SIGTERM)
 from .child import TEMP_PREFIX, remove_temp_folder
 
 _FOLDER = re.compile(re.escape(TEMP_PREFIX) + r"(\d+)-(\d+)-")
@@ -41,10 +42,6 @@ class ProbeInterrupted(KeyboardInterrupt):
     @property
     def exit_code(self) -> int:
         return 128 + int(signal.Signals[self.signal_name])
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread while a probe runs."""
 
 
 # ---------------------------------------------------------------------------- process identity
@@ -111,45 +108,38 @@ def sweep_stale(root: str | None = None) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------ signals
+# Three uses of the one mechanism, :func:`vramcal.interrupts.noted`; each says what a probe needs there.
 
-@contextmanager
 def sigterm_raises():
-    """While a probe runs: SIGTERM raises :class:`Terminated` in the main thread (elsewhere Python
-    cannot install handlers: the caller's own handling stands). The old handler comes back after.
+    """While a probe runs: SIGTERM raises :class:`Terminated` in the main thread, as Ctrl-C raises
+    ``KeyboardInterrupt`` (elsewhere Python cannot install handlers: the caller's own handling stands).
+    The old handler comes back after. As for every noted signal: a handler the caller installed from
+    Python runs instead of the raise (the probe still notes the SIGTERM and ends terminated when it next
+    checks), and an ignored SIGTERM stays ignored.
 
-    Yields ``terminated()``: whether a SIGTERM came. A ``Terminated`` can be swallowed where the main
-    thread happens to be (a finalizer, a library's bare ``except:``, an import that clears the error it
-    met), as a Ctrl-C can (:mod:`vramcal.interrupts`); the probe asks after each step it cannot trust and
-    ends as terminated, with its record, all the same."""
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: False
-        return
-    seen: list[int] = []
-
-    def raise_terminated(signum, frame):
-        seen.append(signum)
-        raise Terminated()
-
-    old = signal.signal(signal.SIGTERM, raise_terminated)
-    try:
-        yield lambda: bool(seen)
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    Yields the :class:`~vramcal.interrupts.Noted`. A ``Terminated`` can be swallowed where the main thread
+    happens to be (a finalizer, a library's bare ``except:``, an import that clears the error it met), as
+    a Ctrl-C can: the probe calls ``.check()`` after each step it cannot trust and ends as terminated, with
+    its record, all the same."""
+    return noted(signal.SIGTERM, leaving="ask")
 
 
-@contextmanager
 def signals_held():
-    """While an interrupted probe kills its child and builds its result: a second Ctrl-C or SIGTERM
-    is ignored, so the cleanup and the result cannot be cut short (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+    """While a probe kills its child and gathers what it measured, on every way out: SIGINT and SIGTERM
+    are noted and wait, so the cleanup cannot be cut short. Yields the
+    :class:`~vramcal.interrupts.Noted`: a run that was ending normally ends as the first signal asks once
+    the cleanup is done (interrupted, or its own status if the child had finished, then exit 130 / 143);
+    a run already interrupted keeps the signal that interrupted it."""
+    return noted(signal.SIGINT, signal.SIGTERM, hold=True, leaving="ask")
+
+
+def signals_deferred():
+    """Around ``subprocess.Popen``: SIGINT and SIGTERM wait until the call has returned and its process is
+    held, then act as they would have (sent again once the old handlers are back). Raised inside the call,
+    they would leave a child forked, leading its own process group, that nobody holds and so nobody kills.
+    Handlers only, never the signal mask (the sampler thread exists, and the child must get SIGTERM and
+    SIGINT as usual)."""
+    return noted(signal.SIGINT, signal.SIGTERM, hold=True, leaving="deliver")
 
 
 def kill_group(proc: subprocess.Popen) -> None:

@@ -19,7 +19,10 @@ Every way a run ends leaves a result:
 - Ctrl-C (SIGINT) or SIGTERM in the parent: the child's process group is killed and
   :class:`ProbeInterrupted` is raised, carrying a result with status ``interrupted``, the last stage,
   the stages so far, the samples and the stage it was in (``unfinished``); the caller records it and
-  exits with ``exc.exit_code`` (130 or 143);
+  exits with ``exc.exit_code`` (130 or 143). A signal while a child is being started waits until it is
+  held, so it is killed too (:func:`~.lifecycle.signals_deferred`); one after the child finished, while
+  the probe cleans up or builds its result, still raises :class:`ProbeInterrupted`, with the finished
+  result (status ``ok``) to record;
 - the parent killed outright (SIGKILL): nothing in it runs any more. The child gets SIGTERM from the
   kernel (``PR_SET_PDEATHSIG``) and exits, removing the temporary folder; ``journal=`` (a callback,
   see :func:`run_probe`) lets a caller keep the markers and samples on disk as they arrive, and
@@ -47,10 +50,11 @@ from ..estimator.loading import quantization_kwargs
 from ..estimator.quant import resolve_quant
 from ..estimator.resolve import ModelSource, resolve_model
 from ..estimator.vision import check_images
+from ..interrupts import signal_of
 from ..workload import CACHES, KV_DTYPES, NEW_TOKENS, Configuration, choice, device_kind, parse_device, workload
 from . import nvml
 from .child import remove_temp_folder
-from .lifecycle import (ProbeInterrupted, Terminated, kill_group, make_temp_folder, signals_held, sigterm_raises,
+from .lifecycle import (ProbeInterrupted, kill_group, make_temp_folder, signals_deferred, signals_held, sigterm_raises,
                         sweep_stale)
 from .result import ProbeResult, assemble, device_readings, sample_dict, vision_reading
 from .sampler import Sampler, nvml_reader, rss_reader
@@ -179,8 +183,7 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
             if with_estimate and estimate is None:
                 identity["estimate"] = _estimate_or_note(source, quant, work, dtype, attn, device, kv_dtype,
                                                          cache, notes, max_memory, device_map, gpu)
-            if terminated():  # the estimate (torch's import, a finalizer) swallowed it: no child is started
-                raise Terminated()
+            terminated.check()  # the estimate (torch's import, a finalizer) swallowed it: no child is started
             child_spec = {"device": device, "dtype": spec.dtype, "ctx": ctx, "batch": batch,
                           "bnb": quantization_kwargs(spec), "attn": attn,
                           "new_tokens": new_tokens, "kv_dtype": kv_dtype, "cache": cache}
@@ -189,17 +192,18 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
             if placed is not None:
                 child_spec.update(load=placed["load"], gpus=placed["gpus"])
             probe.run(source, synthetic, child_spec)
-            if terminated():
-                raise Terminated()
+            terminated.check()
+            # built under sigterm_raises: a signal while it is built ends the run as interrupted below (a
+            # child that finished keeps its status, and the caller still exits 130 / 143)
+            return probe.result(keep_samples=keep_samples)
         except KeyboardInterrupt as exc:
-            name = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
-            with signals_held():
+            name = signal_of(exc)
+            with signals_held():  # a second signal cannot cut the cleanup short: the first one stands
                 probe.close()
                 result = probe.result(interrupted=name, keep_samples=keep_samples)
             raise ProbeInterrupted(result, name) from None
         finally:
             probe.close()
-    return probe.result(keep_samples=keep_samples)
 
 
 def preflight(source: ModelSource, spec, device: str, synthetic: bool, interval_ms: float = 5.0,
@@ -301,9 +305,11 @@ class _Probe:
     # -- processes
 
     def _spawn(self, args: list[str], **kwargs) -> subprocess.Popen:
-        # a session of its own: the terminal's Ctrl-C reaches the parent only; the group is killed below
-        proc = subprocess.Popen(args, start_new_session=True, stdin=subprocess.DEVNULL, **kwargs)
-        self.procs.append(proc)
+        # a session of its own: the terminal's Ctrl-C reaches the parent only; the group is killed in close().
+        # A signal while Popen runs waits until the process is in self.procs (lifecycle.signals_deferred)
+        with signals_deferred():
+            proc = subprocess.Popen(args, start_new_session=True, stdin=subprocess.DEVNULL, **kwargs)
+            self.procs.append(proc)
         return proc
 
     @staticmethod
@@ -379,23 +385,14 @@ class _Probe:
         read_fd, write_fd = os.pipe()
         self.log = tempfile.TemporaryFile(mode="w+")
         try:
-            self.start = time.monotonic()
-            self.child = self._spawn([sys.executable, "-m", "vramcal.probes.child", json.dumps(child_spec),
-                                      str(write_fd)], pass_fds=(write_fd,), stdout=self.log, stderr=self.log)
-        finally:
-            os.close(write_fd)
-        try:
-            if self.series == "rss":
-                reader = rss_reader(self.child.pid)
-            elif self.series is not None and self.gpus:
-                gpu_read, ram_read = nvml_reader(self.gpus, self.child.pid), rss_reader(self.child.pid)
-
-                def reader():
-                    return {**gpu_read(), **ram_read()}
-            elif self.series is not None:
-                reader = nvml_reader([_cuda_index(self.identity["device"])], self.child.pid)
-            else:
-                reader = None
+            try:
+                self.start = time.monotonic()
+                with signals_deferred():  # held as self.child too before a signal acts (exit_code, the result)
+                    self.child = self._spawn([sys.executable, "-m", "vramcal.probes.child", json.dumps(child_spec),
+                                              str(write_fd)], pass_fds=(write_fd,), stdout=self.log, stderr=self.log)
+            finally:
+                os.close(write_fd)
+            reader = self._reader()
             self.sampler = Sampler(reader, self.interval_s).start() if reader else None
             self._journal({"event": "start", "parent_pid": os.getpid(), "child_pid": self.child.pid,
                            "monotonic_start": self.start, "gpus": self.gpus, **self._identity_json()})
@@ -407,6 +404,18 @@ class _Probe:
             self.notes.append("the child did not exit within 60 s of its last event: killed")
         self.close()
         self._flush_samples()
+
+    def _reader(self):
+        """What the sampler reads of the child: its resident set on the CPU, NVML ``memory.used`` of its GPU
+        (of every GPU of a placed run, and its resident set beside), or nothing without NVML."""
+        if self.series == "rss":
+            return rss_reader(self.child.pid)
+        if self.series is not None and self.gpus:
+            gpu_read, ram_read = nvml_reader(self.gpus, self.child.pid), rss_reader(self.child.pid)
+            return lambda: {**gpu_read(), **ram_read()}
+        if self.series is not None:
+            return nvml_reader([_cuda_index(self.identity["device"])], self.child.pid)
+        return None
 
     def _read_events(self, fd: int) -> None:
         buf = b""
