@@ -29,6 +29,9 @@ class HubServer:
         self.slow_s = slow_s
         self.requests: list[tuple[str, str, int]] = []  # method, path, body bytes served
         self.auth_seen: list[str | None] = []
+        # bumped by reset(): a request that arrived before it (a slow reply to the last test's client, which has
+        # hung up) is served but not counted as this test's
+        self.generation = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -58,6 +61,7 @@ class HubServer:
     # -- what was served
     def reset(self) -> None:
         with self._lock:
+            self.generation += 1
             self.requests.clear()
             self.auth_seen.clear()
 
@@ -65,8 +69,10 @@ class HubServer:
     def bytes_served(self) -> int:
         return sum(n for _, _, n in self.requests)
 
-    def _log(self, method: str, path: str, n: int, auth: str | None) -> None:
+    def _log(self, method: str, path: str, n: int, auth: str | None, generation: int | None = None) -> None:
         with self._lock:
+            if generation is not None and generation != self.generation:
+                return  # arrived before the last reset()
             self.requests.append((method, path, n))
             self.auth_seen.append(auth)
 
@@ -114,7 +120,8 @@ class HubServer:
                 if not head and body:
                     self.wfile.write(body)
                     sent = len(body)
-                server._log(self.command, self.path, sent, self.headers.get("Authorization"))
+                server._log(self.command, self.path, sent, self.headers.get("Authorization"),
+                            getattr(self, "generation", None))
 
             def _json(self, status: int, obj, head=False, headers=None) -> None:
                 self._reply(status, json.dumps(obj).encode(), {"Content-Type": "application/json", **(headers or {})},
@@ -127,6 +134,7 @@ class HubServer:
                 self._json(status, {"error": message}, head=head, headers=headers)
 
             def _serve(self, head: bool, form: dict | None = None) -> None:
+                self.generation = server.generation  # as the request arrives
                 url = urlsplit(self.path)
                 path = unquote(url.path)
                 api = path.startswith("/api/models/")
@@ -211,7 +219,8 @@ class HubServer:
                     half = body[:len(body) // 2]
                     self.wfile.write(half)
                     self.wfile.flush()
-                    server._log(self.command, self.path, len(half), self.headers.get("Authorization"))
+                    server._log(self.command, self.path, len(half), self.headers.get("Authorization"),
+                                getattr(self, "generation", None))
                     self.close_connection = True
                     return
                 self._reply(status, body, headers)
