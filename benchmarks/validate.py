@@ -109,7 +109,7 @@ def write_csv(args) -> int:
         for mid, machine in machines.items():
             stage_rows = store.stage_rows(mid)
             runs = [r for r in store.runs(machine_id=mid) if r["status"] is not None and r["device"] == args.device]
-            estimates = {r["id"]: _estimate_for(store, r, args.re_estimate) for r in runs}
+            estimates = {r["id"]: _estimate_for(store, r, args.re_estimate, machine.get("gpu_name")) for r in runs}
             if args.re_estimate:  # the leave-one-out fits must see the same estimates as the rows
                 stage_rows = [{**row, "estimated_bytes": (estimates[row["run_id"]].get("stages") or {}).get(
                     row["stage"], row["estimated_bytes"]), "estimator_model": model_id(device_kind(row["device"]))}
@@ -205,7 +205,7 @@ def re_estimate_csv(args) -> int:
     for r in rows:
         runs.setdefault(int(r["run_id"]), r)
     estimates = {rid: _estimate_for(None, {"model": r["model"], "quant": r["quant"], "ctx": int(r["ctx"]),
-                                           "batch": int(r["batch"]), "device": r["device"]}, True)
+                                           "batch": int(r["batch"]), "device": r["device"]}, True, r["machine"])
                  if r["status"] == "ok" else {} for rid, r in runs.items()}
     stage_rows = [{"run_id": int(r["run_id"]), "stage": r["stage"], "ctx": int(r["ctx"]), "batch": int(r["batch"]),
                    "status": r["status"], "quant": r["quant"], "config_hash": r["model"],
@@ -226,16 +226,25 @@ def re_estimate_csv(args) -> int:
     return len(rows)
 
 
-def _estimate_for(store, run: dict, re_estimate: bool) -> dict:
+def _estimate_for(store, run: dict, re_estimate: bool, gpu_name: str | None = None) -> dict:
     """The estimate recorded with the run, or (``--re-estimate``) the current code's estimate of the
-    same configuration: estimates are a function of the code, measurements are the data."""
+    same configuration, priced for the GPU the run was on (``gpu_name``, the machine's; its context and
+    kernels from vramcal's table): estimates are a function of the code, measurements are the data."""
     if not re_estimate:
         return store.run(run["id"]).context.estimate or {}
+    from vramcal.errors import UserError
     from vramcal.estimator.estimate import estimate
     from vramcal.estimator.resolve import ModelSource
+    from vramcal.probes.hardware import gpu_target
 
+    gpu = None
+    if gpu_name and not str(run["device"]).startswith("cpu"):
+        try:
+            gpu = gpu_target(gpu_name)
+        except UserError:  # a GPU the table does not know: its defaults, as on that machine
+            gpu = None
     source = ModelSource(name=run["model"], origin="config", config=ARCHS[run["model"]])
-    return estimate(source, run["quant"], run["ctx"], run["batch"], device=run["device"]).to_dict()
+    return estimate(source, run["quant"], run["ctx"], run["batch"], device=run["device"], gpu=gpu).to_dict()
 
 
 def _pct(est, measured):
@@ -267,7 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         re_estimate_csv(args)
         return 0
     if not args.csv_only:
-        run_matrix(args)
+        try:
+            run_matrix(args)
+        except (KeyboardInterrupt, Exception):  # cut short (a session's timeout): the runs recorded so far
+            if os.path.exists(args.db):        # still become rows, then it ends as it would have
+                write_csv(args)
+            raise
     write_csv(args)
     return 0
 

@@ -525,3 +525,31 @@ def test_a_placement_of_a_pre_quantized_checkpoint_is_refused_for_what_it_is(fp8
     err = r.stderr.strip()
     assert r.returncode == 2 and "\n" not in err, err
     assert "placement" in err and "not modelled yet for fp8" in err and "drop --max-memory" in err, err
+
+
+def test_a_probe_from_the_library_prices_the_gpu_it_runs_on(fake, monkeypatch):
+    """run_probe without ``gpu`` (benchmarks/validate.py, gpu_session.py) prices this machine's GPU, as
+    `vramcal probe` does: the second H200 session's probes were priced with the default context (512 MiB)
+    instead of the H200's measured one, 16-25 % low on small models. The CPU stays without a GPU."""
+    import vramcal.probes.probe as probe
+    from vramcal.probes.hardware import device_gpu_target
+
+    fake({0: [1 << 30]}, gpu_name="NVIDIA H200", compute_capability=(9, 0))
+    assert device_gpu_target("cuda").architecture == "hopper"
+    assert device_gpu_target("cuda:0").name == "NVIDIA H200"
+    assert device_gpu_target("cpu") is None
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def resolve(quant, source, dtype, gpu):
+        seen.append(gpu)
+        raise Stop
+
+    monkeypatch.setattr(probe, "resolve_quant", resolve)
+    for device in ("cuda:0", "cpu"):
+        with pytest.raises(Stop):
+            probe.run_probe("qwen2.5-0.5b", "bf16", 64, device=device)
+    assert seen[0].architecture == "hopper" and seen[0].compute_capability == (9, 0)
+    assert seen[1].is_cpu

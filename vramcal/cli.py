@@ -70,14 +70,11 @@ def _add_gpu_arg(p) -> None:
 
 def _gpu(args):
     """``--gpu NAME`` as the estimator's target; else this machine's GPU of ``--device``; else None."""
-    from .probes.hardware import gpu_target, machine_gpu_target
+    from .probes.hardware import device_gpu_target, gpu_target
 
     if getattr(args, "gpu", None) is not None:
         return gpu_target(args.gpu)
-    device = str(getattr(args, "device", "") or "")
-    if device.startswith("cpu"):
-        return None
-    return machine_gpu_target(device if ":" in device else "cuda:0")
+    return device_gpu_target(getattr(args, "device", ""))
 
 
 def _probe_gpu(args):

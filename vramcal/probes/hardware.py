@@ -172,6 +172,15 @@ def machine_gpu_target(device: str) -> GpuTarget | None:
                      "this machine (NVML)", driver_reserve=reserve_here(f"cuda:{index}"))
 
 
+def device_gpu_target(device) -> GpuTarget | None:
+    """The GPU a run on ``device`` loads on, as the estimator's target (``cuda`` and ``auto`` mean cuda:0):
+    this machine's, through NVML; None for the CPU, or where NVML cannot say."""
+    d = str(device or "")
+    if d.startswith("cpu"):
+        return None
+    return machine_gpu_target(d if ":" in d else "cuda:0")
+
+
 def _words(name: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", name.lower().replace("geforce", " ").replace("nvidia", " "))
 

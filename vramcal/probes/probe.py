@@ -135,6 +135,10 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
     made it already (``check`` estimates once, before it records the run); else one is made here when
     ``with_estimate``.
 
+    ``gpu``: the :class:`~vramcal.estimator.formats.GpuTarget` the estimate prices and the quantization path
+    follows; default: this machine's GPU of ``device``, read through NVML (its context, kernels, cuBLAS workspace
+    and driver's reserve from vramcal's table), as ``vramcal probe`` does.
+
     ``on_event(event_dict, child_pid)`` is called for each event the child streams, as sent (progress
     display; tests use it to kill the child).
 
@@ -160,6 +164,10 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
     ctx, batch, new_tokens = work.ctx, work.batch, work.new_tokens
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     check_images(source.config, work.images, source.name)
+    if gpu is None and device_kind(device) != "cpu":  # priced for the GPU it loads on, as the CLI's probe is
+        from .hardware import device_gpu_target
+
+        gpu = device_gpu_target(device)
     spec = resolve_quant(quant, source, dtype, gpu or (CPU if device_kind(device) == "cpu" else None))
     series, notes, placed = preflight(source, spec, device, synthetic, interval_ms, kv_dtype, cache, max_memory,
                                       device_map)
