@@ -13,7 +13,8 @@ keeps torch's figures (memory_reserved / memory_allocated and their peaks, the s
 - the real trace (every alloc and free torch's allocator saw, in order) replayed through vramcal's
   allocator: reserved and the segments at each stage, beside torch's -- the replay's rules checked alone;
 - the dry run of the same config on meta tensors, its prefill's allocations beside the real prefill's: the
-  sizes that differ, in order -- where the dry run's trace is not the GPU's;
+  sizes that differ, in order -- where the dry run's trace is not the GPU's; then the same with the frees in
+  the sequence (``prefill_order``), and both prefills as ``+size`` / ``-size`` lists (``prefill_ops``);
 - NVML's used and (v2) reserved before CUDA starts and at the end, through vramcal's one NVML door.
 
 :func:`compare` is the part the CPU tests run, on a snapshot-shaped trace.
@@ -91,6 +92,34 @@ def size_diff(real: list[tuple], dry: list[tuple], limit: int = 60) -> dict:
                        for t, i1, i2, j1, j2 in ops[:limit]]}
 
 
+def op_sequence(events: list[tuple]) -> list[str]:
+    """Replay events as ``+size`` for an allocation and ``-size`` for a free (the size of the block it frees):
+    the order in which blocks live and die, which decides the segments as much as their sizes do."""
+    from vramcal.estimator.allocator import ALLOC, FREE
+
+    live, out = {}, []
+    for op, key, size in events:
+        if op == ALLOC:
+            live[key] = size
+            out.append(f"+{size}")
+        elif op == FREE and key in live:
+            out.append(f"-{live.pop(key)}")
+    return out
+
+
+def order_diff(real: list[tuple], dry: list[tuple], limit: int = 60) -> dict:
+    """The real prefill's allocations and frees beside the dry run's, in order (:func:`op_sequence`): the
+    first places where they part, frees included -- two traces of the same sizes can still strand different
+    blocks if a tensor dies at another moment."""
+    import difflib
+
+    a, b = op_sequence(real), op_sequence(dry)
+    ops = [op for op in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes() if op[0] != "equal"]
+    return {"real_events": len(a), "dry_events": len(b),
+            "differ": [{"op": t, "real": a[i1:i2][:8], "dry": b[j1:j2][:8], "at_real": i1, "at_dry": j1}
+                       for t, i1, i2, j1, j2 in ops[:limit]]}
+
+
 def nvml_memory(index: int) -> dict:
     from vramcal.probes import nvml
 
@@ -161,6 +190,9 @@ def run(device: str, ctx: int, layers: int) -> dict:
     cut = next((i for i, e in enumerate(dry.events or []) if e[0] == 2 and e[1] == "prefill"), None)
     result["prefill_sizes"] = size_diff(real, (dry.events or [])[:cut]) if cut is not None else \
         {"why_not": "the dry run gave no whole-model events here"}
+    if cut is not None:  # the order, frees included, and both sequences whole: a CPU can replay them later
+        result["prefill_order"] = order_diff(real, dry.events[:cut])
+        result["prefill_ops"] = {"real": op_sequence(real), "dry": op_sequence(dry.events[:cut])}
     result["free_events"] = sum(1 for e in real if e[0] == FREE)
     result["alloc_events"] = sum(1 for e in real if e[0] == ALLOC)
     return result

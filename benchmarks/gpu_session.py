@@ -1,11 +1,14 @@
 """Everything a lent GPU should measure, in one command that fits 8 minutes of device time.
 
-On the device machine (its image has no bitsandbytes and an older transformers: carry both wheels, as
-docs/validation/gpu-h200/README.md did, with the command it gives):
+On the device machine (its image has no bitsandbytes and an older transformers: carry bitsandbytes 0.50.2,
+transformers 5.24.0 and gguf as wheels, 57 MB together, as docs/validation/gpu-h200/2026-12-04.md did; not
+huggingface_hub 2.x, which needs httpx2 that the image lacks -- the image's 1.33 serves transformers 5.24):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD
     timeout 480 python3 benchmarks/gpu_session.py --device cuda:0 --out /tmp/o --budget-s 420
+
+``--parts`` runs some of them, sharing the whole budget in their proportions.
 
 then copy /tmp/o to $OUT as one archive (at most 8 files come back). Seven parts, run in the order of
 :data:`SHARES` (what no GPU has measured yet first), each with its own share of the time budget, each
@@ -56,11 +59,11 @@ sys.path.insert(0, str(HERE))
 # first session, 2026-11-30, got through), then the matrices that add rows to what is there
 # shares sized by that session: a probe of a 3B model with synthetic weights took 157 s there, most of it
 # writing and reading the checkpoint, so the parts with such a probe get the time one needs
-# issue 26: the allocator's snapshots first (the replay's rules, segment by segment), then what issues 17 and
-# 18 still owe (a plan's first offloaded configuration, a VLM with an image), then the CPU resident set under
-# offload (the offload part measures the CPU side of the split), then the matrices
-SHARES = {"allocator": 0.20, "plan": 0.25, "vlm": 0.20, "offload": 0.15, "vllm": 0.05, "widths": 0.075,
-          "validate": 0.075}
+# the second session (2026-12-04) measured allocator, plan, vlm, offload and six validate runs, and no widths
+# row: the allocator first again (it now keeps both prefills' order of allocations and frees, which is where the
+# dry run's replay parts from the GPU's), then the widths rows no session has repeated, then the rest
+SHARES = {"allocator": 0.15, "widths": 0.25, "vlm": 0.15, "plan": 0.15, "offload": 0.10, "vllm": 0.05,
+          "validate": 0.15}
 
 
 def part_allocator(args, budget_s: float) -> str:
@@ -120,13 +123,14 @@ def part_widths(args, budget_s: float) -> str:
 def part_offload(args, budget_s: float) -> str:
     """Llama-3.2-3B bf16 (6.4 GB of weights) with 3 GiB of the GPU: about half its layers on the CPU."""
     from vramcal.estimator.estimate import estimate
+    from vramcal.probes.hardware import device_gpu_target
     from vramcal.probes.probe import run_probe
 
     if not args.device.startswith("cuda"):
         print("offload: skipped, it needs a GPU (--max-memory is refused on the CPU path)", file=sys.stderr)
         return ""
     model, quant, mm = "llama-3.2-3b", "bf16", f"{args.device}=3GiB,cpu=32GiB"
-    est = estimate(model, quant, ctx=1024, max_memory=mm, device="cuda")
+    est = estimate(model, quant, ctx=1024, max_memory=mm, device="cuda", gpu=device_gpu_target(args.device))
     r = run_probe(model, quant, 1024, 1, device=args.device, synthetic=True, keep_samples=False, max_memory=mm,
                   timeout_s=budget_s)
     measured = r.to_dict(samples=False)
@@ -197,6 +201,7 @@ def part_vlm(args, budget_s: float) -> str:
 
     from vramcal.estimator.estimate import estimate
     from vramcal.estimator.resolve import resolve_model
+    from vramcal.probes.hardware import device_gpu_target
     from vramcal.probes.probe import run_probe
 
     if not args.device.startswith("cuda"):
@@ -208,7 +213,8 @@ def part_vlm(args, budget_s: float) -> str:
     (model / "config.json").write_text(json.dumps(gpu_validate._config_for("qwen2.5-vl-7b", 4)))
     for name, data in resolve_model("qwen2.5-vl-7b").processor.items():
         (model / name).write_text(json.dumps(data))
-    est = estimate(str(model), "nf4", ctx=512 + 64, new_tokens=64, images=1, image_size=(1024, 1024), device="cuda")
+    est = estimate(str(model), "nf4", ctx=512 + 64, new_tokens=64, images=1, image_size=(1024, 1024), device="cuda",
+                   gpu=device_gpu_target(args.device))
     r = run_probe(str(model), "nf4", 512 + 64, 1, device=args.device, synthetic=True, keep_samples=False,
                   new_tokens=64, images=1, image_size=(1024, 1024), timeout_s=budget_s, estimate=est)
     out = {"command": r.command, "status": r.status, "error": r.error, "estimate": est.to_dict(),
@@ -229,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     done = {}
     start = time.monotonic()
+    chosen = sum(SHARES[p] for p in args.parts)  # the parts asked for share the whole budget
     for part in args.parts:
-        share = args.budget_s * SHARES[part]
+        share = args.budget_s * SHARES[part] / chosen
         t = time.monotonic()
         try:
             done[part] = {"file": {"validate": part_validate, "widths": part_widths,

@@ -70,3 +70,43 @@ def test_the_allocator_part_replays_a_real_trace_stage_by_stage():
     assert got["first_token"]["reserved_replay"] == 120 * mib and got["first_token"]["error_bytes"] == -2 * mib
     diff = gpu_allocator.size_diff([(0, 1, 10), (0, 2, 20)], [(0, 1, 10), (0, 2, 30)])
     assert diff["differ"] == [{"op": "replace", "real": [20], "dry": [30], "at_real": 1, "at_dry": 1}]
+
+
+def test_the_allocator_part_sets_the_order_of_frees_beside_the_dry_runs():
+    """Two prefills of the same sizes, one freeing its first block before the second allocation and one
+    after: the sizes agree, the order does not, and the diff says where."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import gpu_allocator
+
+    from vramcal.estimator.allocator import ALLOC, FREE
+
+    real = [(ALLOC, "a", 512), (FREE, "a", 0), (ALLOC, "b", 256), (FREE, "b", 0)]
+    dry = [(ALLOC, "a", 512), (ALLOC, "b", 256), (FREE, "a", 0), (FREE, "b", 0)]
+    assert gpu_allocator.op_sequence(real) == ["+512", "-512", "+256", "-256"]
+    assert gpu_allocator.size_diff(real, dry)["differ"] == []
+    got = gpu_allocator.order_diff(real, dry)
+    assert got["real_events"] == got["dry_events"] == 4
+    assert got["differ"] and got["differ"][0]["at_real"] == 1
+
+
+def test_validate_cut_short_still_writes_the_rows_it_recorded(tmp_path, monkeypatch):
+    """A session's timeout (SIGTERM: ProbeInterrupted, a KeyboardInterrupt) in the middle of the matrix: the CSV
+    is rewritten from the runs already recorded, then the interrupt goes on (the 2026-12-04 H200 session's third
+    call left only its database)."""
+    import pytest
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import validate
+
+    db = tmp_path / "v.db"
+    db.write_bytes(b"")
+    written = []
+
+    def cut(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(validate, "run_matrix", cut)
+    monkeypatch.setattr(validate, "write_csv", lambda args: written.append(args.out))
+    with pytest.raises(KeyboardInterrupt):
+        validate.main(["--db", str(db), "--out", str(tmp_path / "v.csv")])
+    assert written == [str(tmp_path / "v.csv")]
