@@ -67,6 +67,46 @@ def test_a_pairs_events_give_the_whole_models(five_layers, arch, quant):
     assert a.marks["prefill"] == b.marks["prefill"] and a.marks["decode"] == b.marks["decode"]
 
 
+@pytest.mark.parametrize("quant", ["bf16", "nf4"])
+def test_the_workspace_is_marked_after_the_first_linears_output(five_layers, quant):
+    """torch allocates the cuBLAS workspace on the first cuBLAS product, after its output: on the H200 trace the
+    first Linear's (q_proj), not the rotary embedding's float32 outer product before it (inner dimension 1).
+    The dry run marks it there once, in the pair's trace and in the whole model's alike."""
+    from vramcal.estimator.allocator import WORKSPACE_MARK
+
+    s = resolve_model(five_layers["dense-gqa"])
+    r = DryRunner(s, resolve_quant(quant, s.config))
+    batch, seq = 1, 300
+    cfg = s.config
+    q_bytes = batch * seq * cfg["num_attention_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 2
+    whole = trace_model(r.model, r.quant.method, r.dtype, batch, seq, lambda: r._new_cache(seq + 16))
+    pair = r.trace(batch, seq)
+    for events in (whole.events, pair.events):
+        at = [i for i, e in enumerate(events) if e[0] == MARK and e[1] == WORKSPACE_MARK]
+        assert len(at) == 1
+        before = [e for e in events[:at[0]] if e[0] == ALLOC]
+        assert before[-1][2] == q_bytes  # q_proj's output, just allocated
+        first_layer = next(i for i, e in enumerate(events) if e[0] == MARK and e[1] == ("pre", 0)) \
+            if any(e[0] == MARK and e[1] == ("pre", 0) for e in events) else None
+        assert first_layer is None or first_layer < at[0]  # inside layer 0, after the rotary embedding
+
+
+def test_the_replay_allocates_the_workspace_where_the_mark_is():
+    """A 100 MiB block freed, then the workspace, then 100 MiB again: allocated before the prefill (no mark) the
+    workspace has its own segment and the second block reuses the first's (no slack); at the mark it splits the
+    freed block and the second needs a segment of its own (68 MiB stranded), as torch's allocator would."""
+    from vramcal.estimator.allocator import FREE, WORKSPACE_MARK, AllocConf
+    from vramcal.estimator.reserve import trace_slack
+
+    mib = 1024**2
+    body = [(ALLOC, "x", 100 * mib), (FREE, "x", 0), (ALLOC, "y", 100 * mib), (FREE, "y", 0),
+            (MARK, "prefill", 0), (MARK, "decode", 0)]
+    load = [(MARK, "load", 0)]
+    assert trace_slack(load, body, 32 * mib, AllocConf())[0] == 0
+    marked = body[:2] + [(MARK, WORKSPACE_MARK, 0)] + body[2:]
+    assert trace_slack(load, marked, 32 * mib, AllocConf())[0] == 68 * mib
+
+
 def test_the_dry_runs_order_is_the_cpu_forwards_and_the_cpu_allocators(tiny_models):
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM, DynamicCache

@@ -59,6 +59,9 @@ POW2_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB, one per pow
 UNLIMITED = (1 << 64) - 1  # std::numeric_limits<size_t>::max(): max_split_size's default
 
 ALLOC, FREE, MARK = 0, 1, 2
+# the mark a dry run leaves after the first cuBLAS product's output, where torch allocates the cuBLAS workspace
+# (:func:`vramcal.estimator.reserve.trace_slack` allocates it there)
+WORKSPACE_MARK = "cublas-workspace"
 
 # keys torch 2.13 accepts (AllocatorConfig.h keys_ and CUDAAllocatorConfig::getKeys) that change nothing
 # the replay models (pinned host memory, lock handling, graph capture, error policy)

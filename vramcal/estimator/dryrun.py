@@ -39,7 +39,7 @@ import gc
 import weakref
 from dataclasses import dataclass, field
 
-from .allocator import ALLOC, FREE, MARK
+from .allocator import ALLOC, FREE, MARK, WORKSPACE_MARK
 
 ALLOC_ROUND = 512  # CUDA caching allocator: every block is a multiple of 512 bytes
 
@@ -176,9 +176,28 @@ def _tensors(obj):
             yield from _tensors(x)
 
 
+# Where the cuBLAS workspace is allocated (:func:`~vramcal.estimator.reserve.trace_slack` puts it there): torch
+# allocates it through the caching allocator on the first cuBLAS call, right after that product's output. On
+# the H200's trace (docs/validation/gpu-h200/2026-12-04.md) that was the first Linear's (q_proj), the 23rd
+# allocation of the prefill; the rotary embedding's float32 outer product (inner dimension 1) before it did not
+# allocate it. Replayed before the prefill instead, it left one 896 MiB MLP segment more at 32k.
+_PRODUCTS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "_int_mm": 0}  # op -> the left operand's place
+
+
+def _first_product(func, args) -> bool:
+    """Whether ``func`` on ``args`` is a matrix product that reaches cuBLAS: mm / addmm / bmm / baddbmm / _int_mm
+    with an inner dimension above 1."""
+    place = _PRODUCTS.get(getattr(getattr(func, "overloadpacket", None), "__name__", ""))
+    if place is None or len(args) <= place:
+        return False
+    left = args[place]
+    return getattr(left, "dim", lambda: 0)() >= 2 and left.shape[-1] > 1
+
+
 class AllocationTracker:
     """Running total of live tensor storages on one device, counted as the CUDA caching allocator counts
-    them. Tensors on other devices (a CPU scalar transformers makes before moving it) are not counted."""
+    them. Tensors on other devices (a CPU scalar transformers makes before moving it) are not counted.
+    The first matrix product that reaches cuBLAS is marked (:data:`WORKSPACE_MARK`) after its output."""
 
     def __init__(self, device_type: str = "meta"):
         self.device_type = device_type
@@ -190,6 +209,9 @@ class AllocationTracker:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 tracker._note(out, (args, kwargs))
+                if not tracker.product_seen and _first_product(func, args):
+                    tracker.product_seen = True
+                    tracker.mark(WORKSPACE_MARK)
                 return out
 
         self.mode = _Mode()
@@ -198,6 +220,7 @@ class AllocationTracker:
         self.current = 0
         self.peak = 0
         self.ops = 0
+        self.product_seen = False
         # (ALLOC, storage, bytes) / (FREE, storage, 0) / (MARK, name, 0), in order: the allocator's replay
         self.events: list[tuple] = []
 
@@ -1065,6 +1088,8 @@ def whole_model_events(events: list, layers: int) -> list | None:
                 part = 2
             elif key == ("post", 1):
                 part, trailing = 2, True
+            elif key == WORKSPACE_MARK:  # kept where it fell: layer 0's copy of A, or the part before
+                parts[phase][part].append((MARK, key, 0))
             continue
         if trailing and op != FREE:
             part, trailing = 3, False
@@ -1083,6 +1108,8 @@ def whole_model_events(events: list, layers: int) -> list | None:
     def emit(evs, b: int, f: int) -> None:
         for op, org, size in evs:
             if op == MARK:
+                if org == WORKSPACE_MARK and b != 2:  # once: B's copies are the later layers'
+                    out.append((MARK, org, 0))
                 continue
             ph, a, n = org
             at = f if op == ALLOC else f - (b - a)

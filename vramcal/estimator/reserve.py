@@ -13,8 +13,8 @@ A format whose first forward rewrites the weights (compressed-tensors decompress
 then: :meth:`~vramcal.estimator.formats.Format.first_forward`) adds that, module by module, after the load:
 each module's new tensors allocated, then the stored ones it drops freed (one of that size from the load).
 
-Then the cuBLAS workspace (allocated through the caching allocator on the first matmul) and the dry run's
-prefill and decode step. What the stage rules take from it, per allocator setting: the reserve after
+Then the dry run's prefill and decode step, with the cuBLAS workspace allocated through the caching allocator
+where torch allocates it: right after the first cuBLAS product's output (``dryrun.WORKSPACE_MARK``). What the stage rules take from it, per allocator setting: the reserve after
 loading, and at the prefill's and the decode step's peaks the *slack*: reserved minus the highest
 allocated in that stretch (segments' rounding, blocks stranded in their segments, a warmup block's
 unused rest). Between traced points the slack is interpolated (:func:`slack_at`).
@@ -22,7 +22,7 @@ unused rest). Between traced points the slack is interpolated (:func:`slack_at`)
 
 from __future__ import annotations
 
-from .allocator import ALLOC, FREE, MARK, AllocConf, CachingAllocator, replay
+from .allocator import ALLOC, FREE, MARK, WORKSPACE_MARK, AllocConf, CachingAllocator, replay
 from .quant import DTYPE_BYTES, bnb4_tensors, bnb8_tensors
 
 
@@ -76,8 +76,12 @@ def trace_slack(load: list[tuple], events: list[tuple], workspace_bytes: int, co
     """[slack at the prefill's peak, at the decode step's] for one trace's ``events`` after ``load`` (the
     workspace allocated as the prefill starts); None when the events lack their marks."""
     a, _ = loaded(load, conf)
-    prefix = [(ALLOC, "cublas-workspace", workspace_bytes)] if workspace_bytes else []
-    r = replay(prefix + events, allocator=a)
+    at = next((i for i, e in enumerate(events) if e[0] == MARK and e[1] == WORKSPACE_MARK), None)
+    workspace = [(ALLOC, "cublas-workspace", workspace_bytes)] if workspace_bytes else []
+    # where torch allocates it: after the first cuBLAS product's output (dryrun.WORKSPACE_MARK); a trace
+    # without the mark (no product reached cuBLAS) as the prefill starts
+    events = workspace + list(events) if at is None else list(events[:at]) + workspace + list(events[at + 1:])
+    r = replay(events, allocator=a)
     if "prefill" not in r.marks or "decode" not in r.marks:
         return None
     p, d = r.marks["prefill"], r.marks["decode"]
