@@ -3,7 +3,7 @@ H200's own terms (``--gpu H200``), against what the GPU showed.
 
     python benchmarks/h200_raw.py [--out docs/validation/gpu-h200/raw.csv]
 
-For each measured row (gpu-h200.csv's first_token rows, gpu-h200/widths.csv's stages) it writes the estimate's
+For each measured row (gpu-h200.csv's first_token rows, gpu-h200/widths.csv's stages, gpu-h200-2.csv's rows) it writes the estimate's
 stage and reserved figures beside nvidia-smi's memory.used (NVML used less the driver's reserve, 648,347,648
 bytes there) and torch's max_memory_reserved, and the reserve above allocated both ways. Nothing is fitted to
 these rows: the allocator's rules are torch's, and the only H200 figures used are the terms measured in that
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +25,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
+
+os.environ.setdefault("VRAMCAL_ALLOC_REPLAY", "1")  # the replay is opt-in elsewhere; these rows are its check
 
 from vramcal.estimator.capacity import DRIVER_RESERVE as _TABLE  # noqa: E402
 
@@ -81,6 +84,22 @@ def main(argv=None) -> int:
                      "batch": r["batch"], "stage": st, "estimated_bytes": e.stages[st], "nvidia_smi_bytes": smi,
                      "error_pct": pct(e.stages[st], smi), "calibrated_bytes": cal,
                      "calibrated_error_pct": pct(cal, smi) if cal != "" else "",
+                     "estimated_reserved_bytes": e.reserved[st], "measured_reserved_bytes": "",
+                     "reserved_error_pct": "", "estimated_slack_bytes": e.reserved[st] - e.allocated[st],
+                     "measured_slack_bytes": ""})
+    # the second session's validate rows (2026-12-04): recorded from gpu-stages/4 on, so measured is NVML used less
+    # the reserve already, and the H200's context term (measured in the first session) is held out for them
+    second = Path(args.dir) / "gpu-h200-2.csv"
+    for r in csv.DictReader(open(second)) if second.exists() else ():
+        if r["status"] != "ok":
+            continue
+        source = ModelSource(name=r["model"], origin="config", config=validate.ARCHS[r["arch"]])
+        e = estimate(source, r["quant"], ctx=int(r["ctx"]), batch=int(r["batch"]), use_cache=False, gpu=h200)
+        st, smi = r["stage"], int(r["measured_bytes"])
+        rows.append({"source": "gpu-h200-2.csv", "model": r["model"], "quant": r["quant"], "ctx": r["ctx"],
+                     "batch": r["batch"], "stage": st, "estimated_bytes": e.stages[st], "nvidia_smi_bytes": smi,
+                     "error_pct": pct(e.stages[st], smi), "calibrated_bytes": r["calibrated_bytes"],
+                     "calibrated_error_pct": pct(r["calibrated_bytes"], smi) if r["calibrated_bytes"] else "",
                      "estimated_reserved_bytes": e.reserved[st], "measured_reserved_bytes": "",
                      "reserved_error_pct": "", "estimated_slack_bytes": e.reserved[st] - e.allocated[st],
                      "measured_slack_bytes": ""})
