@@ -91,6 +91,24 @@ def test_the_workspace_is_marked_after_the_first_linears_output(five_layers, qua
         assert first_layer is None or first_layer < at[0]  # inside layer 0, after the rotary embedding
 
 
+def test_a_workspace_mark_after_the_layers_is_kept_once(five_layers):
+    """int8's matmul runs in bitsandbytes (its stand-in makes no torch product), so the first product torch runs
+    is lm_head's, after the last layer: the whole model's events hold that mark once, as the whole trace does (it
+    was written twice, and the second mark cut the prefill's peak short in the replay)."""
+    from vramcal.estimator.allocator import WORKSPACE_MARK
+
+    s = resolve_model(five_layers["dense-gqa"])
+    r = DryRunner(s, resolve_quant("int8", s.config))
+    batch, seq = 1, 300
+    whole = trace_model(r.model, r.quant.method, r.dtype, batch, seq, lambda: r._new_cache(seq + 16))
+    pair = r.trace(batch, seq)
+    for events in (whole.events, pair.events):
+        assert sum(1 for e in events if e[0] == MARK and e[1] == WORKSPACE_MARK) == 1
+    assert signed(pair.events) == signed(whole.events)
+    a, b = replay(whole.events), replay(pair.events)
+    assert a.marks["prefill"] == b.marks["prefill"]
+
+
 def test_the_replay_allocates_the_workspace_where_the_mark_is():
     """A 100 MiB block freed, then the workspace, then 100 MiB again: allocated before the prefill (no mark) the
     workspace has its own segment and the second block reuses the first's (no slack); at the mark it splits the
@@ -105,6 +123,13 @@ def test_the_replay_allocates_the_workspace_where_the_mark_is():
     assert trace_slack(load, body, 32 * mib, AllocConf())[0] == 0
     marked = body[:2] + [(MARK, WORKSPACE_MARK, 0)] + body[2:]
     assert trace_slack(load, marked, 32 * mib, AllocConf())[0] == 68 * mib
+    # a second mark is dropped, not replayed as a mark: a mark starts the stretch whose peak the slack reads, and
+    # here the prefill's peak (150 MiB, x and z) comes before it
+    peaked = [(ALLOC, "x", 100 * mib), (ALLOC, "z", 50 * mib), (FREE, "z", 0), (FREE, "x", 0),
+              (MARK, WORKSPACE_MARK, 0), (ALLOC, "y", 100 * mib), (MARK, WORKSPACE_MARK, 0), (FREE, "y", 0),
+              (MARK, "prefill", 0), (MARK, "decode", 0)]
+    once = peaked[:6] + peaked[7:]
+    assert trace_slack(load, peaked, 32 * mib, AllocConf()) == trace_slack(load, once, 32 * mib, AllocConf())
 
 
 def test_the_dry_runs_order_is_the_cpu_forwards_and_the_cpu_allocators(tiny_models):

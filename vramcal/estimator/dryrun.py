@@ -179,8 +179,11 @@ def _tensors(obj):
 # Where the cuBLAS workspace is allocated (:func:`~vramcal.estimator.reserve.trace_slack` puts it there): torch
 # allocates it through the caching allocator on the first cuBLAS call, right after that product's output. On
 # the H200's trace (docs/validation/gpu-h200/2026-12-04.md) that was the first Linear's (q_proj), the 23rd
-# allocation of the prefill; the rotary embedding's float32 outer product (inner dimension 1) before it did not
-# allocate it. Replayed before the prefill instead, it left one 896 MiB MLP segment more at 32k.
+# allocation of the prefill. The rotary embedding's product before it did not allocate it: float32, with an inner
+# dimension of 1 -- one trace cannot tell which of the two kept it out; the mark takes the first product with an
+# inner dimension above 1, whatever its dtype. bitsandbytes' int8 matmul runs in bitsandbytes (its stand-in makes
+# no torch product), so there the mark falls at the first module torch multiplies (lm_head): not measured.
+# Replayed before the prefill instead, the workspace left one 896 MiB MLP segment more at 32k.
 _PRODUCTS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "_int_mm": 0}  # op -> the left operand's place
 
 
@@ -1088,7 +1091,7 @@ def whole_model_events(events: list, layers: int) -> list | None:
                 part = 2
             elif key == ("post", 1):
                 part, trailing = 2, True
-            elif key == WORKSPACE_MARK:  # kept where it fell: layer 0's copy of A, or the part before
+            elif key == WORKSPACE_MARK:  # kept where it fell: the part before, layer A (layer 0's), the rest
                 parts[phase][part].append((MARK, key, 0))
             continue
         if trailing and op != FREE:
@@ -1108,7 +1111,7 @@ def whole_model_events(events: list, layers: int) -> list | None:
     def emit(evs, b: int, f: int) -> None:
         for op, org, size in evs:
             if op == MARK:
-                if org == WORKSPACE_MARK and b != 2:  # once: B's copies are the later layers'
+                if org == WORKSPACE_MARK and b != 2:  # a tracker marks once, never in B (A has a product first)
                     out.append((MARK, org, 0))
                 continue
             ph, a, n = org
@@ -1133,5 +1136,5 @@ def whole_model_events(events: list, layers: int) -> list | None:
         for layer in range(1, layers):
             emit(second, 2, layer)
         emit(rest, 3, layers)
-        out += [e for e in rest if e[0] == MARK]
+        out += [e for e in rest if e[0] == MARK and e[1] != WORKSPACE_MARK]  # emit wrote the workspace's already
     return out

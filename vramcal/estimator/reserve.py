@@ -73,14 +73,17 @@ def loaded(events: list[tuple], conf: AllocConf) -> tuple[CachingAllocator, tupl
 
 
 def trace_slack(load: list[tuple], events: list[tuple], workspace_bytes: int, conf: AllocConf) -> list[int] | None:
-    """[slack at the prefill's peak, at the decode step's] for one trace's ``events`` after ``load`` (the
-    workspace allocated as the prefill starts); None when the events lack their marks."""
+    """[slack at the prefill's peak, at the decode step's] for one trace's ``events`` after ``load``, the
+    workspace allocated at the trace's first :data:`WORKSPACE_MARK` (as the prefill starts where it has none;
+    any other such mark is dropped); None when the events lack their marks."""
     a, _ = loaded(load, conf)
     at = next((i for i, e in enumerate(events) if e[0] == MARK and e[1] == WORKSPACE_MARK), None)
     workspace = [(ALLOC, "cublas-workspace", workspace_bytes)] if workspace_bytes else []
     # where torch allocates it: after the first cuBLAS product's output (dryrun.WORKSPACE_MARK); a trace
     # without the mark (no product reached cuBLAS) as the prefill starts
-    events = workspace + list(events) if at is None else list(events[:at]) + workspace + list(events[at + 1:])
+    rest = [e for e in events if not (e[0] == MARK and e[1] == WORKSPACE_MARK)]
+    events = workspace + rest if at is None else \
+        rest[:at] + workspace + rest[at:]  # no workspace mark before ``at``: the indices agree
     r = replay(events, allocator=a)
     if "prefill" not in r.marks or "decode" not in r.marks:
         return None
