@@ -11,7 +11,7 @@ huggingface_hub 2.x, which needs httpx2 that the image lacks -- the image's 1.33
 ``--parts`` runs some of them, sharing the whole budget in their proportions.
 
 then copy /tmp/o to $OUT as one archive (at most 8 files come back). Seven parts, run in the order of
-:data:`SHARES` (what no GPU has measured yet first), each with its own share of the time budget, each
+:data:`SHARES` (what the sessions so far left open first), each with its own share of the time budget, each
 writing as it goes (a part cut short still leaves its rows, and ``session.json`` is rewritten after
 every part). Numbered as they were first written:
 

@@ -4,8 +4,8 @@ H200's own terms (``--gpu H200``), against what the GPU showed.
     python benchmarks/h200_raw.py [--out docs/validation/gpu-h200/raw.csv]
 
 For each measured row (gpu-h200.csv's first_token rows, gpu-h200/widths.csv's stages, gpu-h200-2.csv's rows) it writes the estimate's
-stage and reserved figures beside nvidia-smi's memory.used (NVML used less the driver's reserve, 648,347,648
-bytes there) and torch's max_memory_reserved, and the reserve above allocated both ways. Nothing is fitted to
+stage and reserved figures beside nvidia-smi's memory.used (NVML used less the driver's reserve: 648,347,648
+bytes taken off the first session's files here; the second session's were recorded less its NVML v2 reserve) and torch's max_memory_reserved, and the reserve above allocated both ways. Nothing is fitted to
 these rows: the allocator's rules are torch's, and the only H200 figures used are the terms measured in that
 session (the context after loading and what the first forward added; docs/accounting.md) -- which come from
 these same runs, so the context term is in-sample. benchmarks/report.py puts the CSV into docs/validation.md.
@@ -26,7 +26,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-os.environ.setdefault("VRAMCAL_ALLOC_REPLAY", "1")  # the replay is opt-in elsewhere; these rows are its check
+os.environ["VRAMCAL_ALLOC_REPLAY"] = "1"  # the replay is opt-in elsewhere; these rows are its check, always with it
 
 from vramcal.estimator.capacity import DRIVER_RESERVE as _TABLE  # noqa: E402
 
@@ -36,6 +36,11 @@ DRIVER_RESERVE = _TABLE["NVIDIA H200"][0]  # NVML used with no process on that H
 FIELDS = ["source", "model", "quant", "ctx", "batch", "stage", "estimated_bytes", "nvidia_smi_bytes", "error_pct",
           "calibrated_bytes", "calibrated_error_pct", "estimated_reserved_bytes", "measured_reserved_bytes",
           "reserved_error_pct", "estimated_slack_bytes", "measured_slack_bytes"]
+
+
+def _rows(path) -> list[dict]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
 
 
 def pct(a, b):
@@ -57,7 +62,7 @@ def main(argv=None) -> int:
     h200 = gpu_target("H200")
     rows = []
     tmp = Path(tempfile.mkdtemp())
-    for r in csv.DictReader(open(Path(args.dir) / "gpu-h200" / "widths.csv")):
+    for r in _rows(Path(args.dir) / "gpu-h200" / "widths.csv"):
         d = tmp / f"{r['model']}-{r['layers']}"
         if not d.exists():
             d.mkdir()
@@ -72,7 +77,7 @@ def main(argv=None) -> int:
                      "calibrated_error_pct": "", "estimated_reserved_bytes": e.reserved[st],
                      "measured_reserved_bytes": res, "reserved_error_pct": pct(e.reserved[st], res),
                      "estimated_slack_bytes": e.reserved[st] - e.allocated[st], "measured_slack_bytes": res - alloc})
-    for r in csv.DictReader(open(Path(args.dir) / "gpu-h200.csv")):
+    for r in _rows(Path(args.dir) / "gpu-h200.csv"):
         if r["status"] != "ok":
             continue
         source = ModelSource(name=r["model"], origin="config", config=validate.ARCHS[r["arch"]])
@@ -88,9 +93,9 @@ def main(argv=None) -> int:
                      "reserved_error_pct": "", "estimated_slack_bytes": e.reserved[st] - e.allocated[st],
                      "measured_slack_bytes": ""})
     # the second session's validate rows (2026-12-04): recorded from gpu-stages/4 on, so measured is NVML used less
-    # the reserve already, and the H200's context term (measured in the first session) is held out for them
+    # the reserve already; five of its six configurations repeat the first session's (the same NVML bytes)
     second = Path(args.dir) / "gpu-h200-2.csv"
-    for r in csv.DictReader(open(second)) if second.exists() else ():
+    for r in _rows(second) if second.exists() else ():
         if r["status"] != "ok":
             continue
         source = ModelSource(name=r["model"], origin="config", config=validate.ARCHS[r["arch"]])

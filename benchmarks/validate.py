@@ -280,7 +280,10 @@ def main(argv: list[str] | None = None) -> int:
             run_matrix(args)
         except (KeyboardInterrupt, Exception):  # cut short (a session's timeout): the runs recorded so far
             if os.path.exists(args.db):        # still become rows, then it ends as it would have
-                write_csv(args)
+                try:
+                    write_csv(args)
+                except Exception as exc:  # the interrupt is what the caller must see, not this
+                    print(f"validate.py: the CSV was not rewritten ({type(exc).__name__}: {exc})", file=sys.stderr)
             raise
     write_csv(args)
     return 0

@@ -537,7 +537,8 @@ def test_a_probe_from_the_library_prices_the_gpu_it_runs_on(fake, monkeypatch):
     fake({0: [1 << 30]}, gpu_name="NVIDIA H200", compute_capability=(9, 0))
     assert device_gpu_target("cuda").architecture == "hopper"
     assert device_gpu_target("cuda:0").name == "NVIDIA H200"
-    assert device_gpu_target("cpu") is None
+    assert device_gpu_target("cpu") is None and device_gpu_target("CPU") is None
+    assert device_gpu_target("cuda:x") is None  # preflight refuses it in one line; no ValueError from here
     seen = []
 
     class Stop(Exception):

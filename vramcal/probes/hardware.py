@@ -175,9 +175,11 @@ def machine_gpu_target(device: str) -> GpuTarget | None:
 def device_gpu_target(device) -> GpuTarget | None:
     """The GPU a run on ``device`` loads on, as the estimator's target (``cuda`` and ``auto`` mean cuda:0):
     this machine's, through NVML; None for the CPU, or where NVML cannot say."""
-    d = str(device or "")
-    if d.startswith("cpu"):
-        return None
+    from ..workload import device_kind
+
+    d = str(device or "").strip().lower()
+    if device_kind(d) == "cpu" or not d.partition(":")[2].isdigit() and ":" in d:
+        return None  # the CPU; a device index that does not parse is preflight's to refuse in one line
     return machine_gpu_target(d if ":" in d else "cuda:0")
 
 
