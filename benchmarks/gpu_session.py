@@ -120,6 +120,29 @@ def part_widths(args, budget_s: float) -> str:
     return "gpu-widths.csv"
 
 
+def rss_kinds(pid: int) -> dict | None:
+    """The resident set of process ``pid`` by kind (``/proc/PID/status``: RssAnon, RssFile, RssShmem), in bytes;
+    None where it cannot be read (not Linux, the process gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            got = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in fh)
+                   if k in ("RssAnon", "RssFile", "RssShmem")}
+    except (OSError, ValueError, IndexError):
+        return None
+    return got or None
+
+
+def stage_rss_kinds(kinds: dict):
+    """A probe's ``on_event``: the child's resident set by kind as each stage's event arrives (a moment after
+    the child marked it). An offloaded load's resident set doubles at the first forward (3.15 to 7.11 GB in
+    both H200 sessions); file-backed pages (the checkpoint's mapping, read as the hooks copy the CPU share in)
+    against anonymous copies tell the suspects apart."""
+    def on_event(event: dict, pid: int) -> None:
+        if event.get("event") == "stage" and pid:
+            kinds[event.get("name")] = rss_kinds(pid)
+    return on_event
+
+
 def part_offload(args, budget_s: float) -> str:
     """Llama-3.2-3B bf16 (6.4 GB of weights) with 3 GiB of the GPU: about half its layers on the CPU."""
     from vramcal.estimator.estimate import estimate
@@ -131,12 +154,14 @@ def part_offload(args, budget_s: float) -> str:
         return ""
     model, quant, mm = "llama-3.2-3b", "bf16", f"{args.device}=3GiB,cpu=32GiB"
     est = estimate(model, quant, ctx=1024, max_memory=mm, device="cuda", gpu=device_gpu_target(args.device))
+    kinds: dict = {}
     r = run_probe(model, quant, 1024, 1, device=args.device, synthetic=True, keep_samples=False, max_memory=mm,
-                  timeout_s=budget_s)
+                  timeout_s=budget_s, on_event=stage_rss_kinds(kinds))
     measured = r.to_dict(samples=False)
     out = {"command": r.command, "max_memory": mm, "status": r.status, "error": r.error,
            "plan": est.to_dict().get("device_map"), "estimated_devices": est.to_dict().get("devices"),
-           "measured_devices": measured["devices"], "measured_stages": measured["stages"], "notes": r.notes}
+           "measured_devices": measured["devices"], "measured_stages": measured["stages"],
+           "child_rss_kinds": kinds, "notes": r.notes}
     (Path(args.out) / "offload.json").write_text(json.dumps(out, indent=1, default=str))
     return "offload.json"
 
@@ -161,11 +186,13 @@ def part_plan(args, budget_s: float) -> str:
     if plans:
         p = plans[0]
         dm = p.from_pretrained.get("device_map")
+        kinds: dict = {}
         r = run_probe("llama-3.2-3b", p.quant, p.ctx, p.batch, device=device, synthetic=True, keep_samples=False,
                       kv_dtype=p.kv_dtype, max_memory=p.max_memory,
-                      device_map=dm if isinstance(dm, str) and dm != "auto" else None, timeout_s=budget_s)
+                      device_map=dm if isinstance(dm, str) and dm != "auto" else None, timeout_s=budget_s,
+                      on_event=stage_rss_kinds(kinds))
         measured = r.to_dict(samples=False)
-        out.update(probed=p.to_dict(), status=r.status, error=r.error, command=r.command,
+        out.update(probed=p.to_dict(), status=r.status, error=r.error, command=r.command, child_rss_kinds=kinds,
                    planned_peak_bytes=p.peak_bytes,
                    measured_peak_bytes={d: max((s.get("peak_bytes") or 0) for s in st.values())
                                         for d, st in (measured.get("devices") or {}).items()},

@@ -110,3 +110,20 @@ def test_validate_cut_short_still_writes_the_rows_it_recorded(tmp_path, monkeypa
     with pytest.raises(KeyboardInterrupt):
         validate.main(["--db", str(db), "--out", str(tmp_path / "v.csv")])
     assert written == [str(tmp_path / "v.csv")]
+
+
+def test_the_offload_part_reads_the_childs_resident_set_by_kind():
+    """gpu_session.py's offload part splits the child's resident set into file-backed and anonymous pages at each
+    stage (the offloaded load's doubling, docs/validation/gpu-h200/2026-12-04.md): read on this process here."""
+    import os
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import gpu_session
+
+    got = gpu_session.rss_kinds(os.getpid())
+    assert got is not None and got["RssAnon"] > 0 and set(got) >= {"RssAnon", "RssFile"}
+    assert gpu_session.rss_kinds(2**22 + 12345) is None  # no such process: not read, not 0
+    kinds = {}
+    gpu_session.stage_rss_kinds(kinds)({"event": "stage", "name": "load_peak"}, os.getpid())
+    gpu_session.stage_rss_kinds(kinds)({"event": "samples"}, os.getpid())
+    assert list(kinds) == ["load_peak"] and kinds["load_peak"]["RssFile"] >= 0
