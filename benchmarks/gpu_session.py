@@ -64,6 +64,11 @@ sys.path.insert(0, str(HERE))
 # dry run's replay parts from the GPU's), then the widths rows no session has repeated, then the rest
 SHARES = {"allocator": 0.15, "widths": 0.25, "vlm": 0.15, "plan": 0.15, "offload": 0.10, "vllm": 0.05,
           "validate": 0.15}
+# what each part took on the 2026-12-04 H200 (session-log.txt there): the least that leaves a row -- widths one
+# real-width checkpoint and its probe, validate one configuration; vLLM's first start is a guess (never run).
+# On a GPU a part is not started with less of the budget left than this (device time spent on a part the outer
+# timeout then kills leaves nothing), and is given at least this much of what is left.
+NEEDS_S = {"allocator": 50, "plan": 140, "vlm": 105, "offload": 130, "vllm": 120, "widths": 80, "validate": 45}
 
 
 def part_allocator(args, budget_s: float) -> str:
@@ -266,6 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     for part in args.parts:
         share = args.budget_s * SHARES[part] / chosen
         t = time.monotonic()
+        if args.device.startswith("cuda") and not args.quick:
+            left = args.budget_s - (t - start)
+            if left < NEEDS_S[part]:
+                done[part] = {"skipped": f"{max(left, 0):.0f} s of the budget left; it took {NEEDS_S[part]} s on "
+                                         "the 2026-12-04 H200", "seconds": 0.0}
+                print(f"{part}: {done[part]}", file=sys.stderr, flush=True)
+                (Path(args.out) / "session.json").write_text(
+                    json.dumps({"parts": done, "seconds": round(time.monotonic() - start, 1)}, indent=1))
+                continue
+            share = min(max(share, NEEDS_S[part]), left)
         try:
             done[part] = {"file": {"validate": part_validate, "widths": part_widths,
                                    "offload": part_offload, "plan": part_plan, "vlm": part_vlm,

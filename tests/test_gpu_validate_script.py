@@ -127,3 +127,18 @@ def test_the_offload_part_reads_the_childs_resident_set_by_kind():
     gpu_session.stage_rss_kinds(kinds)({"event": "stage", "name": "load_peak"}, os.getpid())
     gpu_session.stage_rss_kinds(kinds)({"event": "samples"}, os.getpid())
     assert list(kinds) == ["load_peak"] and kinds["load_peak"]["RssFile"] >= 0
+
+
+def test_a_part_is_not_started_without_the_time_it_takes(tmp_path):
+    """On a GPU, a part that cannot finish in what is left of the budget is skipped and says why (on the
+    2026-12-04 H200 the outer timeout killed widths while it wrote its first checkpoint): nothing is started."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import gpu_session
+
+    assert gpu_session.main(["--device", "cuda:0", "--out", str(tmp_path), "--budget-s", "30",
+                             "--parts", "widths", "validate"]) == 0
+    session = json.loads((tmp_path / "session.json").read_text())
+    assert set(session["parts"]) == {"widths", "validate"}
+    for part in ("widths", "validate"):
+        assert "s of the budget left" in session["parts"][part]["skipped"]
+    assert not (tmp_path / "gpu.csv").exists() and not (tmp_path / "gpu-widths.csv").exists()
