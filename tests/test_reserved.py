@@ -70,7 +70,7 @@ def test_a_pairs_events_give_the_whole_models(five_layers, arch, quant):
 @pytest.mark.parametrize("quant", ["bf16", "nf4"])
 def test_the_workspace_is_marked_after_the_first_linears_output(five_layers, quant):
     """torch allocates the cuBLAS workspace on the first cuBLAS product, after its output: on the H200 trace the
-    first Linear's (q_proj), not the rotary embedding's float32 outer product before it (inner dimension 1).
+    first Linear's (q_proj): the rotary embedding before it multiplies without a product.
     The dry run marks it there once, in the pair's trace and in the whole model's alike."""
     from vramcal.estimator.allocator import WORKSPACE_MARK
 
@@ -89,6 +89,28 @@ def test_the_workspace_is_marked_after_the_first_linears_output(five_layers, qua
         first_layer = next(i for i, e in enumerate(events) if e[0] == MARK and e[1] == ("pre", 0)) \
             if any(e[0] == MARK and e[1] == ("pre", 0) for e in events) else None
         assert first_layer is None or first_layer < at[0]  # inside layer 0, after the rotary embedding
+
+
+def test_the_ops_that_reach_cublas_follow_torchs_source():
+    """torch allocates the workspace on the first cuBLAS call of any dtype (CublasHandlePool.cpp's
+    getCurrentCUDABlasHandle); a product skips BLAS only with an empty output or an inner dimension of 0. So a
+    float32 (64 x 1) @ (1 x T) product counts, and a broadcast multiply (what transformers 5.24's rotary embedding
+    does) does not."""
+    from vramcal.estimator.dryrun import _first_product
+
+    aten = torch.ops.aten
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(shape, device="meta", dtype=dtype)
+
+    assert _first_product(aten.bmm.default, (t(1, 64, 1, dtype=torch.float32), t(1, 1, 4096, dtype=torch.float32)))
+    assert _first_product(aten.mm.default, (t(8, 128), t(128, 64)))
+    assert _first_product(aten.addmm.default, (t(64), t(8, 128), t(128, 64)))
+    assert _first_product(aten.mv.default, (t(64, 128), t(128)))
+    assert _first_product(aten.dot.default, (t(128), t(128)))
+    assert not _first_product(aten.bmm.default, (t(1, 64, 0), t(1, 0, 8)))  # inner dimension 0: no BLAS call
+    assert not _first_product(aten.mm.default, (t(0, 128), t(128, 64)))  # empty output
+    assert not _first_product(aten.mul.Tensor, (t(1, 8, 1), t(16)))
 
 
 def test_a_workspace_mark_after_the_layers_is_kept_once(five_layers):

@@ -177,24 +177,27 @@ def _tensors(obj):
 
 
 # Where the cuBLAS workspace is allocated (:func:`~vramcal.estimator.reserve.trace_slack` puts it there): torch
-# allocates it through the caching allocator on the first cuBLAS call, right after that product's output. On
-# the H200's trace (docs/validation/gpu-h200/2026-12-04.md) that was the first Linear's (q_proj), the 23rd
-# allocation of the prefill. The rotary embedding's product before it did not allocate it: float32, with an inner
-# dimension of 1 -- one trace cannot tell which of the two kept it out; the mark takes the first product with an
-# inner dimension above 1, whatever its dtype. bitsandbytes' int8 matmul runs in bitsandbytes (its stand-in makes
-# no torch product), so there the mark falls at the first module torch multiplies (lm_head): not measured.
-# Replayed before the prefill instead, the workspace left one 896 MiB MLP segment more at 32k.
-_PRODUCTS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "_int_mm": 0}  # op -> the left operand's place
+# allocates it through the caching allocator on the first cuBLAS or cuBLASLt call of a thread and stream, in any
+# dtype (aten/src/ATen/cuda/CublasHandlePool.cpp: getCurrentCUDABlasHandle -> setWorkspaceForHandle ->
+# getNewWorkspace, getChosenWorkspaceSize; the Lt handle shares it), after the op allocated its output. The
+# products skip BLAS only for an empty output or an inner dimension of 0 (Blas.cpp, baddbmm_out_cuda_impl). On the
+# H200's trace (docs/validation/gpu-h200/2026-12-04.md) it was the first Linear's (q_proj), the prefill's 23rd
+# allocation: transformers 5.24's rotary embedding makes its frequencies with a broadcast multiply, no product.
+# bitsandbytes' int8 matmul runs in bitsandbytes (its stand-in makes no torch product), so there the mark falls
+# at the first module torch multiplies (lm_head): not measured. Replayed before the prefill instead, the
+# workspace left one 896 MiB MLP segment more at 32k.
+_PRODUCTS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "_int_mm": 0, "mv": 0, "addmv": 1, "dot": 0,
+             "vdot": 0}  # op -> the left operand's place
 
 
 def _first_product(func, args) -> bool:
-    """Whether ``func`` on ``args`` is a matrix product that reaches cuBLAS: mm / addmm / bmm / baddbmm / _int_mm
-    with an inner dimension above 1."""
+    """Whether ``func`` on ``args`` reaches cuBLAS: mm / addmm / bmm / baddbmm / _int_mm / mv / addmv / dot / vdot
+    with a non-empty inner dimension."""
     place = _PRODUCTS.get(getattr(getattr(func, "overloadpacket", None), "__name__", ""))
     if place is None or len(args) <= place:
         return False
     left = args[place]
-    return getattr(left, "dim", lambda: 0)() >= 2 and left.shape[-1] > 1
+    return getattr(left, "dim", lambda: 0)() >= 1 and left.shape[-1] > 0 and left.numel() > 0
 
 
 class AllocationTracker:
