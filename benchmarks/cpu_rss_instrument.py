@@ -21,9 +21,10 @@ import sys
 import time
 
 
-def rollup() -> dict[str, int]:
+def rollup(pid: int | str = "self") -> dict[str, int]:
+    """``/proc/PID/smaps_rollup`` in bytes, with ``File`` = Rss - Anonymous (this process by default)."""
     out = {}
-    with open("/proc/self/smaps_rollup") as fh:
+    with open(f"/proc/{pid}/smaps_rollup") as fh:
         for line in fh:
             parts = line.split()
             if len(parts) >= 3 and parts[-1] == "kB":

@@ -80,16 +80,20 @@ def compare(trace: list[dict], stages: dict[str, dict], conf_text: str = "") -> 
 def size_diff(real: list[tuple], dry: list[tuple], limit: int = 60) -> dict:
     """The real prefill's allocation sizes beside the dry run's, in order: how many, and the first places
     where they part (difflib over the two sequences of sizes)."""
-    import difflib
-
     from vramcal.estimator.allocator import ALLOC
 
     a = [e[2] for e in real if e[0] == ALLOC]
     b = [e[2] for e in dry if e[0] == ALLOC]
+    return {"real_allocs": len(a), "dry_allocs": len(b), "differ": _differ(a, b, limit)}
+
+
+def _differ(a: list, b: list, limit: int) -> list[dict]:
+    """The first ``limit`` places where sequences ``a`` (the GPU's) and ``b`` (the dry run's) part (difflib)."""
+    import difflib
+
     ops = [op for op in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes() if op[0] != "equal"]
-    return {"real_allocs": len(a), "dry_allocs": len(b),
-            "differ": [{"op": t, "real": a[i1:i2][:8], "dry": b[j1:j2][:8], "at_real": i1, "at_dry": j1}
-                       for t, i1, i2, j1, j2 in ops[:limit]]}
+    return [{"op": t, "real": a[i1:i2][:8], "dry": b[j1:j2][:8], "at_real": i1, "at_dry": j1}
+            for t, i1, i2, j1, j2 in ops[:limit]]
 
 
 def op_sequence(events: list[tuple]) -> list[str]:
@@ -111,13 +115,8 @@ def order_diff(real: list[tuple], dry: list[tuple], limit: int = 60) -> dict:
     """The real prefill's allocations and frees beside the dry run's, in order (:func:`op_sequence`): the
     first places where they part, frees included -- two traces of the same sizes can still strand different
     blocks if a tensor dies at another moment."""
-    import difflib
-
     a, b = op_sequence(real), op_sequence(dry)
-    ops = [op for op in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes() if op[0] != "equal"]
-    return {"real_events": len(a), "dry_events": len(b),
-            "differ": [{"op": t, "real": a[i1:i2][:8], "dry": b[j1:j2][:8], "at_real": i1, "at_dry": j1}
-                       for t, i1, i2, j1, j2 in ops[:limit]]}
+    return {"real_events": len(a), "dry_events": len(b), "differ": _differ(a, b, limit)}
 
 
 def nvml_memory(index: int) -> dict:

@@ -126,15 +126,16 @@ def part_widths(args, budget_s: float) -> str:
 
 
 def rss_kinds(pid: int) -> dict | None:
-    """The resident set of process ``pid`` by kind (``/proc/PID/status``: RssAnon, RssFile, RssShmem), in bytes;
-    None where it cannot be read (not Linux, the process gone)."""
+    """The resident set of process ``pid`` by kind, in bytes, as the CPU path reads it
+    (``cpu_rss_instrument.rollup``: ``smaps_rollup``'s Anonymous, file-backed = Rss - Anonymous); None where it
+    cannot be read (not Linux, the process gone)."""
+    from cpu_rss_instrument import rollup
+
     try:
-        with open(f"/proc/{pid}/status") as fh:
-            got = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in fh)
-                   if k in ("RssAnon", "RssFile", "RssShmem")}
-    except (OSError, ValueError, IndexError):
+        got = rollup(pid)
+    except (OSError, ValueError):
         return None
-    return got or None
+    return {"Rss": got.get("Rss", 0), "RssAnon": got.get("Anonymous", 0), "RssFile": got["File"]}
 
 
 def stage_rss_kinds(kinds: dict):
@@ -267,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     done = {}
     start = time.monotonic()
+
+    def written(part: str) -> None:  # after every part, so a session cut short still says what it finished
+        print(f"{part}: {done[part]}", file=sys.stderr, flush=True)
+        (Path(args.out) / "session.json").write_text(
+            json.dumps({"parts": done, "seconds": round(time.monotonic() - start, 1)}, indent=1))
+
     chosen = sum(SHARES[p] for p in args.parts)  # the parts asked for share the whole budget
     for part in args.parts:
         share = args.budget_s * SHARES[part] / chosen
@@ -276,9 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             if left < NEEDS_S[part]:
                 done[part] = {"skipped": f"{max(left, 0):.0f} s of the budget left; it took {NEEDS_S[part]} s on "
                                          "the 2026-12-04 H200", "seconds": 0.0}
-                print(f"{part}: {done[part]}", file=sys.stderr, flush=True)
-                (Path(args.out) / "session.json").write_text(
-                    json.dumps({"parts": done, "seconds": round(time.monotonic() - start, 1)}, indent=1))
+                written(part)
                 continue
             share = min(max(share, NEEDS_S[part]), left)
         try:
@@ -289,11 +294,9 @@ def main(argv: list[str] | None = None) -> int:
             done[part] = {"error": f"{type(exc).__name__}: {exc}"}
             if not isinstance(exc, Exception):
                 raise
-        finally:  # written after every part, so a session cut short still says what it finished
+        finally:
             done[part]["seconds"] = round(time.monotonic() - t, 1)
-            print(f"{part}: {done[part]}", file=sys.stderr, flush=True)
-            (Path(args.out) / "session.json").write_text(
-                json.dumps({"parts": done, "seconds": round(time.monotonic() - start, 1)}, indent=1))
+            written(part)
     return 0 if all("error" not in d for d in done.values()) else 1
 
 

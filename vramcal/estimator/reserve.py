@@ -77,14 +77,12 @@ def trace_slack(load: list[tuple], events: list[tuple], workspace_bytes: int, co
     workspace allocated at the trace's first :data:`WORKSPACE_MARK` (as the prefill starts where it has none;
     any other such mark is dropped); None when the events lack their marks."""
     a, _ = loaded(load, conf)
-    at = next((i for i, e in enumerate(events) if e[0] == MARK and e[1] == WORKSPACE_MARK), None)
+    # where torch allocates it: after the first cuBLAS call's output (dryrun.WORKSPACE_MARK); a trace without the
+    # mark (no call reached cuBLAS) as the prefill starts
+    at = next((i for i, e in enumerate(events) if e[0] == MARK and e[1] == WORKSPACE_MARK), 0)
     workspace = [(ALLOC, "cublas-workspace", workspace_bytes)] if workspace_bytes else []
-    # where torch allocates it: after the first cuBLAS product's output (dryrun.WORKSPACE_MARK); a trace
-    # without the mark (no product reached cuBLAS) as the prefill starts
     rest = [e for e in events if not (e[0] == MARK and e[1] == WORKSPACE_MARK)]
-    events = workspace + rest if at is None else \
-        rest[:at] + workspace + rest[at:]  # no workspace mark before ``at``: the indices agree
-    r = replay(events, allocator=a)
+    r = replay(rest[:at] + workspace + rest[at:], allocator=a)  # no mark before ``at``: the indices agree
     if "prefill" not in r.marks or "decode" not in r.marks:
         return None
     p, d = r.marks["prefill"], r.marks["decode"]

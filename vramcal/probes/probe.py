@@ -164,7 +164,7 @@ def run_probe(model: str | ModelSource, quant: str = "auto", ctx: int = 512, bat
     ctx, batch, new_tokens = work.ctx, work.batch, work.new_tokens
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     check_images(source.config, work.images, source.name)
-    if gpu is None and device_kind(device) != "cpu":  # priced for the GPU it loads on, as the CLI's probe is
+    if gpu is None:  # priced for the GPU it loads on (None on the CPU), as the CLI's probe is
         from .hardware import device_gpu_target
 
         gpu = device_gpu_target(device)
