@@ -84,19 +84,23 @@ def test_blind_figures_are_the_reported_ones():
     """The blind collection's figures as docs/validation.md reports them. Run once before any change: KV memory
     (9 of the 10 rows print no token count) median 1.48 %, p90 11.25 %; the one row with tokens +0.16 %. Round 5's
     non-torch rule moved the two vLLM 0.11 tp 2 rows (-4.83 / -4.50 % then, the rows that prompted it, now marked
-    ``rule``) and nothing else: the eight rows still blind keep their first-run figures (median 0.76 %, p90
-    22.19 % of eight). Pinned so that any rule change that moves them fails here and is reported -- and so that
-    these rows stop being blind in the record if one is tuned to them."""
+    ``rule``) and nothing else: the eight rows still blind kept their first-run figures (median 0.76 %, p90
+    22.19 % of eight) until round 8's V2-runner sampler (``versions.v2_sampler_pass``, read from vLLM's
+    source, prompted by another collection's row) moved the 0.27.1 RTX 4090 WSL row from +0.14 to +1.64 %: its
+    activation is now 0.26 GiB against the 0.25 its log prints (0.54 before), so what moved is another term's
+    compensation. Median 1.48 %, p90 22.19 % now. Pinned so that any rule change that moves them fails here and
+    is reported -- and so that these rows stop being blind in the record if one is tuned to them."""
     res = _results()
     assert not any(r["error"] for r in res.values())
     blind = [abs(r["KV memory_err_pct"]) for rid, r in res.items() if rid not in RULE_ROWS]
     med, p90 = statistics.median(blind), statistics.quantiles(sorted(blind), n=10, method="inclusive")[8]
     assert len(blind) == 8, len(blind)
-    assert med == pytest.approx(0.76, abs=0.02) and p90 == pytest.approx(22.19, abs=0.05), (med, p90)
+    assert med == pytest.approx(1.48, abs=0.02) and p90 == pytest.approx(22.19, abs=0.05), (med, p90)
+    assert res["rtx4090wsl_qwen2.5-0.5b_u0.85_v0.27.1"]["KV memory_err_pct"] == pytest.approx(1.64, abs=0.02)
     for rid, now in RULE_ROWS.items():
         assert res[rid]["KV memory_err_pct"] == pytest.approx(now, abs=0.02), rid
     tokens = [r["KV tokens_err_pct"] for r in res.values() if r["KV tokens_err_pct"] is not None]
-    assert len(tokens) == 1 and tokens[0] == pytest.approx(0.16, abs=0.02)
+    assert len(tokens) == 1 and tokens[0] == pytest.approx(1.65, abs=0.02)  # the same row (0.16 % before round 8)
 
 
 def test_examined_column_says_which_held_out_rows_are_not_blind():

@@ -19,7 +19,9 @@ _results = BLIND_SET.results
 def test_the_third_blind_collection_is_twelve_or_more_held_out_startups_with_tokens_sources_and_configs():
     """Each row: held out, a source, a fixture, a token count, and a model vramcal resolves (the catalog, or a
     config.json in configs/). Blind (``examined`` blank) but for the eight whose logs were read after the first
-    run to say which term misses (the T4 sweep and the RTX PRO 6000 pair: ``diagnosed``, no rule changed)."""
+    run to say which term misses (the T4 sweep and the RTX PRO 6000 pair: ``diagnosed``); the T4 sweep's misses and
+    the tp 2 row's have since prompted rules read from vLLM's source (``rule``: the CUDA graphs vLLM captures for
+    max_num_seqs, the V2 runner's sampler; issue 27, round 8)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from published_vllm import BLIND_COLLECTIONS, model_ref
     from vramcal.estimator.resolve import resolve_model
@@ -28,7 +30,8 @@ def test_the_third_blind_collection_is_twelve_or_more_held_out_startups_with_tok
     assert len(ROWS) >= 12
     for r in ROWS:
         read = r["id"].startswith(("t4_", "rtxpro6000_"))
-        if r["id"] == "a100-40gb_qwen3-8b_v0.19.1":  # its log's own compile line, read since (a reviewer's find)
+        ruled = r["id"].startswith("t4_") or r["id"] == "rtxpro6000_qwen3-32b_tp2_u0.426_v0.27.1"
+        if r["id"] == "a100-40gb_qwen3-8b_v0.19.1" or ruled:  # the A100: its log's own compile line (a reviewer's find)
             assert r["examined"].startswith("rule:"), r["id"]
             continue
         assert r["split"] == "held-out" and (r["examined"].startswith("diagnosed") if read else not r["examined"]), r["id"]
@@ -63,17 +66,23 @@ def test_blind_figures_are_the_reported_ones():
     that a later change that moves them shows here -- and so that these rows stop being blind in the record if
     one is tuned to them. Since: the A100 40GB row, -3.23 % at the first run, reads +0.06 % now that its log's
     "Directly load the compiled graph(s)" line sets the warm price (published_vllm.logged_compile_state); the
-    figures above do not move."""
+    figures above do not move.
+
+    Round 8 (two rules read from vLLM's source, prompted by the T4 and tp 2 misses; nothing fitted): the CUDA-graph
+    default scaled by the graphs vLLM captures (``versions.cudagraph_captures``) brings the T4 sweep to within
+    1.6 % at every max_num_seqs (32: -7.04 -> +0.45 %); the V2 runner's sampler (the logits alone,
+    ``versions.v2_sampler_pass``) moves the RTX PRO 6000 tp 2 row from -9.87 to +6.16 % and, by making
+    the pp 2 row's first stage the limiting one, that row from +8.36 to +18.90 % (its first stage holds 1.30 GiB
+    more than priced: docs/vllm.md); the RTX A4000 0.26 row (blind) from -1.84 to -0.93 %. Now: KV tokens median
+    0.93 %, p90 5.26 % of 15."""
     res = _results()
     assert res["a100-40gb_qwen3-8b_v0.19.1"]["KV tokens_err_pct"] == pytest.approx(0.06, abs=0.02)
     assert not any(r["error"] for r in res.values())
     tokens = sorted(abs(r["KV tokens_err_pct"]) for r in res.values())
     med, p90 = statistics.median(tokens), statistics.quantiles(tokens, n=10, method="inclusive")[8]
     assert len(tokens) == 15
-    assert med == pytest.approx(3.65, abs=0.02) and p90 == pytest.approx(7.83, abs=0.05), (med, p90)
-    misses = {"rtxpro6000_qwen3-32b_tp2_u0.426_v0.27.1": -9.87, "rtxpro6000_qwen3-32b_pp2_u0.426_v0.27.1": 8.36,
-              "t4_qwen2.5-1.5b_fp16_mns32_v0.29.0": -7.04, "t4_qwen2.5-1.5b_fp16_mns64_v0.29.0": -6.54,
-              "t4_qwen2.5-1.5b_fp16_mns96_v0.29.0": -5.84}
+    assert med == pytest.approx(0.93, abs=0.02) and p90 == pytest.approx(5.26, abs=0.05), (med, p90)
+    misses = {"rtxpro6000_qwen3-32b_tp2_u0.426_v0.27.1": 6.16, "rtxpro6000_qwen3-32b_pp2_u0.426_v0.27.1": 18.90}
     for rid, r in res.items():
         if rid in misses:
             assert r["KV tokens_err_pct"] == pytest.approx(misses[rid], abs=0.05), rid

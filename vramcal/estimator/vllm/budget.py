@@ -14,7 +14,13 @@ rank's dense MLP width, V = the padded vocabulary):
 - sampler: ``(SAMPLER_BYTES + el) x S x V + HIDDEN_KEPT x T x H x el`` -- the logits in the model
   dtype, their float32 copy and the sampler's temporaries; up to 0.16 top-k/top-p sort the vocabulary
   in PyTorch (``v1/sample/ops/topk_topp_sampler.py``), ``SORT_BYTES`` more per logit, unless
-  FlashInfer's sampler runs (:func:`.versions.sampler_sorts`);
+  FlashInfer's sampler runs (:func:`.versions.sampler_sorts`). On the V2 model runner (0.22 on, by
+  architecture: :func:`.versions.v2_runner_default`; :func:`.versions.v2_sampler_pass`): the logits alone
+  from 0.27 (``el`` bytes per logit), with their float32 copy up to 0.26 (``el + 4``), and from 0.33 a
+  second pass with every sampling parameter on, priced as V1's term (the same operations). At tp > 1 the
+  logits are all-gathered first (``LogitsProcessor._gather_logits``; ``CudaCommunicator.all_gather``: the
+  rank's shard, the gathered buffer and its ``movedim`` copy at once), ``(2 + 1 / tp) x el`` per logit at the
+  moment; the V2 term is the larger of the two, nothing fitted;
 - forward: ``T x el x (MLP_WIDTHS x I + FORWARD_HIDDEN x H)`` -- gate/up and the activation's output
   at once, and the hidden states around them;
 - fused MoE: its workspaces, cached across calls so present during the sampler too:
@@ -53,7 +59,9 @@ MLP_WIDTHS = 3.0  # gate/up (2 I) and the activation's output (I) at once (CodeL
 FORWARD_HIDDEN = 4.25  # hidden states, residual and attention outputs around them
 COMPILE_OUTPUTS = 2  # T x H outputs of the benchmarked embedding kernel at tp 1 (residual and normed)
 GRAPH_BASE = int(0.45 * GIB)  # CUDA graphs: 0.45 GiB + 14.9 MiB per layer on the rank (0.19 H100 logs,
-GRAPH_PER_LAYER = int(14.9 * MIB)  # 51 piecewise + 35 full sizes; 0.51-1.85 GiB observed)
+GRAPH_PER_LAYER = int(14.9 * MIB)  # 1,024 sequences: 51 PIECEWISE + 51 FULL captures; 0.51-1.85 GiB observed)
+# the captures of the rows the default was fitted to (0.19, H100: 1,024 sequences, 8,192 batched tokens)
+GRAPH_FIT_CAPTURES = V.cudagraph_captures((0, 19, 0), 1024, 8192, (9, 0))
 
 
 @dataclass(frozen=True)
@@ -74,9 +82,11 @@ def compile_bench_bytes(arch: Arch, tp: int, el: int, mnbt: int) -> int:
 
 
 def activation(arch: Arch, tp: int, stage: int, pp: int, el: int, mnbt: int, seqs: int,
-               v: V.Version, flashinfer: bool | None = None, cold_compile: bool = False) -> Activation:
+               v: V.Version, flashinfer: bool | None = None, cold_compile: bool = False,
+               v2_runner: bool = False) -> Activation:
     """The activation peak of one rank's profiling run (the module's doc). ``cold_compile``: the profile
-    compiles with nothing cached (:func:`.versions.compile_benchmarks_kernels`)."""
+    compiles with nothing cached (:func:`.versions.compile_benchmarks_kernels`); ``v2_runner``: the model runs
+    on the V2 model runner, whose dummy sampler holds less (:func:`.versions.v2_sampler_pass`)."""
     t = mnbt
     s = min(seqs, mnbt)
     h = arch.hidden
@@ -87,7 +97,13 @@ def activation(arch: Arch, tp: int, stage: int, pp: int, el: int, mnbt: int, seq
         moe = int(t * arch.experts_per_token * (max(2 * mi, h) + mi) * el)
     fwd = int(t * el * (MLP_WIDTHS * dense_i + FORWARD_HIDDEN * h))
     last, first = stage == pp - 1, stage == 0
-    per_logit = SAMPLER_BYTES + el + (SORT_BYTES if V.sampler_sorts(v, flashinfer) else 0.0)
+    v2_pass = V.v2_sampler_pass(v) if v2_runner else None
+    if v2_pass is None or v2_pass == V.V2_SAMPLER_WARMUP:
+        per_logit = SAMPLER_BYTES + el + (SORT_BYTES if V.sampler_sorts(v, flashinfer) else 0.0)
+    else:
+        per_logit = el + (4.0 if v2_pass == V.V2_SAMPLER_FP32 else 0.0)
+        if tp > 1:
+            per_logit = max(per_logit, (2 + 1 / tp) * el)
     samp = int(per_logit * s * pad_vocab(arch.vocab) + HIDDEN_KEPT * t * h * el) if last else 0
     pipe = (0 if last else 2 * t * h * el) + (0 if first else 2 * t * h * el)
     bench = compile_bench_bytes(arch, tp, el, mnbt) if cold_compile and first else 0
@@ -96,9 +112,16 @@ def activation(arch: Arch, tp: int, stage: int, pp: int, el: int, mnbt: int, seq
     return Activation(max(run, bench), samp, fwd, moe, pipe, bench, which)
 
 
-def cuda_graph_bytes(layers_on_rank: int, enforce_eager: bool) -> int:
+def cuda_graph_bytes(layers_on_rank: int, enforce_eager: bool, captures: V.Captures | None = None) -> int:
     """A default for the CUDA-graph pool (what ``profile_cudagraph_memory`` estimates and the capture
-    takes), fitted to 0.19 H100 logs; calibration replaces it."""
+    takes), fitted to 0.19 H100 logs; calibration replaces it. vLLM's estimate and its capture are sums over
+    the graphs it captures (each its own kernels' nodes and pool blocks; ``profile_cudagraph_memory`` measures
+    every capture, or extrapolates the later ones from the second, at least 1 MiB each), so the default scales
+    with the number of graphs: ``captures`` (:func:`.versions.cudagraph_captures`) against the fitted rows'.
+    None (before 0.11): the default as fitted."""
     if enforce_eager:
         return 0
-    return GRAPH_BASE + GRAPH_PER_LAYER * layers_on_rank
+    fitted = GRAPH_BASE + GRAPH_PER_LAYER * layers_on_rank
+    if captures is None:
+        return fitted
+    return fitted * captures.graphs // GRAPH_FIT_CAPTURES.graphs

@@ -67,7 +67,8 @@ class VllmArgs:
     gpu_memory_bytes: int | None = None  # each GPU's total as CUDA reports it (vLLM's "total")
     gpu_name: str | None = None
     # CUDA's (major, minor) of that GPU: vramcal's table of GPUs for a named one, NVML for this machine's
-    # (:mod:`vramcal.probes.hardware`); it decides the fusion workspace and the MXFP4 backend. None: not known
+    # (:mod:`vramcal.probes.hardware`); it decides the fusion workspace, the MXFP4 backend and the largest CUDA-graph
+    # capture size (1024 on a 10.x GPU from 0.28). None: not known
     gpu_capability: tuple[int, int] | None = None
     vllm_version: str | None = None
     allow_long_max_model_len: bool = False  # VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
@@ -202,6 +203,8 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     non_torch = max(non_torch + offsets.get("non_torch_bytes", 0), 0)
     subtract_graphs = V.graphs_off_budget(v, source.config.get("architectures"), bool(arch.experts),
                                           hybrid is not None, args.enforce_eager)
+    v2_runner = V.v2_runner_default(v, source.config.get("architectures"), bool(arch.experts), hybrid is not None)
+    captures = None if args.enforce_eager else V.cudagraph_captures(v, seqs, mnbt, args.gpu_capability)
     cold = V.compile_benchmarks_kernels(v, args.enforce_eager, args.compile_cache)
     compiles = V.compile_benchmarks_kernels(v, args.enforce_eager)  # whether the cache's state matters at all
     ranks: list[VllmRank] = []
@@ -209,10 +212,10 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
     peaks: list[str] = []  # which part of each rank's profile peaks
     for i, w in enumerate(weights):
         lo, hi = w.layers
-        act = activation(arch, tp, w.pp_rank, pp, el, mnbt, seqs, v, args.flashinfer_sampler, cold)
+        act = activation(arch, tp, w.pp_rank, pp, el, mnbt, seqs, v, args.flashinfer_sampler, cold, v2_runner)
         peaks.append(act.which)
         act_bytes = max(act.total + offsets.get("activation_bytes", 0), 0)
-        graphs = cuda_graph_bytes(hi - lo, args.enforce_eager)
+        graphs = cuda_graph_bytes(hi - lo, args.enforce_eager, captures)
         if args.kv_cache_memory_bytes is not None:
             avail = args.kv_cache_memory_bytes
         else:
@@ -277,15 +280,21 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
         if hybrid.page_bytes != hybrid.state_bytes:
             lines.insert(1, f"Padding mamba page size by {hybrid.padding_pct:.2f}% to ensure that mamba page size and "
                             "attention page size are exactly equal.")
+    sampler_words = f"the V2 model runner, whose sampler pass is {V.v2_sampler_pass(v)}; " if v2_runner else ""
+    graph_scale = (f"scaled to {captures.why}, " if captures
+                   else "as fitted (capture sizes before 0.11 not modelled), ")
     methods = {
         "weights": "vLLM's layout of the installed transformers' model on the meta device (docs/vllm.md)",
         "activation": f"profile-run model fitted to 0.15-0.19 logs ({peaks[limiting.rank]} peak; "
+                      f"{sampler_words}"
                       f"{_compile_method(cold, compiles, limiting.pp_rank)}; "
                       f"max_num_batched_tokens {mnbt}, max_num_seqs {seqs}: "
                       f"{d.why if args.max_num_seqs is None and args.max_num_batched_tokens is None else 'as given'})",
         "non_torch": f"default per setup: {non_torch_why}",
         "cuda_graphs": ("not captured (--enforce-eager)" if args.enforce_eager else
-                        "default fitted to 0.19 H100 logs, " + (
+                        "default fitted to 0.19 H100 logs, "
+                        + graph_scale
+                        + (
                             "subtracted from the KV budget (0.20 on)" if subtract_graphs
                             else "outside the KV budget (before 0.20)" if not V.cuda_graphs_subtracted(v)
                             else "outside the KV budget: the V2 model runner of 0.22-0.28 estimates none")),

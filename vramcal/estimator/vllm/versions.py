@@ -124,6 +124,28 @@ def v2_runner_estimates_graphs(v: Version) -> bool:
     return v >= (0, 29, 0)
 
 
+V2_SAMPLER_LOGITS = "the logits alone"
+V2_SAMPLER_FP32 = "the logits and their float32 copy"
+V2_SAMPLER_WARMUP = "a second pass with every sampling parameter on"
+
+
+def v2_sampler_pass(v: Version) -> str:
+    """What the V2 model runner's dummy sampler run (``_dummy_sampler_run``, ``v1/worker/gpu/model_runner.py``)
+    holds. It computes the logits (``compute_logits``, the model dtype) and samples with a Gumbel-max Triton kernel
+    (a value per vocabulary block): none of the V1 sampler's temporaries. ``Sampler.apply_sampling_params``
+    (``v1/worker/gpu/sample/sampler.py``) copies the logits to float32 first up to 0.26, for every request (0.22.1,
+    0.24.0 read); from 0.27 only for requests that need logits processing, which no dummy request does: their
+    states are the defaults (0.27.1, 0.28.0, 0.29.0, 0.30.0, 0.32.0 read). 0.33.0
+    runs the sampler a second time after registering ``SamplingParams.for_sampler_warmup()`` for every dummy
+    request -- temperature, top-k / top-p (Triton), min-p, penalties, logit bias, bad words, logprobs -- so that
+    pass holds the float32 logits and what V1's dummy sampler holds for the same operations."""
+    if v < (0, 27, 0):
+        return V2_SAMPLER_FP32
+    if v < (0, 33, 0):
+        return V2_SAMPLER_LOGITS
+    return V2_SAMPLER_WARMUP
+
+
 def graphs_off_budget(v: Version, architectures, moe: bool, hybrid: bool, enforce_eager: bool) -> bool:
     """Whether the CUDA-graph estimate comes off the KV budget for this model: from 0.20, unless eager, and
     not on a V2 model runner that estimates nothing (:func:`v2_runner_default`, :func:`v2_runner_estimates_graphs`)."""
@@ -232,6 +254,53 @@ def usage_peak_includes_graphs(v: Version) -> bool:
     it is ``torch_peak_increase`` alone (0.20.2, 0.24.0, 0.25.0 and 0.26.0 read). The same versions
     change the line's wording from "for weight" to "for consumed memory (weights + non-torch)"."""
     return v >= (0, 27, 0)
+
+
+# ------------------------------------------------------------------------------ CUDA-graph captures
+
+@dataclass(frozen=True)
+class Captures:
+    """The CUDA graphs vLLM captures at startup: one PIECEWISE graph set per capture size (mixed batches) and one
+    FULL graph per size a decode batch of ``max_num_seqs`` reaches (``FULL_AND_PIECEWISE``, the default)."""
+    piecewise: int
+    full: int
+    largest: int  # the largest capture size, tokens
+    why: str
+
+    @property
+    def graphs(self) -> int:
+        return self.piecewise + self.full
+
+
+def cudagraph_captures(v: Version, max_num_seqs: int, max_num_batched_tokens: int,
+                       capability: tuple[int, int] | None = None) -> Captures | None:
+    """The capture sizes vLLM picks when none are given (``VllmConfig._set_cudagraph_sizes``, ``config/vllm.py``;
+    ``config/__init__.py`` in 0.11) and how many graphs of each mode it captures (``CudagraphDispatcher
+    .initialize_cudagraph_keys``, ``v1/cudagraph_dispatcher.py``; the V2 runner's ``CudaGraphManager
+    ._init_candidates``, ``v1/worker/gpu/cudagraph_utils.py``, the same counts): the largest size is
+    ``min(2 x max_num_seqs, 512)`` -- 1024 on a compute capability 10.x GPU from 0.28 -- and at most
+    ``max_num_batched_tokens``; sizes 1, 2, 4, then every 8 up to 256 and every 16 above (every 8 throughout in
+    0.11), ``max_num_batched_tokens`` added when it is below the largest (0.20 on; 0.12.0 has not); FULL decode
+    graphs for the sizes up to ``max_num_seqs``. 0.11.0, 0.12.0, 0.20.2, 0.22.1, 0.24.0, 0.27.1, 0.28.0, 0.29.0
+    and 0.33.0 read; 0.13.0's log prints 51 and 35 at 256 sequences. None before 0.11 (other lists, not
+    modelled)."""
+    if v < (0, 11, 0):
+        return None
+    wide = v >= (0, 28, 0) and capability is not None and capability[0] == 10
+    ceiling = 1024 if wide else 512
+    largest = min(2 * max_num_seqs, ceiling, max_num_batched_tokens)
+    sizes = [i for i in (1, 2, 4) if i <= largest]
+    if v < (0, 12, 0):  # 0.11 keeps 1, 2, 4 whatever the largest size (config/__init__.py)
+        sizes = [i for i in (1, 2, 4) if i <= max_num_batched_tokens] + list(range(8, largest + 1, 8))
+    else:
+        sizes += list(range(8, min(largest + 1, 256), 8)) + list(range(256, largest + 1, 16))
+    if v >= (0, 20, 0) and max_num_batched_tokens <= largest:
+        sizes.append(max_num_batched_tokens)
+    sizes = sorted(set(sizes))
+    full = sum(1 for s in sizes if s <= max_num_seqs)
+    why = (f"{len(sizes)} PIECEWISE + {full} FULL captures (sizes up to {sizes[-1]}: min(2 x {max_num_seqs} "
+           f"sequences, {ceiling}{', a 10.x GPU' if wide else ''}, {max_num_batched_tokens} batched tokens))")
+    return Captures(len(sizes), full, sizes[-1], why)
 
 
 # ------------------------------------------------------------------------------ scheduler defaults

@@ -1,0 +1,136 @@
+"""The CUDA graphs vLLM captures and the V2 model runner's dummy sampler, against the arithmetic of the vLLM
+source each rule names (``config/vllm.py`` ``_set_cudagraph_sizes``, ``v1/cudagraph_dispatcher.py``,
+``v1/worker/gpu/sample/sampler.py``; docs/vllm.md "CUDA graphs")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vramcal.estimator.resolve import resolve_model
+from vramcal.estimator.vllm import budget as B
+from vramcal.estimator.vllm import versions as V
+from vramcal.estimator.vllm.arch import arch_of
+from vramcal.estimator.vllm.engine import VllmArgs, estimate_vllm
+from vramcal.estimator.vllm.layout import pad_vocab
+from vramcal.units import GIB
+
+CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "published" / "vllm" / "configs"
+
+
+LOGS = Path(__file__).resolve().parent.parent / "benchmarks" / "published" / "vllm" / "logs"
+
+
+def test_the_list_is_the_one_a_log_prints():
+    """The 0.19.1 H200 log prints vLLM's own list (its config line): 51 sizes up to 512."""
+    import re
+
+    text = (LOGS / "h200_qwen2.5-1.5b_v0.19.1.log").read_text()
+    printed = [int(x) for x in re.search(r"cudagraph_capture_sizes': \[([0-9, ]+)\]", text).group(1).split(",")]
+    c = V.cudagraph_captures((0, 19, 1), 1024, 8192, (9, 0))  # an H200: 1,024 sequences, 8,192 batched tokens
+    assert (c.piecewise, c.largest) == (len(printed), printed[-1]) == (51, 512)
+
+
+@pytest.mark.parametrize("seqs, piecewise, full", [(1, 2, 1), (8, 5, 4), (32, 11, 7), (64, 19, 11), (96, 27, 15),
+                                                   (128, 35, 19), (200, 44, 28), (256, 51, 35), (1024, 51, 51)])
+def test_captures_by_max_num_seqs(seqs, piecewise, full):
+    """0.29.0: sizes 1, 2, 4, 8, 16 ... 248, 256, 272 ... up to min(2 x seqs, 512); FULL up to seqs (200: 400 is
+    the largest: 3 + 31 + 10, counted by hand from the source's ranges)."""
+    c = V.cudagraph_captures((0, 29, 0), seqs, 8192)
+    assert (c.piecewise, c.full) == (piecewise, full)
+
+
+def test_capture_counts_of_the_published_starts():
+    # 0.13.0's RTX 3090 log: "Capturing CUDA graphs (mixed prefill-decode) 51/51", "(decode, FULL) 35/35" at 256
+    c = V.cudagraph_captures((0, 13, 0), 256, 2048)
+    assert (c.piecewise, c.full) == (51, 35)
+    # the 0.19 H100 rows the default was fitted to: 1,024 sequences, every size a FULL decode graph too
+    assert (B.GRAPH_FIT_CAPTURES.piecewise, B.GRAPH_FIT_CAPTURES.full) == (51, 51)
+    # the T4 sweep's smallest: sizes up to 64, FULL up to 32
+    t4 = V.cudagraph_captures((0, 29, 0), 32, 8192)
+    assert (t4.piecewise, t4.full, t4.largest) == (11, 7, 64)
+
+
+def test_the_ceiling_is_1024_on_a_10x_gpu_from_0_28_only():
+    wide = V.cudagraph_captures((0, 28, 0), 1024, 16384, (10, 0))
+    assert wide.largest == 1024 and wide.piecewise == 3 + 31 + 49 == wide.full
+    assert V.cudagraph_captures((0, 27, 1), 1024, 16384, (10, 0)).largest == 512
+    assert V.cudagraph_captures((0, 29, 0), 1024, 16384, (9, 0)).largest == 512
+    assert V.cudagraph_captures((0, 29, 0), 1024, 16384, None).largest == 512  # not known: the common ceiling
+
+
+def test_the_batched_tokens_bound_the_list_and_join_it_from_0_20():
+    assert V.cudagraph_captures((0, 20, 0), 256, 100).piecewise == 3 + 12 + 1  # 1, 2, 4, 8 ... 96, then 100
+    assert V.cudagraph_captures((0, 12, 0), 256, 100).piecewise == 3 + 12  # 0.12.0 does not append it
+    assert V.cudagraph_captures((0, 29, 0), 256, 48).largest == 48
+
+
+def test_0_11_steps_by_8_and_older_lists_are_not_modelled():
+    c = V.cudagraph_captures((0, 11, 0), 256, 8192)
+    assert c.piecewise == 3 + 64 and c.largest == 512
+    assert V.cudagraph_captures((0, 11, 0), 1, 8192).piecewise == 3  # 1, 2, 4 whatever the largest (0.12: 1, 2)
+    assert V.cudagraph_captures((0, 12, 0), 1, 8192).piecewise == 2
+    assert V.cudagraph_captures((0, 10, 2), 256, 8192) is None
+
+
+def test_the_graph_default_scales_with_the_graphs_captured():
+    fitted = B.GRAPH_BASE + B.GRAPH_PER_LAYER * 28
+    assert B.cuda_graph_bytes(28, False, B.GRAPH_FIT_CAPTURES) == fitted == B.cuda_graph_bytes(28, False, None)
+    small = V.cudagraph_captures((0, 29, 0), 32, 8192)
+    assert B.cuda_graph_bytes(28, False, small) == fitted * 18 // 102
+    assert B.cuda_graph_bytes(28, True, small) == 0
+
+
+def _args(**kw) -> VllmArgs:
+    return VllmArgs(**{**dict(gpu_memory_bytes=int(14.74 * GIB), gpu_memory_utilization=0.9, vllm_version="0.29.0",
+                              max_model_len=4096, max_num_batched_tokens=8192, dtype="float16"), **kw})
+
+
+def test_fewer_sequences_capture_fewer_graphs_and_leave_more_kv():
+    src = resolve_model(str(CONFIGS / "qwen2.5-1.5b.json"))
+    few, many = estimate_vllm(src, _args(max_num_seqs=32)), estimate_vllm(src, _args(max_num_seqs=256))
+    assert few.cuda_graph_subtracted and many.cuda_graph_subtracted
+    assert few.cuda_graph_bytes * 86 // 18 == pytest.approx(many.cuda_graph_bytes, rel=1e-6)
+    assert "11 PIECEWISE + 7 FULL captures" in few.methods["cuda_graphs"]
+    assert few.kv_cache_bytes > many.kv_cache_bytes
+    eager = estimate_vllm(src, _args(max_num_seqs=32, enforce_eager=True))
+    assert eager.cuda_graph_bytes == 0 and "not captured" in eager.methods["cuda_graphs"]
+
+
+def test_the_v2_runner_sampler_by_version_and_the_gather_at_tp():
+    src = resolve_model(str(CONFIGS / "qwen2.5-1.5b.json"))
+    arch = arch_of(src.config, None)
+    s, t, el = 256, 8192, 2
+    logits = s * pad_vocab(arch.vocab)
+    hidden = int(B.HIDDEN_KEPT * t * arch.hidden * el)
+    v1 = B.activation(arch, 1, 0, 1, el, t, s, (0, 27, 1))
+    assert v1.sampler == int((B.SAMPLER_BYTES + el) * logits + hidden)
+    assert B.activation(arch, 1, 0, 1, el, t, s, (0, 27, 1), v2_runner=True).sampler == int(el * logits + hidden)
+    assert B.activation(arch, 1, 0, 1, el, t, s, (0, 32, 0), v2_runner=True).sampler == int(el * logits + hidden)
+    assert B.activation(arch, 1, 0, 1, el, t, s, (0, 26, 0), v2_runner=True).sampler == int((el + 4) * logits + hidden)
+    # 0.33's warm-up pass with every sampling parameter on: V1's term for the same operations
+    assert B.activation(arch, 1, 0, 1, el, t, s, (0, 33, 0), v2_runner=True).sampler == v1.sampler
+    # tp 2: the all-gather holds the shard, the gathered buffer and its copy at once, 2.5 x el a logit
+    assert B.activation(arch, 2, 0, 1, el, t, s, (0, 29, 0), v2_runner=True).sampler == int(2.5 * el * logits + hidden)
+    assert B.activation(arch, 2, 0, 1, el, t, s, (0, 26, 0), v2_runner=True).sampler == int((el + 4) * logits + hidden)
+    assert [V.v2_sampler_pass(v) for v in ((0, 24, 0), (0, 29, 0), (0, 33, 0))] == [
+        V.V2_SAMPLER_FP32, V.V2_SAMPLER_LOGITS, V.V2_SAMPLER_WARMUP]
+
+
+def test_a_10x_gpu_captures_up_to_1024_in_the_estimate():
+    src = resolve_model(str(CONFIGS / "qwen2.5-1.5b.json"))
+    args = dict(gpu_memory_bytes=int(178 * GIB), max_num_seqs=1024, max_num_batched_tokens=16384, max_model_len=4096)
+    b200 = estimate_vllm(src, VllmArgs(**args, gpu_capability=(10, 0), vllm_version="0.29.0"))
+    h200 = estimate_vllm(src, VllmArgs(**args, gpu_capability=(9, 0), vllm_version="0.29.0"))
+    assert "83 PIECEWISE + 83 FULL" in b200.methods["cuda_graphs"] and "51 PIECEWISE + 51 FULL" in h200.methods["cuda_graphs"]
+    assert b200.cuda_graph_bytes * 102 // 166 == pytest.approx(h200.cuda_graph_bytes, rel=1e-6)
+
+
+def test_the_estimate_uses_the_v2_sampler_where_the_model_runs_on_it():
+    src = resolve_model(str(CONFIGS / "qwen2.5-1.5b.json"))  # Qwen2ForCausalLM: V2 by default from 0.26, V1 in 0.24
+    e26 = estimate_vllm(src, _args(vllm_version="0.26.0", compile_cache="warm"))
+    e24 = estimate_vllm(src, _args(vllm_version="0.24.0", compile_cache="warm"))
+    assert "the V2 model runner, whose sampler pass is the logits and their float32 copy" in e26.methods["activation"]
+    assert "V2" not in e24.methods["activation"]
+    assert e26.activation_bytes < e24.activation_bytes
