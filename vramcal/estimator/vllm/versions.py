@@ -280,7 +280,7 @@ def cudagraph_captures(v: Version, max_num_seqs: int, max_num_batched_tokens: in
     ._init_candidates``, ``v1/worker/gpu/cudagraph_utils.py``, the same counts): the largest size is
     ``min(2 x max_num_seqs, 512)`` -- 1024 on a compute capability 10.x GPU from 0.28 -- and at most
     ``max_num_batched_tokens``; sizes 1, 2, 4, then every 8 up to 256 and every 16 above (every 8 throughout in
-    0.11), ``max_num_batched_tokens`` added when it is below the largest (0.20 on; 0.12.0 has not); FULL decode
+    0.11), ``max_num_batched_tokens`` added when it is the bound (0.20 on; 0.12.0 has not); FULL decode
     graphs for the sizes up to ``max_num_seqs``. 0.11.0, 0.12.0, 0.20.2, 0.22.1, 0.24.0, 0.27.1, 0.28.0, 0.29.0
     and 0.33.0 read; 0.13.0's log prints 51 and 35 at 256 sequences. None before 0.11 (other lists, not
     modelled)."""
@@ -289,11 +289,11 @@ def cudagraph_captures(v: Version, max_num_seqs: int, max_num_batched_tokens: in
     wide = v >= (0, 28, 0) and capability is not None and capability[0] == 10
     ceiling = 1024 if wide else 512
     largest = min(2 * max_num_seqs, ceiling, max_num_batched_tokens)
-    sizes = [i for i in (1, 2, 4) if i <= largest]
     if v < (0, 12, 0):  # 0.11 keeps 1, 2, 4 whatever the largest size (config/__init__.py)
         sizes = [i for i in (1, 2, 4) if i <= max_num_batched_tokens] + list(range(8, largest + 1, 8))
     else:
-        sizes += list(range(8, min(largest + 1, 256), 8)) + list(range(256, largest + 1, 16))
+        sizes = ([i for i in (1, 2, 4) if i <= largest] + list(range(8, min(largest + 1, 256), 8))
+                 + list(range(256, largest + 1, 16)))
     if v >= (0, 20, 0) and max_num_batched_tokens <= largest:
         sizes.append(max_num_batched_tokens)
     sizes = sorted(set(sizes))
