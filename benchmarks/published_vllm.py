@@ -42,7 +42,8 @@ TERMS = (("weights", "weights_gib", "weights_bytes"), ("activation", "activation
 RANK_TERMS = ("activation_bytes", "non_torch_bytes", "kv_cache_bytes", "weights_bytes")
 TARGETS = {"KV tokens": (2.0, 5.0), "weights": (1.0, None)}
 # issue 27's blind collections, in the order they were collected: each reported apart from the rows read before
-BLIND_COLLECTIONS = ("heldout-2026-12-03b.csv", "heldout-2026-12-03c.csv", "heldout-2026-12-03d.csv")
+BLIND_COLLECTIONS = ("heldout-2026-12-03b.csv", "heldout-2026-12-03c.csv", "heldout-2026-12-03d.csv",
+                     "heldout-2026-12-04.csv")
 
 
 def _f(x: str) -> float | None:
