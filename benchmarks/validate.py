@@ -236,9 +236,10 @@ def _estimate_for(store, run: dict, re_estimate: bool, gpu_name: str | None = No
     from vramcal.estimator.estimate import estimate
     from vramcal.estimator.resolve import ModelSource
     from vramcal.probes.hardware import gpu_target
+    from vramcal.workload import device_kind
 
     gpu = None
-    if gpu_name and not str(run["device"]).startswith("cpu"):
+    if gpu_name and device_kind(run["device"]) != "cpu":
         try:
             gpu = gpu_target(gpu_name)
         except UserError:  # a GPU the table does not know: its defaults, as on that machine

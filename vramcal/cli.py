@@ -20,7 +20,8 @@ import sys
 from .errors import UserError, printable
 from .estimator.capacity import FROM_FREE
 from .units import size_option
-from .workload import ATTNS, CACHES, KV_DTYPES, NEW_TOKENS, POLICIES, QUANTS, Configuration, parse_dtype, workload
+from .workload import (ATTNS, CACHES, KV_DTYPES, NEW_TOKENS, POLICIES, QUANTS, Configuration, device_kind, parse_dtype,
+                       workload)
 
 EX_SOFTWARE = 70
 MAX_MESSAGE = 600  # characters: a one-line error a person reads, whatever a library put in it
@@ -88,7 +89,7 @@ def _probe_gpu(args):
     if getattr(args, "gpu", None) is None:
         return named
     device = str(getattr(args, "device", "") or "cuda")
-    if device.startswith("cpu"):
+    if device_kind(device) == "cpu":
         raise UserError(f"--gpu {args.gpu!r} prices a GPU's path, but --device {device} loads on the CPU: drop "
                         "--gpu (or price that GPU with `vramcal estimate --gpu`)")
     real = machine_gpu_target(device if ":" in device else "cuda:0")
@@ -137,7 +138,7 @@ def _placement(args, device: str) -> tuple[str | dict | None, str | None]:
     from .estimator.estimate import placement_request
     from .workload import parse_device
 
-    if mm is None and not str(device).startswith("cpu"):
+    if mm is None and device_kind(device) != "cpu":
         from .estimator.placement import DEVICE_MAP_CHOICES
         from .probes.machine import machine_max_memory
         from .workload import choice
@@ -266,7 +267,7 @@ def estimate_transformers(args, io) -> int:
                                            ("--max-memory", getattr(args, "max_memory", None) is not None),
                                            ("--device-map", getattr(args, "device_map", None) is not None),
                                            ("--images", bool(work.images)), ("--gpu", args.gpu is not None),
-                                           ("--device cpu", str(args.device).startswith("cpu"))) if used]
+                                           ("--device cpu", device_kind(args.device) == "cpu")) if used]
         if ignored:
             raise UserError(f"quick mode (--params-b, --bits) does not use {', '.join(ignored)}: say the weights "
                             "with --bits and the cache with --kv-bytes (1 for fp8), or give a MODEL")

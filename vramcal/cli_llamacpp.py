@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from .errors import UserError
+from .workload import device_kind
 
 # dest -> the flag as llama.cpp spells it; every one belongs to --engine llama.cpp only
 LLAMACPP_FLAGS = {
@@ -125,7 +126,7 @@ def flags_used(args) -> list[str]:
 def _gpu_count(args) -> tuple[int, str | None]:
     """The GPUs llama.cpp would see: --device cpu none; --gpu-count; -ts's length; this machine's (NVML);
     else one, said in a note."""
-    if str(getattr(args, "device", "cuda") or "cuda").startswith("cpu"):
+    if device_kind(getattr(args, "device", "cuda") or "cuda") == "cpu":
         return 0, None
     if args.gpu_count is not None:
         return args.gpu_count, None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from .errors import UserError
+from .workload import device_kind
 
 # dest -> (the flag, what it is); every one belongs to --engine vllm only
 VLLM_FLAGS = {
@@ -138,7 +139,7 @@ def refuse_transformers_flags(args, command: str, engine: str = "vllm", allowed:
               ("--fast", bool(getattr(args, "fast", False))),
               ("--params-b", getattr(args, "params_b", None) is not None), ("--bits", getattr(args, "bits", None) is not None),
               ("--budget", getattr(args, "budget", None) is not None), ("--buffer", getattr(args, "buffer", None) is not None),
-              ("--device cpu", str(getattr(args, "device", "cuda")).startswith("cpu")),
+              ("--device cpu", device_kind(getattr(args, "device", "cuda")) == "cpu"),
               ("--synthetic", command in ("estimate", "fit") and bool(getattr(args, "synthetic", False))),
               ("--images", bool(getattr(args, "images", 0))),
               ("--image-size", getattr(args, "image_size", None) is not None))

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..units import MIB
+from ..workload import device_kind
 from .capacity import H200_SESSION, DriverReserve, reserve_for, reserve_of_target
 
 
@@ -55,7 +56,7 @@ CPU_DEFAULT = RuntimeProfile("cpu", context_bytes=0, workspace_bytes=0, segment_
 
 
 def default_profile(device: str) -> RuntimeProfile:
-    return CPU_DEFAULT if device.startswith("cpu") else CUDA_DEFAULT
+    return CPU_DEFAULT if device_kind(device) == "cpu" else CUDA_DEFAULT
 
 
 # ------------------------------------------------------------------ the non-torch terms, each by what it is

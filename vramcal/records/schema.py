@@ -27,6 +27,7 @@ from typing import Callable
 
 from .engines import Engine
 from .machines import class_key
+from ..workload import device_kind
 
 SCHEMA_VERSION = 6
 
@@ -79,7 +80,7 @@ def _v4(tx, engine: Engine) -> None:
 def _legacy_model(device: str, estimate: str | dict | None) -> str | None:
     if not estimate:
         return None
-    if not str(device or "").startswith("cpu"):
+    if device_kind(device or "") != "cpu":
         return LEGACY_MODELS["cuda"]
     try:
         methods = (json.loads(estimate) if isinstance(estimate, str) else estimate).get("methods") or {}
