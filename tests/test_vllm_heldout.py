@@ -150,7 +150,10 @@ def test_tabled_rows_carry_the_figures_their_source_prints(row):
     post) has no log line to parse: its fixture quotes the table, and every figure of the row is there as
     the source prints it (tokens with thousands separators, GiB to two decimals, concurrency)."""
     text = (CORPUS_DIR / row["fixture"]).read_text()
-    assert parse_log(text).kv_cache_tokens is None  # a table, not vLLM's lines
+    # a table, not vLLM's lines -- or, where the source quotes vLLM's KV lines beside its table (heldout-2026-12-04's
+    # RTX 4080 notes), those lines, which then give the row's tokens
+    parsed = parse_log(text).kv_cache_tokens
+    assert parsed is None or parsed == int(row["kv_cache_tokens"]), parsed
     # every figure of the row is one of the numbers of the quoted table lines, as printed there (the sources print
     # GiB to one or two decimals: 9.10 GiB, 3.0 GiB); tokens with the thousands separators the tables use
     quoted = [ln for ln in text.splitlines() if not ln.startswith("#")]
@@ -207,7 +210,8 @@ MXFP4_BACKEND_UNKNOWN = pytest.mark.xfail(strict=True, reason="0.11 image's MXFP
 
 
 def _weights_mark(r: dict):
-    if r["model"] in ("qwen3-14b-awq", "qwen2.5-1.5b-awq"):
+    # the RTX 4080 notes' Qwen2.5-7B-AWQ, 5.29 GiB against 5.20 priced (heldout-2026-12-04)
+    if r["model"] in ("qwen3-14b-awq", "qwen2.5-1.5b-awq") or r["id"] == "rtx4080_qwen2.5-7b-awq_u0.90_len32768_v0.26.0":
         return pytest.param(r, marks=AWQ_WEIGHT_GAP)
     if r["model"].startswith("gpt-oss") and r["vllm_version"] == "0.11.0":
         return pytest.param(r, marks=MXFP4_BACKEND_UNKNOWN)
@@ -386,10 +390,10 @@ def test_held_out_figures_are_the_reported_ones():
     p90 <= 5 %, weights median <= 1 %) are met on these 34 and asserted; over the whole held-out set, the second
     and third blind collections included, the p90 is missed (docs/validation.md)."""
     blind = (_collection_ids("heldout-2026-12-03b.csv") | _collection_ids("heldout-2026-12-03c.csv")
-             | _collection_ids("heldout-2026-12-03d.csv"))
+             | _collection_ids("heldout-2026-12-03d.csv") | _collection_ids("heldout-2026-12-04.csv"))
     earlier = [r for r in _held_out_results() if r["id"] not in blind]
     res = [r for r in earlier if not r["error"]]
-    assert len(res) == len(earlier) == 34  # the blind rows (2026-12-03b, -03c, -03d) are pinned apart
+    assert len(res) == len(earlier) == 34  # the blind rows (2026-12-03b, -03c, -03d, -04) are pinned apart
     kv = sorted(abs(r["KV tokens_err_pct"]) for r in res if r["KV tokens_err_pct"] is not None)
     w = sorted(abs(r["weights_err_pct"]) for r in res if r["weights_err_pct"] is not None)
     kv_med, kv_p90 = statistics.median(kv), statistics.quantiles(kv, n=10, method="inclusive")[8]

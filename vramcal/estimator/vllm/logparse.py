@@ -29,7 +29,7 @@ _PATTERNS = {
     "v0_results": re.compile(r"non_torch_memory=" + _NUM + r"GiB kv_cache_size=" + _NUM + r"GiB"),
     "available": re.compile(r"Available KV cache memory: " + _NUM + r" ?GiB"),
     "reserved": re.compile(r"reserved " + _NUM + r" GiB memory for KV Cache as specified by kv_cache_memory_bytes"),
-    "tokens": re.compile(r"KV cache size: " + _NUM + r" tokens"),
+    "tokens": re.compile(r"KV cache size:\s+" + _NUM + r" tokens"),
     "concurrency": re.compile(r"Maximum concurrency for " + _NUM + r" tokens per request: " + _NUM + r"x"),
     "graph_estimate": re.compile(r"Estimated CUDA graph memory: " + _NUM + r" ?GiB"),
     "graph_taken": re.compile(r"Graph capturing finished in " + _NUM + r" secs, took " + _NUM + r" ?GiB"),
