@@ -243,9 +243,10 @@ def render(rows: list[dict], sources_md: str) -> str:
             names = " and ".join(f"`{f}`" for f in blind)
             lines += [f"The earlier held-out collections against the blind ones ({names}: each run once before any "
                       "change; their rows still blind apart from those read since: a diagnosis (`examined` = "
-                      "diagnosed) or a rule their miss prompted (`examined` = rule), so a file's *all* line is its "
-                      "blind figure and *still blind* what is left once rows that missed were read; most rows of the "
-                      "first print no token count, so KV memory is its figure):", "",
+                      "diagnosed) or a rule their miss prompted (`examined` = rule). A file's *all* line is its rows "
+                      "under today's rules -- its first-run figure only while no rule has moved them (each file's "
+                      "first run is in docs/vllm.md and its test) -- and *still blind* what is left once rows that "
+                      "missed were read; most rows of the first print no token count, so KV memory is its figure):", "",
                       "| rows | term | rows with it | median | p90 | worst |", "| --- | --- | ---: | ---: | ---: | ---: |"]
             groups = [("earlier", [r for r in g if r.get("collection") not in BLIND_COLLECTIONS])]
             for f in blind:

@@ -66,6 +66,19 @@ def test_the_batched_tokens_bound_the_list_and_join_it_from_0_20():
     assert V.cudagraph_captures((0, 29, 0), 256, 48).largest == 48
 
 
+def test_max_num_seqs_joins_the_list_from_0_31():
+    """0.31.0 (config/vllm.py): ``uniform_decode_sizes = [max_num_seqs]`` when it is at most the ceiling, appended
+    to the sizes; 0.30.0 has not. Off the grid it adds one PIECEWISE and one FULL graph."""
+    before = V.cudagraph_captures((0, 30, 0), 100, 8192)
+    assert (before.piecewise, before.full) == (28, 15)
+    c = V.cudagraph_captures((0, 31, 0), 100, 8192)
+    assert (c.piecewise, c.full) == (29, 16)
+    on_grid = V.cudagraph_captures((0, 31, 0), 96, 8192)
+    assert (on_grid.piecewise, on_grid.full) == (27, 15)  # 96 is on the grid already
+    assert V.cudagraph_captures((0, 33, 0), 1000, 8192).piecewise == 51  # above the 512 ceiling: not added
+    assert V.cudagraph_captures((0, 33, 0), 300, 8192).piecewise == 52
+
+
 def test_0_11_steps_by_8_and_older_lists_are_not_modelled():
     c = V.cudagraph_captures((0, 11, 0), 256, 8192)
     assert c.piecewise == 3 + 64 and c.largest == 512
@@ -109,7 +122,7 @@ def test_the_v2_runner_sampler_by_version_and_the_gather_at_tp():
     assert B.activation(arch, 1, 0, 1, el, t, s, (0, 27, 1), v2_runner=True).sampler == int(el * logits + hidden)
     assert B.activation(arch, 1, 0, 1, el, t, s, (0, 32, 0), v2_runner=True).sampler == int(el * logits + hidden)
     assert B.activation(arch, 1, 0, 1, el, t, s, (0, 26, 0), v2_runner=True).sampler == int((el + 4) * logits + hidden)
-    # 0.33's warm-up pass with every sampling parameter on: V1's term for the same operations
+    # 0.33's warm-up pass with every sampling parameter on: priced with V1's term (an assumption, pinned here)
     assert B.activation(arch, 1, 0, 1, el, t, s, (0, 33, 0), v2_runner=True).sampler == v1.sampler
     # tp 2: the all-gather holds the shard, the gathered buffer and its copy at once, 2.5 x el a logit
     assert B.activation(arch, 2, 0, 1, el, t, s, (0, 29, 0), v2_runner=True).sampler == int(2.5 * el * logits + hidden)

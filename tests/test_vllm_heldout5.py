@@ -30,12 +30,20 @@ def test_the_rows_are_blind_held_out_startups_with_sources_fixtures_and_configs(
 
 
 def test_kv_bytes_per_token_of_the_configs_match_their_logs():
-    """Qwen2.5-7B-AWQ: 28 layers x 4 KV heads x 128 x 2 x 2 B; Qwen3-Coder-30B-A3B at tp 4: 48 x 1 x 128 x 2 x 2."""
-    per_token = {"qwen2.5-7b-awq": 28 * 4 * 128 * 2 * 2, "qwen3-coder-30b-a3b": 48 * 4 * 128 * 2 * 2}
+    """The logged KV memory over the logged tokens is what each row's config gives: layers x KV heads (per tp rank)
+    x head size x 2 x 2 B, read from the config vramcal resolves (the catalog's Qwen2.5-7B-AWQ: 28 x 4 x 128; the new
+    configs/qwen3-coder-30b-a3b.json: 48 x 4 x 128, one KV head a rank at tp 4), within the GiB figure's rounding."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from published_vllm import model_ref
+    from vramcal.estimator.resolve import resolve_model
+
     for r in ROWS:
+        cfg = resolve_model(model_ref(r, CORPUS_DIR)).config
+        head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        per_token = cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head * 2 * 2 // int(r["tp"])
         implied = float(r["kv_cache_gib"]) * 1024**3 / int(r["kv_cache_tokens"])
         rounding = 0.05 if len(r["kv_cache_gib"].split(".")[-1]) == 1 else 0.005
-        assert abs(implied / (per_token[r["model"]] / int(r["tp"])) - 1) < rounding / float(r["kv_cache_gib"]) + 1e-3
+        assert abs(implied / per_token - 1) < rounding / float(r["kv_cache_gib"]) + 1e-3, r["id"]
 
 
 def test_blind_figures_are_the_reported_ones():
@@ -49,5 +57,5 @@ def test_blind_figures_are_the_reported_ones():
     want = {"rtx4080_qwen2.5-7b-awq_u0.90_len32768_v0.26.0": -1.18, "4xl40s_qwen3-coder-30b-a3b_tp4_len32768_v0.24.0": 0.35}
     for rid, pct in want.items():
         assert res[rid]["KV tokens_err_pct"] == pytest.approx(pct, abs=0.02), rid
-        assert abs(res[rid]["kv_rules_err_pct"]) < 0.1, rid
+        assert abs(res[rid]["kv_rules_err_pct"]) < 0.06, rid
     assert res["rtx4080_qwen2.5-7b-awq_u0.90_len32768_v0.26.0"]["activation_err_gib"] == pytest.approx(0.0, abs=0.01)

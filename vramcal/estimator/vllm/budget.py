@@ -17,7 +17,7 @@ rank's dense MLP width, V = the padded vocabulary):
   FlashInfer's sampler runs (:func:`.versions.sampler_sorts`). On the V2 model runner (0.22 on, by
   architecture: :func:`.versions.v2_runner_default`; :func:`.versions.v2_sampler_pass`): the logits alone
   from 0.27 (``el`` bytes per logit), with their float32 copy up to 0.26 (``el + 4``), and from 0.33 a
-  second pass with every sampling parameter on, priced as V1's term (the same operations). At tp > 1 the
+  second pass with every sampling parameter on, priced with V1's term (an assumption, untested). At tp > 1 the
   logits are all-gathered first (``LogitsProcessor._gather_logits``; ``CudaCommunicator.all_gather``: the
   rank's shard, the gathered buffer and its ``movedim`` copy at once), ``(2 + 1 / tp) x el`` per logit at the
   moment; the V2 term is the larger of the two, nothing fitted;

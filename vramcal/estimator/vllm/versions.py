@@ -137,8 +137,10 @@ def v2_sampler_pass(v: Version) -> str:
     0.24.0 read); from 0.27 only for requests that need logits processing, which no dummy request does: their
     states are the defaults (0.27.1, 0.28.0, 0.29.0, 0.30.0, 0.32.0 read). 0.33.0
     runs the sampler a second time after registering ``SamplingParams.for_sampler_warmup()`` for every dummy
-    request -- temperature, top-k / top-p (Triton), min-p, penalties, logit bias, bad words, logprobs -- so that
-    pass holds the float32 logits and what V1's dummy sampler holds for the same operations."""
+    request -- temperature, top-k / top-p (Triton), min-p, three penalties, min_tokens, logit bias, bad words,
+    logprobs and prompt logprobs, watermarking -- so that pass holds the float32 logits and its temporaries. It is
+    priced with V1's fitted term, an assumption: V1's dummy run has no logprobs, penalties or bad words and its
+    kernels differ, so the 0.33 figure may be high or low; no published 0.33 log tests it."""
     if v < (0, 27, 0):
         return V2_SAMPLER_FP32
     if v < (0, 33, 0):
@@ -280,9 +282,10 @@ def cudagraph_captures(v: Version, max_num_seqs: int, max_num_batched_tokens: in
     ._init_candidates``, ``v1/worker/gpu/cudagraph_utils.py``, the same counts): the largest size is
     ``min(2 x max_num_seqs, 512)`` -- 1024 on a compute capability 10.x GPU from 0.28 -- and at most
     ``max_num_batched_tokens``; sizes 1, 2, 4, then every 8 up to 256 and every 16 above (every 8 throughout in
-    0.11), ``max_num_batched_tokens`` added when it is the bound (0.20 on; 0.12.0 has not); FULL decode
-    graphs for the sizes up to ``max_num_seqs``. 0.11.0, 0.12.0, 0.20.2, 0.22.1, 0.24.0, 0.27.1, 0.28.0, 0.29.0
-    and 0.33.0 read; 0.13.0's log prints 51 and 35 at 256 sequences. None before 0.11 (other lists, not
+    0.11), ``max_num_batched_tokens`` added when it is the bound (0.20 on; 0.12.0 has not), and
+    ``max_num_seqs`` itself, the widest uniform decode batch, when it is at most the ceiling (0.31 on: 0.30.0 has
+    not; a reviewer's find); FULL decode graphs for the sizes up to ``max_num_seqs``. 0.11.0, 0.12.0, 0.20.2,
+    0.22.1, 0.24.0, 0.27.1, 0.28.0, 0.29.0, 0.30.0, 0.31.0, 0.32.0 and 0.33.0 read; 0.13.0's log prints 51 and 35 at 256 sequences. None before 0.11 (other lists, not
     modelled)."""
     if v < (0, 11, 0):
         return None
@@ -296,6 +299,8 @@ def cudagraph_captures(v: Version, max_num_seqs: int, max_num_batched_tokens: in
                  + list(range(256, largest + 1, 16)))
     if v >= (0, 20, 0) and max_num_batched_tokens <= largest:
         sizes.append(max_num_batched_tokens)
+    if v >= (0, 31, 0) and max_num_seqs <= ceiling and max_num_seqs <= max_num_batched_tokens:
+        sizes.append(max_num_seqs)  # the widest uniform decode batch, on the 8 / 16 grid or not
     sizes = sorted(set(sizes))
     full = sum(1 for s in sizes if s <= max_num_seqs)
     why = (f"{len(sizes)} PIECEWISE + {full} FULL captures (sizes up to {sizes[-1]}: min(2 x {max_num_seqs} "
