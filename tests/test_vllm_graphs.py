@@ -147,3 +147,22 @@ def test_the_estimate_uses_the_v2_sampler_where_the_model_runs_on_it():
     assert "the V2 model runner, whose sampler pass is the logits and their float32 copy" in e26.methods["activation"]
     assert "V2" not in e24.methods["activation"]
     assert e26.activation_bytes < e24.activation_bytes
+
+
+def test_json_carries_the_captures(capsys):
+    """``--json`` gives the graph counts beside the bytes; --enforce-eager and versions before 0.11 give None."""
+    import json
+
+    from vramcal.cli import main
+
+    cfg = str(CONFIGS / "qwen2.5-1.5b.json")
+    base = ["estimate", cfg, "--engine", "vllm", "--gpu-memory", "14.74GiB", "--max-model-len", "4096", "--json",
+            "--no-correction"]
+    assert main(base + ["--max-num-seqs", "32", "--vllm-version", "0.29"]) == 0
+    v = json.loads(capsys.readouterr().out)["vllm"]
+    assert (v["cuda_graph_piecewise"], v["cuda_graph_full"]) == (11, 7)
+    assert main(base + ["--enforce-eager", "--vllm-version", "0.29"]) == 0
+    v = json.loads(capsys.readouterr().out)["vllm"]
+    assert (v["cuda_graph_piecewise"], v["cuda_graph_full"], v["cuda_graph_bytes"]) == (None, None, 0)
+    assert main(base + ["--vllm-version", "0.10.2"]) == 0
+    assert json.loads(capsys.readouterr().out)["vllm"]["cuda_graph_piecewise"] is None

@@ -320,7 +320,9 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
         page_bytes=g.page_bytes, block_bytes=g.bytes_per_block, hybrid_groups=g.num_groups, limiting_rank=limiting.rank, error=error,
         log_lines=lines, methods=methods, notes=notes, ranks=ranks if len(ranks) > 1 else None,
         interconnect=ic.kind if ic else None, custom_all_reduce=car.on if car else None,
-        compile_cache=("cold" if cold else "warm") if compiles else None)
+        compile_cache=("cold" if cold else "warm") if compiles else None,
+        cuda_graph_piecewise=captures.piecewise if captures else None,
+        cuda_graph_full=captures.full if captures else None)
 
 
 def _compile_method(cold: bool, compiles: bool, pp_rank: int) -> str:

@@ -74,6 +74,10 @@ class VllmEstimate:
     # the torch.compile cache's state priced: cold (the kernel benchmark in the profile) | warm; None where the
     # state changes nothing (--enforce-eager, before 0.12)
     compile_cache: str | None = None
+    # the CUDA graphs vLLM captures (versions.cudagraph_captures): PIECEWISE graph sets and FULL decode graphs;
+    # None where none are captured (--enforce-eager) or the list is not modelled (before 0.11)
+    cuda_graph_piecewise: int | None = None
+    cuda_graph_full: int | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
