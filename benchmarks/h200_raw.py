@@ -77,37 +77,28 @@ def main(argv=None) -> int:
                      "calibrated_error_pct": "", "estimated_reserved_bytes": e.reserved[st],
                      "measured_reserved_bytes": res, "reserved_error_pct": pct(e.reserved[st], res),
                      "estimated_slack_bytes": e.reserved[st] - e.allocated[st], "measured_slack_bytes": res - alloc})
-    for r in _rows(Path(args.dir) / "gpu-h200.csv"):
-        if r["status"] != "ok":
+    # the validate rows of each session: the first's measured is absolute NVML used, so the driver's reserve comes
+    # off here; the second's (2026-12-04, gpu-stages/4 on) was recorded less the reserve already, and five of its
+    # six configurations repeat the first session's (the same NVML bytes); the second file is optional
+    for name, reserve in (("gpu-h200.csv", DRIVER_RESERVE), ("gpu-h200-2.csv", 0)):
+        path = Path(args.dir) / name
+        if reserve == 0 and not path.exists():
             continue
-        source = ModelSource(name=r["model"], origin="config", config=validate.ARCHS[r["arch"]])
-        e = estimate(source, r["quant"], ctx=int(r["ctx"]), batch=int(r["batch"]), use_cache=False, gpu=h200)
-        st = r["stage"]
-        smi = int(r["measured_bytes"]) - DRIVER_RESERVE
-        cal = int(r["calibrated_bytes"]) - DRIVER_RESERVE if r["calibrated_bytes"] else ""
-        rows.append({"source": "gpu-h200.csv", "model": r["model"], "quant": r["quant"], "ctx": r["ctx"],
-                     "batch": r["batch"], "stage": st, "estimated_bytes": e.stages[st], "nvidia_smi_bytes": smi,
-                     "error_pct": pct(e.stages[st], smi), "calibrated_bytes": cal,
-                     "calibrated_error_pct": pct(cal, smi) if cal != "" else "",
-                     "estimated_reserved_bytes": e.reserved[st], "measured_reserved_bytes": "",
-                     "reserved_error_pct": "", "estimated_slack_bytes": e.reserved[st] - e.allocated[st],
-                     "measured_slack_bytes": ""})
-    # the second session's validate rows (2026-12-04): recorded from gpu-stages/4 on, so measured is NVML used less
-    # the reserve already; five of its six configurations repeat the first session's (the same NVML bytes)
-    second = Path(args.dir) / "gpu-h200-2.csv"
-    for r in _rows(second) if second.exists() else ():
-        if r["status"] != "ok":
-            continue
-        source = ModelSource(name=r["model"], origin="config", config=validate.ARCHS[r["arch"]])
-        e = estimate(source, r["quant"], ctx=int(r["ctx"]), batch=int(r["batch"]), use_cache=False, gpu=h200)
-        st, smi = r["stage"], int(r["measured_bytes"])
-        rows.append({"source": "gpu-h200-2.csv", "model": r["model"], "quant": r["quant"], "ctx": r["ctx"],
-                     "batch": r["batch"], "stage": st, "estimated_bytes": e.stages[st], "nvidia_smi_bytes": smi,
-                     "error_pct": pct(e.stages[st], smi), "calibrated_bytes": r["calibrated_bytes"],
-                     "calibrated_error_pct": pct(r["calibrated_bytes"], smi) if r["calibrated_bytes"] else "",
-                     "estimated_reserved_bytes": e.reserved[st], "measured_reserved_bytes": "",
-                     "reserved_error_pct": "", "estimated_slack_bytes": e.reserved[st] - e.allocated[st],
-                     "measured_slack_bytes": ""})
+        for r in _rows(path):
+            if r["status"] != "ok":
+                continue
+            source = ModelSource(name=r["model"], origin="config", config=validate.ARCHS[r["arch"]])
+            e = estimate(source, r["quant"], ctx=int(r["ctx"]), batch=int(r["batch"]), use_cache=False, gpu=h200)
+            st = r["stage"]
+            smi = int(r["measured_bytes"]) - reserve
+            cal = int(r["calibrated_bytes"]) - reserve if r["calibrated_bytes"] else ""
+            rows.append({"source": name, "model": r["model"], "quant": r["quant"], "ctx": r["ctx"],
+                         "batch": r["batch"], "stage": st, "estimated_bytes": e.stages[st], "nvidia_smi_bytes": smi,
+                         "error_pct": pct(e.stages[st], smi), "calibrated_bytes": cal,
+                         "calibrated_error_pct": pct(cal, smi) if cal != "" else "",
+                         "estimated_reserved_bytes": e.reserved[st], "measured_reserved_bytes": "",
+                         "reserved_error_pct": "", "estimated_slack_bytes": e.reserved[st] - e.allocated[st],
+                         "measured_slack_bytes": ""})
     with open(args.out, "w", newline="") as fh:
         w = csv.DictWriter(fh, FIELDS)
         w.writeheader()
