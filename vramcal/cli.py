@@ -83,7 +83,7 @@ def _probe_gpu(args):
     follows the real GPU (fp8 kept or dequantized, MXFP4 kept or not) and a run compared with another GPU's
     path would teach this machine's corrections a difference that is not there. ``--gpu`` is taken where
     NVML cannot read this machine's GPU; where it can and the compute capability differs: one line, exit 2."""
-    from .probes.hardware import machine_gpu_target
+    from .probes.hardware import device_gpu_target
 
     named = _gpu(args)
     if getattr(args, "gpu", None) is None:
@@ -92,7 +92,7 @@ def _probe_gpu(args):
     if device_kind(device) == "cpu":
         raise UserError(f"--gpu {args.gpu!r} prices a GPU's path, but --device {device} loads on the CPU: drop "
                         "--gpu (or price that GPU with `vramcal estimate --gpu`)")
-    real = machine_gpu_target(device if ":" in device else "cuda:0")
+    real = device_gpu_target(device)
     if real is not None and real.compute_capability != named.compute_capability:
         cc = ".".join(map(str, real.compute_capability))
         want = ".".join(map(str, named.compute_capability)) if named.compute_capability else "unknown"
