@@ -18,6 +18,7 @@ config and compares every term vLLM prints, on the same footing:
 | KV memory | "Available KV cache memory: X GiB" |
 | KV tokens | "GPU KV cache size: N tokens" |
 | concurrency | "Maximum concurrency for L tokens per request: Cx" |
+| graph estimate | "Estimated CUDA graph memory", "CUDA graph pool memory: ... (estimated)" or "is equivalent to --gpu-memory-utilization" (read from the row's log) |
 
 Beside the end-to-end prediction, *KV rules*: the tokens vramcal's page and block rules give from
 the *logged* available memory -- the KV arithmetic alone, without the memory budget's terms.
@@ -133,6 +134,22 @@ def logged_compile_state(row: dict, corpus_dir: Path) -> str | None:
     return parse_log(path.read_text()).compile_cache if path is not None and path.is_file() else None
 
 
+def logged_graph_estimate(row: dict, corpus_dir: Path) -> float | None:
+    """The CUDA-graph estimate a row's fixture log prints, GiB: "Estimated CUDA graph memory" or "CUDA graph pool
+    memory: ... (estimated)", else the "is equivalent to --gpu-memory-utilization" line's share of the device
+    total (the log's own total, or the row's where the excerpt prints none). None where the log prints neither."""
+    from vramcal.estimator.vllm.logparse import parse_log
+
+    path = corpus_dir / row["fixture"] if row.get("fixture") else None
+    if path is None or not path.is_file():
+        return None
+    log = parse_log(path.read_text())
+    if log.cuda_graph_estimate_bytes is not None:
+        return log.cuda_graph_estimate_bytes / GIB
+    total = _f(row.get("gpu_total_gib") or "")
+    return log.cuda_graph_estimate_fraction * total if log.cuda_graph_estimate_fraction and total else None
+
+
 def read_corpus(corpus: Path) -> list[dict]:
     """``corpus.csv`` and the other collections beside it (``hybrid.csv``, ``heldout-*.csv``: later
     collections, kept in files of their own so that each collection's rows and sources stay together), in
@@ -175,6 +192,14 @@ def run_row(row: dict, corpus_dir: Path) -> dict:
         out[f"{term}_vramcal"] = pred
         out[f"{term}_err_pct"] = None if not logged else 100.0 * (pred - logged) / logged
         out[f"{term}_err_gib"] = None if logged is None or not attr.endswith("_bytes") else pred - logged
+    # the estimate is what vramcal's graph term stands for only where it comes off the KV budget (0.20 on; before,
+    # the term is the capture itself, which the log's "Graph capturing finished" line gives)
+    graph_logged = logged_graph_estimate(row, corpus_dir) if est.cuda_graph_subtracted else None
+    graph_pred = (first or est).cuda_graph_bytes / GIB
+    out["graph estimate_logged"] = graph_logged
+    out["graph estimate_vramcal"] = graph_pred
+    out["graph estimate_err_pct"] = None if not graph_logged else 100.0 * (graph_pred - graph_logged) / graph_logged
+    out["graph estimate_err_gib"] = None if graph_logged is None else graph_pred - graph_logged
     rules = kv_rules_tokens(est, row)
     logged_tokens = _f(row["kv_cache_tokens"])
     out["kv_rules_tokens"] = rules
@@ -214,8 +239,10 @@ def render(rows: list[dict], sources_md: str) -> str:
              "(the KV arithmetic alone).", "",
              "How to read it: the weights and the KV page and block rules are arithmetic from vLLM's source, with "
              "nothing fitted. The activation model's six coefficients, the non-torch defaults and the CUDA-graph "
-             "default were fitted to the llm-d-planner rows (0.15-0.19, H100; `split` = fit in the corpus), so "
-             "their errors are in-sample. The *held-out* rows (`split` = held-out: other GPUs, versions and "
+             "default were fitted to the llm-d-planner rows (0.15-0.19, H100), and the V2 model runner's CUDA-graph "
+             "estimate (0.29 on) to the Tesla T4 0.29.0 sweep (`benchmarks/fit_vllm_graphs.py`); those rows are "
+             "`split` = fit in the corpus, so their errors are in-sample. *graph estimate* is vLLM's own CUDA-graph "
+             "estimate, compared where it comes off the KV budget (0.20 on). The *held-out* rows (`split` = held-out: other GPUs, versions and "
              "people, nothing fitted to them) are summarised apart first. The public planners publish no "
              "per-term predictions for these runs, so there is no column for them.",
              ""]
@@ -226,7 +253,7 @@ def render(rows: list[dict], sources_md: str) -> str:
             continue
         lines += [f"### {title}", "", "| term | rows | median abs error | p90 | worst | target |",
                   "| --- | ---: | ---: | ---: | ---: | --- |"]
-        for term in ("KV tokens", "weights", "KV memory"):
+        for term in ("KV tokens", "weights", "KV memory", "graph estimate"):
             med, p90, n = _stats(r.get(f"{term}_err_pct") for r in g)
             if not n:
                 continue
@@ -298,7 +325,7 @@ def render(rows: list[dict], sources_md: str) -> str:
     lines += ["### All rows, by version", "",
               "| term | vLLM version | rows | median abs error | p90 | worst | target |",
               "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
-    for term, _, _ in TERMS:
+    for term in [t for t, _, _ in TERMS] + ["graph estimate"]:
         for ver in versions + ["all"]:
             g = [r for r in ok if ver == "all" or r["vllm_version"] == ver]
             med, p90, n = _stats(r.get(f"{term}_err_pct") for r in g)
@@ -313,7 +340,7 @@ def render(rows: list[dict], sources_md: str) -> str:
             lines.append(f"| {term} | {ver} | {n} | {_pct(med)} | {_pct(p90)} | {_pct(worst)} | {target} |")
     med, p90, n = _stats(r.get("kv_rules_err_pct") for r in ok)
     lines.append(f"| KV rules (from the logged memory) | all | {n} | {_pct(med)} | {_pct(p90)} | | |")
-    gib_terms = [t for t, _, a in TERMS if a.endswith("_bytes")]
+    gib_terms = [t for t, _, a in TERMS if a.endswith("_bytes")] + ["graph estimate"]
     lines += ["", "Absolute errors in GiB (the activation and non-torch terms are small, so their percentages are "
               "large for small offsets):", "", "| term | median abs GiB | p90 abs GiB |", "| --- | ---: | ---: |"]
     for term in gib_terms:

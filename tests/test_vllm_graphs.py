@@ -4,6 +4,7 @@ source each rule names (``config/vllm.py`` ``_set_cudagraph_sizes``, ``v1/cudagr
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,11 @@ from vramcal.estimator.vllm import versions as V
 from vramcal.estimator.vllm.arch import arch_of
 from vramcal.estimator.vllm.engine import VllmArgs, estimate_vllm
 from vramcal.estimator.vllm.layout import pad_vocab
-from vramcal.units import GIB
+from vramcal.estimator.vllm.logparse import parse_log
+from vramcal.units import GIB, MIB
 
-CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "published" / "vllm" / "configs"
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "benchmarks" / "published" / "vllm" / "configs"
 
 
 LOGS = Path(__file__).resolve().parent.parent / "benchmarks" / "published" / "vllm" / "logs"
@@ -104,8 +107,11 @@ def test_fewer_sequences_capture_fewer_graphs_and_leave_more_kv():
     src = resolve_model(str(CONFIGS / "qwen2.5-1.5b.json"))
     few, many = estimate_vllm(src, _args(max_num_seqs=32)), estimate_vllm(src, _args(max_num_seqs=256))
     assert few.cuda_graph_subtracted and many.cuda_graph_subtracted
-    assert few.cuda_graph_bytes * 86 // 18 == pytest.approx(many.cuda_graph_bytes, rel=1e-6)
+    # 0.29's V2 runner (Qwen2 is on it from 0.26): its own estimate, a base + a cost per graph and layer (28 here)
+    assert few.cuda_graph_bytes == B.V2_GRAPH_BASE + B.V2_GRAPH_PER_GRAPH_LAYER * 18 * 28
+    assert many.cuda_graph_bytes == B.V2_GRAPH_BASE + B.V2_GRAPH_PER_GRAPH_LAYER * 86 * 28
     assert "11 PIECEWISE + 7 FULL captures" in few.methods["cuda_graphs"]
+    assert few.methods["cuda_graphs"].startswith(B.V2_GRAPH_METHOD)
     assert few.kv_cache_bytes > many.kv_cache_bytes
     eager = estimate_vllm(src, _args(max_num_seqs=32, enforce_eager=True))
     assert eager.cuda_graph_bytes == 0 and "not captured" in eager.methods["cuda_graphs"]
@@ -137,7 +143,40 @@ def test_a_10x_gpu_captures_up_to_1024_in_the_estimate():
     b200 = estimate_vllm(src, VllmArgs(**args, gpu_capability=(10, 0), vllm_version="0.29.0"))
     h200 = estimate_vllm(src, VllmArgs(**args, gpu_capability=(9, 0), vllm_version="0.29.0"))
     assert "83 PIECEWISE + 83 FULL" in b200.methods["cuda_graphs"] and "51 PIECEWISE + 51 FULL" in h200.methods["cuda_graphs"]
-    assert b200.cuda_graph_bytes * 102 // 166 == pytest.approx(h200.cuda_graph_bytes, rel=1e-6)
+    per = B.V2_GRAPH_PER_GRAPH_LAYER * 28
+    assert (b200.cuda_graph_bytes, h200.cuda_graph_bytes) == (B.V2_GRAPH_BASE + 166 * per, B.V2_GRAPH_BASE + 102 * per)
+
+
+def test_the_v2_estimate_is_0_29s_and_the_v2_runners_only():
+    """The V2 runner estimates nothing up to 0.28 (nothing subtracted); from 0.29 its own estimate is priced. A model
+    vLLM keeps on the V1 runner (a MoE family outside the V2 list) keeps the V1 default scaled by its graphs."""
+    dense = resolve_model(str(CONFIGS / "qwen2.5-1.5b.json"))
+    e28, e29 = estimate_vllm(dense, _args(vllm_version="0.28.0")), estimate_vllm(dense, _args(vllm_version="0.29.0"))
+    assert not e28.cuda_graph_subtracted and "estimates none" in e28.methods["cuda_graphs"]
+    assert e29.cuda_graph_subtracted and e29.methods["cuda_graphs"].startswith(B.V2_GRAPH_METHOD)
+    moe = resolve_model(str(CONFIGS / "qwen3-coder-30b-a3b.json"))  # Qwen3MoeForCausalLM: V1 runner
+    v1 = estimate_vllm(moe, _args(vllm_version="0.29.0", max_num_seqs=256))
+    layers = moe.config["num_hidden_layers"]
+    assert v1.cuda_graph_subtracted and v1.methods["cuda_graphs"].startswith("default fitted to 0.19 H100 logs")
+    assert v1.cuda_graph_bytes == B.cuda_graph_bytes(layers, False, V.cudagraph_captures((0, 29, 0), 256, 8192, None))
+    assert v1.cuda_graph_bytes != B.cuda_graph_bytes(layers, False, V.cudagraph_captures((0, 29, 0), 256, 8192, None),
+                                                     v2_estimate=True)
+
+
+def test_the_v2_graph_constants_are_what_the_fit_script_fits():
+    """budget.V2_GRAPH_* are benchmarks/fit_vllm_graphs.py's least squares over the corpus's fit rows (the T4 0.29.0
+    sweep), to the digits written; its held-out check, the 0.29 L40S rows, stays within 10 %."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fit_vllm_graphs as F
+
+    pts = F.points()
+    base, per = F.fit(pts)
+    assert sorted(p["id"] for p in pts if p["split"] == "fit") == sorted(
+        f"t4_qwen2.5-1.5b_fp16_mns{n}_v0.29.0" for n in ("32", "64", "96", "128", "256", "256_repeat"))
+    assert round(base / GIB, 4) * GIB == pytest.approx(B.V2_GRAPH_BASE, abs=1)
+    assert round(per / MIB, 4) * MIB == pytest.approx(B.V2_GRAPH_PER_GRAPH_LAYER, abs=1)
+    held = [p for p in pts if p["split"] == "held-out"]
+    assert len(held) >= 3 and all(abs(p["vramcal"] / p["logged"] - 1) < 0.10 for p in held), held
 
 
 def test_the_estimate_uses_the_v2_sampler_where_the_model_runs_on_it():
@@ -166,3 +205,20 @@ def test_json_carries_the_captures(capsys):
     assert (v["cuda_graph_piecewise"], v["cuda_graph_full"], v["cuda_graph_bytes"]) == (None, None, 0)
     assert main(base + ["--vllm-version", "0.10.2"]) == 0
     assert json.loads(capsys.readouterr().out)["vllm"]["cuda_graph_piecewise"] is None
+
+
+def test_the_log_parser_reads_the_estimate_from_the_equivalent_utilization_line():
+    """0.21 on, the estimate is printed as a utilization: ``current - equivalent`` of the device total (gpu_worker.py
+    rounds the second to 4 decimals). The T4 excerpt prints no total, the L40S log does (its own estimate line too)."""
+    t4 = parse_log((LOGS / "t4_qwen2.5-1.5b_fp16_mns32_v0.29.0.log").read_text())
+    assert t4.cuda_graph_estimate_fraction == pytest.approx(0.0071) and t4.cuda_graph_estimate_bytes is None
+    line = ("(EngineCore pid=6668) INFO 09-12 17:10:24 [gpu_worker.py:640] Free memory on device (43.97/44.39 GiB) on "
+            "startup. Desired GPU memory utilization is (0.92, 40.84 GiB).\n(EngineCore pid=6668) INFO 09-12 17:10:24 "
+            "[gpu_worker.py:640] CUDA graph memory profiling is enabled (default since v0.21.0). The current "
+            "--gpu-memory-utilization=0.9200 is equivalent to --gpu-memory-utilization=0.9086 without CUDA graph memory "
+            "profiling. To maintain the same effective KV cache size as before, increase --gpu-memory-utilization to 0.9314.")
+    log = parse_log(line)
+    assert log.cuda_graph_estimate_fraction == pytest.approx(0.0114)
+    assert log.cuda_graph_estimate_bytes == int(round(0.0114 * int(round(44.39 * GIB))))
+    l40s = parse_log((LOGS / "l40s_qwen3-14b_v0.29.0.log").read_text())
+    assert abs(l40s.cuda_graph_estimate_bytes / GIB - 0.51) < 0.006  # its "(estimated)" figure stands

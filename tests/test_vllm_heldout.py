@@ -382,7 +382,8 @@ def test_peak_activation_of_0_27_is_activation_plus_graph_estimate():
 def test_held_out_figures_are_the_reported_ones():
     """The earlier held-out rows (34: 12 in corpus.csv, 12 in heldout-2026-12-02.csv, 10 in
     heldout-2026-12-03.csv; nothing fitted to them, the blind collections pinned apart): KV tokens median 0.88 %, p90
-    3.11 % (0.94 % / 4.13 % before round 8's CUDA-graph captures and V2-runner sampler; 1.52 % / 7.64 % before
+    2.89 % (3.11 % before round 9's V2 graph estimate, fitted to the T4 sweep, moved the 0.29 L40S and 0.31 A100
+    rows; 0.94 % / 4.13 % before round 8's CUDA-graph captures and V2-runner sampler; 1.52 % / 7.64 % before
     the cold compile's kernel benchmark was priced, budget.py; 9.40 % p90 before the L4 pair's tp 2 was priced
     over PCIe, --interconnect); weights median 0.01 % (0.19 % before the weights counted the caching
     allocator's blocks, layout.allocated_bytes) (docs/validation.md). Pinned so that a change to a rule that
@@ -399,7 +400,7 @@ def test_held_out_figures_are_the_reported_ones():
     kv_med, kv_p90 = statistics.median(kv), statistics.quantiles(kv, n=10, method="inclusive")[8]
     w_med = statistics.median(w)
     assert (len(kv), len(w)) == (34, 28)
-    assert kv_med == pytest.approx(0.88, abs=0.02) and kv_p90 == pytest.approx(3.11, abs=0.05), (kv_med, kv_p90)
+    assert kv_med == pytest.approx(0.88, abs=0.02) and kv_p90 == pytest.approx(2.89, abs=0.05), (kv_med, kv_p90)
     assert w_med == pytest.approx(0.01, abs=0.01), w_med
     assert kv_med <= 2.0 and kv_p90 <= 5.0 and w_med <= 1.0
 

@@ -31,6 +31,9 @@ def test_the_third_blind_collection_is_twelve_or_more_held_out_startups_with_tok
     for r in ROWS:
         read = r["id"].startswith(("t4_", "rtxpro6000_"))
         ruled = r["id"].startswith("t4_") or r["id"] == "rtxpro6000_qwen3-32b_tp2_u0.426_v0.27.1"
+        if r["id"].startswith("t4_"):  # since round 9 the V2 graph estimate's fit rows, in-sample
+            assert r["split"] == "fit" and r["examined"].startswith("fit:") and "rule:" in r["examined"], r["id"]
+            continue
         if r["id"] == "a100-40gb_qwen3-8b_v0.19.1" or ruled:  # the A100: its log's own compile line (a reviewer's find)
             assert r["examined"].startswith("rule:"), r["id"]
             continue
@@ -74,22 +77,29 @@ def test_blind_figures_are_the_reported_ones():
     and its cold start at 256 from +1.00 to +3.17 % (each pinned below); the V2 runner's sampler (the logits alone,
     ``versions.v2_sampler_pass``) moves the RTX PRO 6000 tp 2 row from -9.87 to +6.16 % and, by making
     the pp 2 row's first stage the limiting one, that row from +8.36 to +18.90 % (its first stage holds 1.30 GiB
-    more than priced: docs/vllm.md); the RTX A4000 0.26 row (blind) from -1.84 to -0.93 %. Now: KV tokens median
-    0.93 %, p90 5.26 % of 15."""
+    more than priced: docs/vllm.md); the RTX A4000 0.26 row (blind) from -1.84 to -0.93 %. Then: KV tokens median
+    0.93 %, p90 5.26 % of 15.
+
+    Round 9: the V2 runner's CUDA-graph estimate (0.29 on) was fitted to the T4 sweep's logged estimates
+    (budget.V2_GRAPH_*, benchmarks/fit_vllm_graphs.py), so its six rows are in-sample (``split`` = fit) and pinned
+    apart: +0.90 / +0.98 / +1.28 / +1.91 % at 32-128 sequences, +7.45 % cold and +2.51 % warm at 256 (the cold start
+    at 256 sat at +3.17 % on a graph default 0.37 GiB too high). The nine held-out rows: median 1.01 %, p90 8.71 %."""
     res = _results()
     assert res["a100-40gb_qwen3-8b_v0.19.1"]["KV tokens_err_pct"] == pytest.approx(0.06, abs=0.02)
     assert not any(r["error"] for r in res.values())
-    tokens = sorted(abs(r["KV tokens_err_pct"]) for r in res.values())
+    held = {rid: r for rid, r in res.items() if r["split"] == "held-out"}
+    tokens = sorted(abs(r["KV tokens_err_pct"]) for r in held.values())
     med, p90 = statistics.median(tokens), statistics.quantiles(tokens, n=10, method="inclusive")[8]
-    assert len(tokens) == 15
-    assert med == pytest.approx(0.93, abs=0.02) and p90 == pytest.approx(5.26, abs=0.05), (med, p90)
+    assert len(res) == 15 and len(tokens) == 9
+    assert med == pytest.approx(1.01, abs=0.02) and p90 == pytest.approx(8.71, abs=0.05), (med, p90)
     misses = {"rtxpro6000_qwen3-32b_tp2_u0.426_v0.27.1": 6.16, "rtxpro6000_qwen3-32b_pp2_u0.426_v0.27.1": 18.90}
-    t4 = {"t4_qwen2.5-1.5b_fp16_mns32_v0.29.0": 0.45, "t4_qwen2.5-1.5b_fp16_mns64_v0.29.0": -0.09,
-          "t4_qwen2.5-1.5b_fp16_mns96_v0.29.0": -0.41, "t4_qwen2.5-1.5b_fp16_mns128_v0.29.0": -0.43,
-          "t4_qwen2.5-1.5b_fp16_mns256_v0.29.0": 3.17, "t4_qwen2.5-1.5b_fp16_mns256_repeat_v0.29.0": -1.58}
+    t4 = {"t4_qwen2.5-1.5b_fp16_mns32_v0.29.0": 0.90, "t4_qwen2.5-1.5b_fp16_mns64_v0.29.0": 0.98,
+          "t4_qwen2.5-1.5b_fp16_mns96_v0.29.0": 1.28, "t4_qwen2.5-1.5b_fp16_mns128_v0.29.0": 1.91,
+          "t4_qwen2.5-1.5b_fp16_mns256_v0.29.0": 7.45, "t4_qwen2.5-1.5b_fp16_mns256_repeat_v0.29.0": 2.51}
     for rid, pct in t4.items():
-        assert res[rid]["KV tokens_err_pct"] == pytest.approx(pct, abs=0.05), rid
-    for rid, r in res.items():
+        assert res[rid]["split"] == "fit" and res[rid]["KV tokens_err_pct"] == pytest.approx(pct, abs=0.05), rid
+        assert abs(res[rid]["kv_rules_err_pct"]) < 0.1, rid
+    for rid, r in held.items():
         if rid in misses:
             assert r["KV tokens_err_pct"] == pytest.approx(misses[rid], abs=0.05), rid
         else:

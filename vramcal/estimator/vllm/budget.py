@@ -62,6 +62,14 @@ GRAPH_BASE = int(0.45 * GIB)  # CUDA graphs: 0.45 GiB + 14.9 MiB per layer on th
 GRAPH_PER_LAYER = int(14.9 * MIB)  # 1,024 sequences: 51 PIECEWISE + 51 FULL captures; 0.51-1.85 GiB observed)
 # the captures of the rows the default was fitted to (0.19, H100: 1,024 sequences, 8,192 batched tokens)
 GRAPH_FIT_CAPTURES = V.cudagraph_captures((0, 19, 0), 1024, 8192, (9, 0))
+# The V2 model runner's estimate (0.29 on: v1/worker/gpu/cudagraph_utils.py profile_cudagraph_memory) measures a
+# throwaway capture of every PIECEWISE graph and two FULL ones and extrapolates the other FULL graphs from the
+# second (at least 1 MiB each): no byte formula, so a base plus a cost per graph and layer on the rank, fitted by
+# benchmarks/fit_vllm_graphs.py to the Tesla T4 0.29.0 sweep's logged estimates (Qwen2.5-1.5B, 28 layers, 18-86
+# graphs; split = fit) and checked there on the held-out 0.29 L40S rows (Qwen3-14B, 40 layers).
+V2_GRAPH_BASE = int(0.0438 * GIB)
+V2_GRAPH_PER_GRAPH_LAYER = int(0.1318 * MIB)
+V2_GRAPH_METHOD = "the V2 model runner's estimate (0.29 on)"  # how an estimate's methods name it
 
 
 @dataclass(frozen=True)
@@ -112,15 +120,20 @@ def activation(arch: Arch, tp: int, stage: int, pp: int, el: int, mnbt: int, seq
     return Activation(max(run, bench), samp, fwd, moe, pipe, bench, which)
 
 
-def cuda_graph_bytes(layers_on_rank: int, enforce_eager: bool, captures: V.Captures | None = None) -> int:
+def cuda_graph_bytes(layers_on_rank: int, enforce_eager: bool, captures: V.Captures | None = None,
+                     v2_estimate: bool = False) -> int:
     """A default for the CUDA-graph pool (what ``profile_cudagraph_memory`` estimates and the capture
     takes), fitted to 0.19 H100 logs; calibration replaces it. vLLM's estimate and its capture are sums over
     the graphs it captures (each its own kernels' nodes and pool blocks; ``profile_cudagraph_memory`` measures
     every capture, or extrapolates the later ones from the second, at least 1 MiB each), so the default scales
     with the number of graphs: ``captures`` (:func:`.versions.cudagraph_captures`) against the fitted rows'.
-    None (before 0.11): the default as fitted."""
+    None (before 0.11): the default as fitted. ``v2_estimate``: the V2 model runner's own estimate
+    (:func:`.versions.v2_runner_estimates_graphs`), :data:`V2_GRAPH_BASE` + :data:`V2_GRAPH_PER_GRAPH_LAYER` x
+    graphs x layers, about half the V1 default's cost per graph."""
     if enforce_eager:
         return 0
+    if v2_estimate and captures is not None:
+        return V2_GRAPH_BASE + V2_GRAPH_PER_GRAPH_LAYER * captures.graphs * layers_on_rank
     fitted = GRAPH_BASE + GRAPH_PER_LAYER * layers_on_rank
     if captures is None:
         return fitted

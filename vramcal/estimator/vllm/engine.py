@@ -30,7 +30,7 @@ from . import versions as V
 from . import mamba as H
 from . import mxfp4 as X
 from .arch import arch_of, check_tp
-from .budget import activation, cuda_graph_bytes
+from .budget import V2_GRAPH_METHOD, activation, cuda_graph_bytes
 from .layout import rank_weights
 from .quant import VllmQuant, resolve as resolve_quant
 from .result import VllmEstimate, VllmRank
@@ -205,6 +205,7 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
                                           hybrid is not None, args.enforce_eager)
     v2_runner = V.v2_runner_default(v, source.config.get("architectures"), bool(arch.experts), hybrid is not None)
     captures = None if args.enforce_eager else V.cudagraph_captures(v, seqs, mnbt, args.gpu_capability)
+    v2_graphs = v2_runner and V.v2_runner_estimates_graphs(v)  # the V2 runner's own estimate (0.29 on)
     cold = V.compile_benchmarks_kernels(v, args.enforce_eager, args.compile_cache)
     compiles = V.compile_benchmarks_kernels(v, args.enforce_eager)  # whether the cache's state matters at all
     ranks: list[VllmRank] = []
@@ -215,7 +216,7 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
         act = activation(arch, tp, w.pp_rank, pp, el, mnbt, seqs, v, args.flashinfer_sampler, cold, v2_runner)
         peaks.append(act.which)
         act_bytes = max(act.total + offsets.get("activation_bytes", 0), 0)
-        graphs = cuda_graph_bytes(hi - lo, args.enforce_eager, captures)
+        graphs = cuda_graph_bytes(hi - lo, args.enforce_eager, captures, v2_graphs)
         if args.kv_cache_memory_bytes is not None:
             avail = args.kv_cache_memory_bytes
         else:
@@ -292,7 +293,8 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
                       f"{d.why if args.max_num_seqs is None and args.max_num_batched_tokens is None else 'as given'})",
         "non_torch": f"default per setup: {non_torch_why}",
         "cuda_graphs": ("not captured (--enforce-eager)" if args.enforce_eager else
-                        "default fitted to 0.19 H100 logs, "
+                        (f"{V2_GRAPH_METHOD}, fitted to 0.29 T4 logs: a base + a cost per graph and "
+                         "layer, " if v2_graphs else "default fitted to 0.19 H100 logs, ")
                         + graph_scale
                         + (
                             "subtracted from the KV budget (0.20 on)" if subtract_graphs

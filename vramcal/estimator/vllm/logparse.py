@@ -32,6 +32,11 @@ _PATTERNS = {
     "tokens": re.compile(r"KV cache size:\s+" + _NUM + r" tokens"),
     "concurrency": re.compile(r"Maximum concurrency for " + _NUM + r" tokens per request: " + _NUM + r"x"),
     "graph_estimate": re.compile(r"Estimated CUDA graph memory: " + _NUM + r" ?GiB"),
+    # 0.21 on, the V2 runner's estimate too: "The current --gpu-memory-utilization=0.9000 is equivalent to
+    # --gpu-memory-utilization=0.8929 without CUDA graph memory profiling" (gpu_worker.py: the estimate over the
+    # device total, the second figure rounded to 4 decimals)
+    "graph_util": re.compile(r"current --gpu-memory-utilization=" + _NUM + r" is equivalent to "
+                             r"--gpu-memory-utilization=" + _NUM + r" without CUDA graph memory profiling"),
     "graph_taken": re.compile(r"Graph capturing finished in " + _NUM + r" secs, took " + _NUM + r" ?GiB"),
     "graph_pool": re.compile(r"CUDA graph pool memory: " + _NUM + r" ?GiB \(actual\)(?:, " + _NUM + r" ?GiB \(estimated\))?"),
     "startup": re.compile(r"Free memory on device \(" + _NUM + r"/" + _NUM + r" GiB\) on startup"),
@@ -77,6 +82,9 @@ class VllmLogged:
     max_concurrency: float | None = None
     max_model_len: int | None = None
     cuda_graph_estimate_bytes: int | None = None
+    # the estimate as a share of the device total, from the "is equivalent to --gpu-memory-utilization" line
+    # (good to 0.00005 of the total); it gives the bytes where the log prints the total, else with a known one
+    cuda_graph_estimate_fraction: float | None = None
     cuda_graph_bytes: int | None = None  # what the capture took (device-level)
     # 0.27 on: "X GiB for peak activation" after "consumed memory" is the activation *plus* the CUDA-graph
     # estimate taken off the KV budget (versions.usage_peak_includes_graphs); kept as printed here, and
@@ -181,6 +189,9 @@ def parse_log(text: str) -> VllmLogged:
                 _first(log, attr, _gib(m.group(1)))
                 if key == "graph_pool" and m.group(2) is not None:
                     _first(log, "cuda_graph_estimate_bytes", _gib(m.group(2)))
+        m = _PATTERNS["graph_util"].search(line)
+        if m and log.cuda_graph_estimate_fraction is None:
+            log.cuda_graph_estimate_fraction = round(_n(m.group(1)) - _n(m.group(2)), 4)
         m = _PATTERNS["tokens"].search(line)
         if m:
             _first(log, "kv_cache_tokens", int(_n(m.group(1))))
@@ -229,6 +240,8 @@ def parse_log(text: str) -> VllmLogged:
                 log.estimated_max_model_len = int(_n(e.group(1)))
     if log.cuda_graph_bytes is None and taken is not None:
         log.cuda_graph_bytes = taken
+    if log.cuda_graph_estimate_bytes is None and log.cuda_graph_estimate_fraction and log.total_bytes:
+        log.cuda_graph_estimate_bytes = int(round(log.cuda_graph_estimate_fraction * log.total_bytes))
     if log.activation_bytes is None and log.peak_with_graphs_bytes is not None \
             and log.cuda_graph_estimate_bytes is not None:
         log.activation_bytes = max(log.peak_with_graphs_bytes - log.cuda_graph_estimate_bytes, 0)
