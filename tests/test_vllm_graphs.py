@@ -149,18 +149,21 @@ def test_a_10x_gpu_captures_up_to_1024_in_the_estimate():
 
 def test_the_v2_estimate_is_0_29s_and_the_v2_runners_only():
     """The V2 runner estimates nothing up to 0.28 (nothing subtracted); from 0.29 its own estimate is priced. A model
-    vLLM keeps on the V1 runner (a MoE family outside the V2 list) keeps the V1 default scaled by its graphs."""
+    0.28 keeps on the V1 runner (a MoE family outside its V2 list) keeps the V1 default scaled by its graphs; from
+    0.29 every model is on the V2 runner (config/vllm.py ``use_v2_model_runner``), MoE included."""
     dense = resolve_model(str(CONFIGS / "qwen2.5-1.5b.json"))
     e28, e29 = estimate_vllm(dense, _args(vllm_version="0.28.0")), estimate_vllm(dense, _args(vllm_version="0.29.0"))
     assert not e28.cuda_graph_subtracted and "estimates none" in e28.methods["cuda_graphs"]
     assert e29.cuda_graph_subtracted and e29.methods["cuda_graphs"].startswith(B.V2_GRAPH_METHOD)
-    moe = resolve_model(str(CONFIGS / "qwen3-coder-30b-a3b.json"))  # Qwen3MoeForCausalLM: V1 runner
-    v1 = estimate_vllm(moe, _args(vllm_version="0.29.0", max_num_seqs=256))
+    moe = resolve_model(str(CONFIGS / "qwen3-coder-30b-a3b.json"))  # Qwen3MoeForCausalLM: V1 runner in 0.28
     layers = moe.config["num_hidden_layers"]
+    captures = V.cudagraph_captures((0, 28, 0), 256, 8192, None)
+    v1 = estimate_vllm(moe, _args(vllm_version="0.28.0", max_num_seqs=256))
     assert v1.cuda_graph_subtracted and v1.methods["cuda_graphs"].startswith("default fitted to 0.19 H100 logs")
-    assert v1.cuda_graph_bytes == B.cuda_graph_bytes(layers, False, V.cudagraph_captures((0, 29, 0), 256, 8192, None))
-    assert v1.cuda_graph_bytes != B.cuda_graph_bytes(layers, False, V.cudagraph_captures((0, 29, 0), 256, 8192, None),
-                                                     v2_estimate=True)
+    assert v1.cuda_graph_bytes == B.cuda_graph_bytes(layers, False, captures)
+    v2 = estimate_vllm(moe, _args(vllm_version="0.29.0", max_num_seqs=256))
+    assert v2.methods["cuda_graphs"].startswith(B.V2_GRAPH_METHOD) and "V2 model runner" in v2.methods["activation"]
+    assert v2.cuda_graph_bytes == B.cuda_graph_bytes(layers, False, captures, v2_estimate=True) < v1.cuda_graph_bytes
 
 
 def test_the_v2_graph_constants_are_what_the_fit_script_fits():
@@ -222,3 +225,33 @@ def test_the_log_parser_reads_the_estimate_from_the_equivalent_utilization_line(
     assert log.cuda_graph_estimate_bytes == int(round(0.0114 * int(round(44.39 * GIB))))
     l40s = parse_log((LOGS / "l40s_qwen3-14b_v0.29.0.log").read_text())
     assert abs(l40s.cuda_graph_estimate_bytes / GIB - 0.51) < 0.006  # its "(estimated)" figure stands
+
+
+def test_the_predicted_lines_are_the_runner_s_own():
+    """The V1 runner prints "Estimated CUDA graph memory"; the V2 runner prints none (0.22-0.28 estimate nothing);
+    where the estimate comes off the budget the worker prints it as a utilization (0.28 on read), to 4 decimals."""
+    src = resolve_model(str(CONFIGS / "qwen2.5-1.5b.json"))  # Qwen2: V1 runner in 0.24, V2 from 0.26
+    e24, e26, e29 = (estimate_vllm(src, _args(vllm_version=v, max_num_seqs=32)) for v in ("0.24.0", "0.26.0", "0.29.0"))
+    assert any(line.startswith("Estimated CUDA graph memory") for line in e24.log_lines)
+    assert not any("CUDA graph memory" in line for line in e26.log_lines)
+    share = next(line for line in e29.log_lines if "is equivalent to" in line)
+    assert not any(line.startswith("Estimated CUDA graph memory") for line in e29.log_lines)
+    assert f"--gpu-memory-utilization={round(0.9 - e29.cuda_graph_bytes / int(14.74 * GIB), 4):.4f} without" in share
+    back = parse_log(share + f"\nFree memory on device (14.6/{14.74} GiB) on startup.")
+    assert back.cuda_graph_estimate_fraction == pytest.approx(e29.cuda_graph_bytes / int(14.74 * GIB), abs=5e-5)
+    lines = e29.log_lines
+    assert lines.index(share) == next(i for i, x in enumerate(lines) if x.startswith("Available KV cache memory")) + 1
+
+
+def test_a_probe_holds_the_predicted_estimate_against_the_logged_estimate():
+    """From 0.20 the graph term is vLLM's estimate, so a probe compares it with the logged estimate, not the
+    smaller capture that follows (0.29 L40S: 0.27 actual, 0.51 estimated); before, with the capture."""
+    from vramcal.estimator.vllm.engine import as_estimate
+    from vramcal.probes.vllm_probe import VllmProbeResult
+
+    src = resolve_model(str(CONFIGS / "qwen2.5-1.5b.json"))
+    log = parse_log((LOGS / "l40s_qwen3-14b_v0.29.0.log").read_text())
+    for version, expect in (("0.29.0", log.cuda_graph_estimate_bytes), ("0.19.1", log.cuda_graph_bytes)):
+        est = as_estimate(src, estimate_vllm(src, _args(vllm_version=version)))
+        r = VllmProbeResult("ok", "m", version, [0], {}, log, est, last_stage="end")
+        assert r.comparison()["cuda_graph_bytes"] == (est.vllm.cuda_graph_bytes, expect), version

@@ -420,6 +420,10 @@ def test_v2_model_runner_estimates_no_graphs_before_0_29():
     assert v2_runner_default(v("0.26.0"), ["Qwen2ForCausalLM"], False, False)
     assert not v2_runner_default(v("0.27.1"), ["MixtralForCausalLM"], True, False)  # MoE outside the list
     assert not v2_runner_default(v("0.27.1"), ["Qwen3NextForCausalLM"], True, True)  # hybrid
+    assert not v2_runner_default(v("0.28.0"), ["MixtralForCausalLM"], True, False)
+    # 0.29 on: every model (use_v2_model_runner no longer asks for the architecture list)
+    assert v2_runner_default(v("0.29.0"), ["MixtralForCausalLM"], True, False)
+    assert v2_runner_default(v("0.33.0"), ["Qwen3NextForCausalLM"], True, True)
     assert not graphs_off_budget(v("0.26.0"), ["Qwen2ForCausalLM"], False, False, False)
     assert graphs_off_budget(v("0.24.0"), ["Qwen2ForCausalLM"], False, False, False)  # V1 runner estimates
     assert graphs_off_budget(v("0.31.0"), ["Qwen2ForCausalLM"], False, False, False)  # V2 estimates from 0.29

@@ -274,7 +274,7 @@ def estimate_vllm(model: str | ModelSource, args: VllmArgs | None = None, *, use
         notes.append(f"gpu_memory_utilization {util} asks for {requested / GIB:.2f} GiB of "
                      f"{total / GIB:.2f} GiB: about {startup_used / GIB:.2f} GiB is in use before vLLM starts, so its "
                      "startup check (free memory below the requested) would likely refuse it")
-    lines = _log_lines(v, limiting, tokens, max_len, conc, fits, error, subtract_graphs)
+    lines = _log_lines(v, limiting, tokens, max_len, conc, fits, error, subtract_graphs, v2_runner, total, util)
     if hybrid is not None and hybrid.block_size != (args.block_size or 16):
         lines.insert(0, f"Setting attention block size to {hybrid.block_size} tokens to ensure that attention page "
                         "size is >= mamba page size.")
@@ -386,9 +386,9 @@ def pinned_over(ranks: list[VllmRank], total: int, startup_used: int) -> str | N
 
 
 def _log_lines(v, r: VllmRank, tokens: int, max_len: int, conc: float, fits: bool, error: str | None,
-               subtract_graphs: bool) -> list[str]:
+               subtract_graphs: bool, v2_runner: bool, total: int, util: float) -> list[str]:
     out = [M.loading_line(v, r.weights_bytes)]
-    if V.cuda_graph_estimate_logged(v) and r.cuda_graph_bytes:
+    if V.cuda_graph_estimate_logged(v) and r.cuda_graph_bytes and not v2_runner:
         out.append(M.graph_estimate_line(v, r.cuda_graph_bytes))
     non_kv = r.weights_bytes + r.activation_bytes + r.non_torch_bytes
     prof = M.profile_line(v, non_kv, r.activation_bytes, r.non_torch_bytes, r.weights_bytes)
@@ -397,6 +397,9 @@ def _log_lines(v, r: VllmRank, tokens: int, max_len: int, conc: float, fits: boo
     avail = M.available_line(v, r.available_bytes)
     if avail:
         out.append(avail)
+    share = M.graph_utilization_line(v, r.cuda_graph_bytes, total, util) if subtract_graphs else None
+    if share:
+        out.append(share)
     if fits:
         out += M.kv_lines(v, tokens, max_len, conc)
     elif error:

@@ -55,9 +55,24 @@ def profile_line(v: V.Version, non_kv: int, activation: int, non_torch: int, wei
 
 
 def graph_estimate_line(v: V.Version, graphs: int) -> str | None:
+    """The V1 model runner's own line (``gpu_model_runner.py``; the V2 runner prints none)."""
     if not V.cuda_graph_estimate_logged(v) or not graphs:
         return None
     return f"Estimated CUDA graph memory: {graphs / GIB:.2f} GiB total"
+
+
+def graph_utilization_line(v: V.Version, graphs: int, total: int, utilization: float) -> str | None:
+    """The worker's line after "Available KV cache memory" where the estimate comes off the budget
+    (``gpu_worker.py``, either runner; 0.28.0, 0.29.0, 0.31.0 and 0.33.0 read): the estimate as a share of
+    the device total, rounded to 4 decimals."""
+    if v < (0, 28, 0) or not graphs or not total:
+        return None
+    share = graphs / total
+    return (f"CUDA graph memory profiling is enabled (default since v0.21.0). The current --gpu-memory-utilization="
+            f"{utilization:.4f} is equivalent to --gpu-memory-utilization={round(utilization - share, 4):.4f} without "
+            "CUDA graph memory profiling. To maintain the same effective KV cache size as before, increase "
+            f"--gpu-memory-utilization to {min(round(utilization + share, 4), 1.0):.4f}. To disable, set "
+            "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0.")
 
 
 def no_memory_error(v: V.Version) -> str:

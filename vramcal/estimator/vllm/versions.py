@@ -103,11 +103,17 @@ def v2_runner_default(v: Version, architectures, moe: bool, hybrid: bool) -> boo
     ``config/vllm.py``): opt-in only up to 0.20 (``VLLM_USE_V2_MODEL_RUNNER`` defaults to 0; 0.20.2 read);
     Qwen3ForCausalLM from 0.22 (0.22.0 read; 0.21 not read); six architectures, Llama, Mistral and Qwen3
     among them, in 0.24 (0.24.0 read; 0.25 not read, taken as 0.24); every dense, non-hybrid generating
-    model and three MoE families from 0.26 (0.26.0, 0.27.1, 0.28.0 read). vLLM falls back to V1 for
-    features the V2 runner lacks (``_get_v2_model_runner_unsupported_features``), which this does not model."""
+    model and three MoE families from 0.26 (0.26.0, 0.27.1, 0.28.0 read); every model from 0.29, MoE and hybrid
+    ones included: ``use_v2_model_runner`` no longer asks ``_is_default_v2_model_runner_model`` (0.29.0, 0.30.0,
+    0.31.0, 0.32.0, 0.33.0 read). vLLM falls back to V1 for features the V2 runner lacks
+    (``_get_v2_model_runner_unsupported_features``: speculative methods, custom logits processors, dual batch
+    overlap, ...) and from 0.29 on ROCm for a few DeepSeek / GLM architectures (``ROCM_DEFAULT_MRV1_ARCHITECTURES``),
+    neither of which this models."""
     arch = set(architectures or ())
     if v < (0, 22, 0):
         return False
+    if v >= (0, 29, 0):
+        return True
     if v < (0, 24, 0):
         return bool(arch & _V2_DEFAULT_0_22)
     if v < (0, 26, 0):
