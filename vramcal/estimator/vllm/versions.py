@@ -107,8 +107,8 @@ def v2_runner_default(v: Version, architectures, moe: bool, hybrid: bool) -> boo
     ones included: ``use_v2_model_runner`` no longer asks ``_is_default_v2_model_runner_model`` (0.29.0, 0.30.0,
     0.31.0, 0.32.0, 0.33.0 read). vLLM falls back to V1 for features the V2 runner lacks
     (``_get_v2_model_runner_unsupported_features``: speculative methods, custom logits processors, dual batch
-    overlap, ...) and from 0.29 on ROCm for a few DeepSeek / GLM architectures (``ROCM_DEFAULT_MRV1_ARCHITECTURES``),
-    neither of which this models."""
+    overlap, ...) and on ROCm in 0.29-0.31 for a few DeepSeek / GLM architectures
+    (``ROCM_DEFAULT_MRV1_ARCHITECTURES``), neither of which this models."""
     arch = set(architectures or ())
     if v < (0, 22, 0):
         return False
